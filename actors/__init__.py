@@ -1,0 +1,1 @@
+"""Thin Ray actor shells over the pure logic in `app/`."""

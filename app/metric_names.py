@@ -1,0 +1,36 @@
+"""The Ray metric names this application exports (DESIGN section 4), in one place.
+
+Ray's Prometheus exporter prefixes each with `ray_`; histograms add `_bucket`/`_sum`/`_count`.
+The Grafana dashboard test checks its queries against this list.
+"""
+from __future__ import annotations
+
+POOL_ITEMS = "dflash_pool_items"  # gauge {bucket}
+POOL_BYTES = "dflash_pool_bytes"  # gauge
+POOL_CAPACITY_BYTES = "dflash_pool_capacity_bytes"  # gauge
+JOBS = "dflash_jobs"  # gauge {state}: pending, in_flight, buffered, leased, acked
+PULL_WAIT_SECONDS = "dflash_pull_wait_seconds"  # histogram
+SERVED_TOTAL = "dflash_served_total"  # counter {bucket}
+TARGET_TOKENS_TOTAL = "dflash_target_tokens_total"  # counter {target}
+TARGET_BUSY_RATIO = "dflash_target_busy_ratio"  # gauge {target}
+TRAIN_TOKENS_TOTAL = "dflash_train_tokens_total"  # counter
+TRAIN_STEP = "dflash_train_step"  # gauge
+TRAIN_LOSS = "dflash_train_loss"  # gauge
+DRAFTER_DATA_WAIT_RATIO = "dflash_drafter_data_wait_ratio"  # gauge {drafter}
+RESTARTS_TOTAL = "dflash_restarts_total"  # counter {kind}
+
+ALL = (
+    POOL_ITEMS,
+    POOL_BYTES,
+    POOL_CAPACITY_BYTES,
+    JOBS,
+    PULL_WAIT_SECONDS,
+    SERVED_TOTAL,
+    TARGET_TOKENS_TOTAL,
+    TARGET_BUSY_RATIO,
+    TRAIN_TOKENS_TOTAL,
+    TRAIN_STEP,
+    TRAIN_LOSS,
+    DRAFTER_DATA_WAIT_RATIO,
+    RESTARTS_TOTAL,
+)

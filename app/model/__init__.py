@@ -1,0 +1,1 @@
+"""The DFlash drafter: architecture, training sample, loss and metrics."""

@@ -1,0 +1,33 @@
+"""Shared fixtures. One local Ray cluster per test session, started only by tests that ask for it."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local CPU Ray cluster that fakes eight GPUs; shared by every Ray test of the session."""
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=16,
+            num_gpus=8,
+            include_dashboard=False,
+            _metrics_export_port=_free_port(),
+            configure_logging=False,
+            log_to_driver=False,
+        )
+    yield ray
+    ray.shutdown()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
