@@ -92,7 +92,7 @@ class DrafterConfig:
     block_size: int = 16
     num_anchors: int = 512
     loss_gamma: float = 0.0  # 0 = DFlash default for the block size (7 for 16, 5 for 10, 4 for 8)
-    mask_token_id: int = MISSING
+    mask_token_id: int = -1  # -1 = the tokenizer's mask token (the tiny target reserves one)
     ce_chunk_rows: int = 1024  # rows of the LM head computed at once in the loss
 
 

@@ -1,0 +1,115 @@
+"""Config checks that need the target model's settings or the cluster's resources.
+
+Both run in the driver after the target is resolved and Ray is connected, and before any actor
+starts. They take plain values (no Ray, no model weights), so tests call them directly.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from app.config import Config, default_target_layer_ids
+from app.config_load import ConfigError
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What the checks need to know about the target model."""
+
+    num_layers: int
+    vocab_size: int
+    hidden_size: int
+    pad_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    mask_token_id: int | None  # the tokenizer's own mask token, if it has one
+
+
+def read_target_info(model_dir: str | Path) -> TargetInfo:
+    """Read layer count, vocabulary and special ids from a HF folder without loading weights."""
+    model_dir = Path(model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)  # multimodal wrappers keep the LM settings nested
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    pad, mask = cfg.get("pad_token_id"), None
+    tok_path = model_dir / "tokenizer_config.json"
+    if tok_path.is_file():
+        tok = json.loads(tok_path.read_text())
+        added = {v.get("content"): int(k) for k, v in tok.get("added_tokens_decoder", {}).items()}
+        pad = pad if pad is not None else added.get(tok.get("pad_token"))
+        mask = added.get(tok.get("mask_token"))
+        eos_tok = added.get(tok.get("eos_token"))
+        if eos_tok is not None and eos_tok not in eos_ids:
+            eos_ids = eos_ids + (eos_tok,)
+    return TargetInfo(
+        num_layers=int(cfg["num_hidden_layers"]),
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        pad_token_id=pad,
+        eos_token_ids=eos_ids,
+        mask_token_id=mask,
+    )
+
+
+def resolved_layer_ids(cfg: Config, info: TargetInfo) -> list[int]:
+    """`model.target_layer_ids`, or the DFlash default when it is empty."""
+    if cfg.model.target_layer_ids:
+        return list(cfg.model.target_layer_ids)
+    return default_target_layer_ids(info.num_layers, cfg.drafter.num_layers)
+
+
+def resolved_mask_token_id(cfg: Config, info: TargetInfo) -> int:
+    """`drafter.mask_token_id`, or the tokenizer's mask token when it is -1."""
+    if cfg.drafter.mask_token_id >= 0:
+        return cfg.drafter.mask_token_id
+    if info.mask_token_id is None:
+        raise ConfigError(
+            "drafter.mask_token_id=-1 (auto) but the target's tokenizer has no mask token; set "
+            "drafter.mask_token_id to an unused embedding row (not pad or eos)"
+        )
+    return info.mask_token_id
+
+
+def check_target(cfg: Config, info: TargetInfo) -> None:
+    """Layer ids inside the target, mask token a real, non-special row."""
+    for lid in cfg.model.target_layer_ids:
+        if not 0 <= lid < info.num_layers:
+            raise ConfigError(
+                f"model.target_layer_ids={list(cfg.model.target_layer_ids)} has {lid}, outside the target's "
+                f"{info.num_layers} layers (0..{info.num_layers - 1}); use ids in that range or [] for the default"
+            )
+    mask = resolved_mask_token_id(cfg, info)
+    if not 0 <= mask < info.vocab_size:
+        raise ConfigError(
+            f"drafter.mask_token_id={mask} is outside the target's vocabulary of {info.vocab_size}; "
+            "pick an unused row below that"
+        )
+    if mask == info.pad_token_id or mask in info.eos_token_ids:
+        which = "pad" if mask == info.pad_token_id else "eos"
+        raise ConfigError(
+            f"drafter.mask_token_id={mask} is the target's {which} token; pick an unused row that is "
+            "neither pad nor eos"
+        )
+
+
+def check_resources(cfg: Config, available: dict[str, float], use_gpu: bool) -> None:
+    """The placement group must fit the cluster: one bundle per actor."""
+    topo = cfg.topology
+    if use_gpu:
+        need = topo.num_targets * topo.gpus_per_target + topo.num_drafters * topo.gpus_per_drafter
+        have = available.get("GPU", 0.0)
+        if need > have:
+            raise ConfigError(
+                f"topology asks for {need:g} GPUs (topology.num_targets={topo.num_targets} x "
+                f"{topo.gpus_per_target:g} + topology.num_drafters={topo.num_drafters} x "
+                f"{topo.gpus_per_drafter:g}) but the cluster has {have:g}; lower the counts or add GPUs"
+            )
+    need_cpu = topo.num_targets * topo.cpus_per_target + topo.num_drafters * topo.cpus_per_drafter
+    have_cpu = available.get("CPU", 0.0)
+    if need_cpu > have_cpu:
+        raise ConfigError(
+            f"topology asks for {need_cpu:g} CPUs (topology.cpus_per_target={topo.cpus_per_target:g}, "
+            f"topology.cpus_per_drafter={topo.cpus_per_drafter:g}) but the cluster has {have_cpu:g}; "
+            "lower them (fractions are fine) or add nodes"
+        )

@@ -1,0 +1,167 @@
+"""Config loading and every validation case named in the foundation issue (no Ray)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import FrozenInstanceError, replace
+from pathlib import Path
+
+import pytest
+
+from app.config import Config, ModelConfig, default_gamma, default_target_layer_ids
+from app.config_checks import TargetInfo, check_resources, check_target, read_target_info
+from app.config_load import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF_FILES = sorted((ROOT / "conf").glob("*.yaml"))
+
+
+def _tiny(*overrides: str) -> Config:
+    return load_config(ROOT / "conf/tiny.yaml", list(overrides))
+
+
+def _error(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        _tiny(*overrides)
+    message = str(info.value)
+    assert "\n" not in message  # one line, as printed by the driver
+    return message
+
+
+@pytest.mark.parametrize("path", CONF_FILES, ids=lambda p: p.name)
+def test_every_conf_file_loads(path: Path, tmp_path: Path) -> None:
+    # default.yaml names cluster paths; point them at real folders so only the schema is exercised.
+    (tmp_path / "model").mkdir()
+    data = tmp_path / "train.jsonl"
+    data.write_text("")
+    cfg = load_config(path, [f"model.target={tmp_path / 'model'}", f"data.train_files=[{data}]"])
+    assert isinstance(cfg, Config)
+    assert cfg.data.bucket_boundaries[-1] >= cfg.data.max_length
+    assert cfg.topology.num_targets == 5 and cfg.topology.num_drafters == 3
+    assert len(cfg.data.bucket_boundaries) == 6
+
+
+@pytest.mark.parametrize("path", CONF_FILES, ids=lambda p: p.name)
+def test_every_yaml_key_is_commented(path: Path) -> None:
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#") and ":" in line:
+            assert "#" in line, f"{path.name}: key without a comment: {line!r}"
+
+
+def test_tiny_is_cpu_and_needs_no_paths() -> None:
+    cfg = _tiny()
+    assert cfg.model.target == "tiny" and cfg.topology.device == "cpu"
+    assert cfg.topology.num_targets * cfg.topology.cpus_per_target + cfg.topology.num_drafters * cfg.topology.cpus_per_drafter <= 2
+
+
+def test_cli_override_wins_and_sections_are_frozen() -> None:
+    cfg = _tiny("train.lr=1e-3", "data.bucket_boundaries=[10,20,30,40,50,192]")
+    assert cfg.train.lr == pytest.approx(1e-3)
+    assert cfg.data.bucket_boundaries == [10, 20, 30, 40, 50, 192]
+    with pytest.raises(FrozenInstanceError):
+        cfg.train.lr = 1.0  # type: ignore[misc]
+
+
+def test_unknown_key_suggests_the_closest() -> None:
+    assert _error("pool.capcity=8") == "unknown key 'pool.capcity'; did you mean 'pool.capacity'?"
+    assert "did you mean 'train.grad_accum'" in _error("train.grad_acum=2")
+    assert "valid keys in the top level" in _error("zzz.qqq=1") or "did you mean" in _error("zzz.qqq=1")
+
+
+def test_wrong_type_names_key_value_and_type() -> None:
+    msg = _error("pool.capacity=abc")
+    assert msg.startswith("pool.capacity='abc' has the wrong type: expected int")
+    assert "expected list[int]" in _error("data.bucket_boundaries=5")
+    assert "expected float" in _error("train.lr=fast")
+
+
+def test_missing_required_value() -> None:
+    with pytest.raises(ConfigError, match=r"^model.target is required but not set; set it .* model.target=VALUE"):
+        load_config(None, [])
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["data.bucket_boundaries=[48,96,72,120,144,192]"], "data.bucket_boundaries=[48, 96, 72, 120, 144, 192] must be strictly increasing (96 then 72)"),
+        (["data.bucket_boundaries=[48,48,96,120,144,192]"], "must be strictly increasing (48 then 48)"),
+        (["data.bucket_boundaries=[16,32,48,64,80,96]"], "do not reach data.max_length=192; make the last boundary 192"),
+        (["pool.min_ready=999", "pool.capacity=8"], "pool.min_ready=999 exceeds pool.capacity=8"),
+        (["pool.jobs_in_flight_per_target=0"], "pool.jobs_in_flight_per_target=0 must be >= 1"),
+        (["train.grad_accum=0"], "train.grad_accum=0 must be >= 1"),
+        (["drafter.block_size=1"], "drafter.block_size=1 must be >= 2"),
+        (["model.target=/no/such/model"], "model.target='/no/such/model' does not exist"),
+        (["data.train_files=[/no/such.jsonl]"], "data.train_files[0]='/no/such.jsonl' does not exist"),
+        (["data.eval_prompts=/no/such.jsonl"], "data.eval_prompts='/no/such.jsonl' does not exist"),
+        (["topology.device=tpu"], "topology.device='tpu' is not one of auto, cuda, cpu"),
+    ],
+)
+def test_semantic_checks(overrides: list[str], expected: str) -> None:
+    assert expected in _error(*overrides)
+
+
+INFO = TargetInfo(num_layers=6, vocab_size=512, hidden_size=64, pad_token_id=0, eos_token_ids=(2,), mask_token_id=3)
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["model.target_layer_ids=[1,6]"], "model.target_layer_ids=[1, 6] has 6, outside the target's 6 layers (0..5)"),
+        (["model.target_layer_ids=[-1,2]"], "has -1, outside the target's 6 layers"),
+        (["drafter.mask_token_id=512"], "drafter.mask_token_id=512 is outside the target's vocabulary of 512"),
+        (["drafter.mask_token_id=0"], "drafter.mask_token_id=0 is the target's pad token"),
+        (["drafter.mask_token_id=2"], "drafter.mask_token_id=2 is the target's eos token"),
+    ],
+)
+def test_checks_against_the_target(overrides: list[str], expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        check_target(_tiny(*overrides), INFO)
+    assert expected in str(info.value)
+
+
+def test_auto_mask_token_needs_one_in_the_tokenizer() -> None:
+    check_target(_tiny(), INFO)  # -1 resolves to the tokenizer's mask token 3
+    with pytest.raises(ConfigError, match="has no mask token"):
+        check_target(_tiny(), replace(INFO, mask_token_id=None))
+
+
+def test_more_gpus_than_the_cluster_has() -> None:
+    cfg = _tiny("topology.gpus_per_target=1", "topology.gpus_per_drafter=1")
+    check_resources(cfg, {"GPU": 8, "CPU": 16}, use_gpu=True)
+    with pytest.raises(ConfigError, match=r"asks for 8 GPUs .* but the cluster has 4"):
+        check_resources(cfg, {"GPU": 4, "CPU": 16}, use_gpu=True)
+    with pytest.raises(ConfigError, match=r"asks for 1.9 CPUs .* cluster has 1"):
+        check_resources(cfg, {"CPU": 1}, use_gpu=False)
+
+
+def test_read_target_info_from_a_hf_folder(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 36, "vocab_size": 151936, "hidden_size": 4096, "eos_token_id": 151645}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"pad_token": "<|endoftext|>", "eos_token": "<|im_end|>", "added_tokens_decoder": {"151643": {"content": "<|endoftext|>"}, "151645": {"content": "<|im_end|>"}}}))
+    info = read_target_info(tmp_path)
+    assert (info.num_layers, info.pad_token_id, info.eos_token_ids, info.mask_token_id) == (36, 151643, (151645,), None)
+
+
+def test_dflash_defaults() -> None:
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert (default_gamma(16), default_gamma(10), default_gamma(8)) == (7.0, 5.0, 4.0)
+    assert ModelConfig(target="x").target_layer_ids == []
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [(["pool.min_ready=999", "pool.capacity=8"], "pool.min_ready"), (["pool.capcity=8"], "did you mean 'pool.capacity'?")],
+)
+def test_train_cli_exits_2_with_one_line(overrides: list[str], needle: str) -> None:
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "app.train", "--config", "conf/tiny.yaml", *overrides],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 2, proc.stderr
+    lines = [l for l in (proc.stdout + proc.stderr).splitlines() if l.strip()]
+    assert len(lines) == 1 and needle in lines[0], lines
+    assert "Traceback" not in proc.stderr
+    assert elapsed < 10
