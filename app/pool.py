@@ -25,7 +25,7 @@ import asyncio
 import random
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from app.config import PoolConfig

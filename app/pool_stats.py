@@ -1,0 +1,90 @@
+"""The pool's snapshot for the driver, the watchdog and the metrics exporter."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class WaitSnapshot:
+    """Pull wait times: all-time count and sum, p50/p95 over the recent window."""
+
+    count: int = 0
+    sum_s: float = 0.0
+    p50_s: float = 0.0
+    p95_s: float = 0.0
+
+
+class WaitStats:
+    """Accumulates pull wait times; percentiles over the last `window` pulls."""
+
+    def __init__(self, window: int = 512) -> None:
+        self.count = 0
+        self.sum_s = 0.0
+        self._recent: deque[float] = deque(maxlen=window)
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.sum_s += seconds
+        self._recent.append(seconds)
+
+    def snapshot(self) -> WaitSnapshot:
+        if not self._recent:
+            return WaitSnapshot(self.count, self.sum_s)
+        xs = sorted(self._recent)
+        return WaitSnapshot(self.count, self.sum_s, _quantile(xs, 0.50), _quantile(xs, 0.95))
+
+
+def _quantile(sorted_xs: list[float], q: float) -> float:
+    """Nearest-rank quantile of an already sorted list."""
+    k = min(len(sorted_xs) - 1, max(0, round(q * (len(sorted_xs) - 1))))
+    return sorted_xs[k]
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """One consistent snapshot of the pool.
+
+    Jobs by state: pending (queued), in_flight (on a target), buffered (in a bucket), leased
+    (pulled, not acked), acked (in the ledger, restored ones included); they sum to total_jobs.
+    `oldest_in_flight_age_s[t]` is what the watchdog compares with its stall timeout.
+    """
+
+    q_hsb: list[int]  # buffered items per bucket
+    pool_bytes: int
+    capacity_bytes: int
+    capacity_items: int
+    pending: int
+    in_flight: int
+    buffered: int
+    leased: int
+    acked: int
+    total_jobs: int
+    pull_waits: WaitSnapshot
+    served_per_bucket: list[int]
+    produced_per_bucket: list[int]
+    in_flight_by_target: dict[int, list[tuple[int, float]]]  # target -> [(job_id, start monotonic)]
+    oldest_in_flight_age_s: dict[int, float]
+    done_by_target: dict[int, int]
+    tokens_by_target: dict[int, int]
+    forward_s_by_target: dict[int, float]
+    leased_by_drafter: dict[int, int]
+    acked_twice: int
+    stale_results: int
+    stale_acks: int
+    bytes_overshoot: int
+    producing_finished: bool
+    done: bool
+    eos_drafters: list[int] = field(default_factory=list)
+    # Filled in by the actor shell (the pure pool knows nothing about Ray):
+    target_failures: list[str] = field(default_factory=list)
+    targets: list[int] = field(default_factory=list)
+
+    def jobs_by_state(self) -> dict[str, int]:
+        return {
+            "pending": self.pending,
+            "in_flight": self.in_flight,
+            "buffered": self.buffered,
+            "leased": self.leased,
+            "acked": self.acked,
+        }

@@ -1,0 +1,341 @@
+"""The pool policy without Ray: fairness, capacity, reservoir, leases, completion, ledger."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from app.config import PoolConfig
+from app.messages import EndOfStream, ItemMeta, JobSpec, PulledItem
+from app.pool import Drained, HSPool, LeaseRevoked
+
+
+def job(i: int, bucket: int, est: int = 100) -> JobSpec:
+    return JobSpec(job_id=i, epoch=0, index=i, bucket=bucket, seq_indices=(i,), padded_tokens=64, est_bytes=est)
+
+
+def meta_for(j: JobSpec, target: int, nbytes: int | None = None) -> ItemMeta:
+    nb = j.est_bytes if nbytes is None else nbytes
+    return ItemMeta(j.job_id, j.bucket, 1, 50 + j.bucket, 40, nb, target, 0.01)
+
+
+def produce_all(pool: HSPool, targets: int = 8) -> int:
+    """Issue and finish jobs until nothing more is issued; returns how many landed."""
+    n = 0
+    while True:
+        issued = [(t, pool.next_job(t)) for t in range(targets)]
+        issued = [(t, j) for t, j in issued if j is not None]
+        if not issued:
+            return n
+        for t, j in issued:
+            assert pool.job_done(t, meta_for(j, t), payload=f"ref{j.job_id}")
+            n += 1
+
+
+def make_pool(**kw) -> HSPool:
+    num_buckets = kw.pop("num_buckets", 6)
+    policy = kw.pop("pull_policy", "fair")
+    return HSPool(PoolConfig(**kw), num_buckets, pull_policy=policy)
+
+
+def test_five_pulls_hit_five_different_buckets():
+    counts = [2, 0, 1, 3, 2, 12]
+    pool = make_pool(capacity=20, min_ready=6, jobs_in_flight_per_target=4)
+    jobs = [b for b, c in enumerate(counts) for _ in range(c)]
+    pool.add_jobs(job(i, b) for i, b in enumerate(jobs))
+    produce_all(pool)
+    assert pool.stats().q_hsb == counts
+    got = [pool.try_pull(0) for _ in range(5)]
+    assert all(isinstance(g, PulledItem) for g in got)
+    assert sorted(g.meta.bucket for g in got) == [0, 2, 3, 4, 5]
+
+
+def test_random_policy_favours_the_dominant_bucket():
+    counts = [2, 0, 1, 3, 2, 12]
+    pool = make_pool(capacity=20, min_ready=6, jobs_in_flight_per_target=4, pull_policy="random", seed=3)
+    jobs = [b for b, c in enumerate(counts) for _ in range(c)]
+    pool.add_jobs(job(i, b) for i, b in enumerate(jobs))
+    produce_all(pool)
+    got = [pool.try_pull(0).meta.bucket for _ in range(5)]
+    assert len(set(got)) < 5  # 12/20 of the mass is bucket 5: repeats are near certain (seeded)
+
+
+def test_served_share_tracks_produced_share_over_a_long_run():
+    rng = random.Random(1)
+    weights = [1, 1, 2, 2, 3, 9]  # the longest bucket dominates
+    buckets = rng.choices(range(6), weights=weights, k=6000)
+    pool = make_pool(capacity=24, min_ready=6, jobs_in_flight_per_target=2)
+    pool.add_jobs(job(i, b) for i, b in enumerate(buckets))
+    pool.finish_adding()
+    checkpoints = {1000, 2500, 4000}
+    pulled = 0
+    while not pool.done:
+        produce_all(pool, targets=5)
+        got = pool.try_pull(pulled % 3)
+        if isinstance(got, PulledItem):
+            pool.ack(pulled % 3, [got.meta.job_id])
+            pulled += 1
+            if pulled in checkpoints:
+                st_ = pool.stats()
+                for b in range(6):
+                    served = st_.served_per_bucket[b] / pulled
+                    produced = st_.produced_per_bucket[b] / sum(st_.produced_per_bucket)
+                    assert abs(served - produced) < 0.01, (b, served, produced)
+    st_ = pool.stats()
+    assert st_.served_per_bucket == st_.produced_per_bucket == [buckets.count(b) for b in range(6)]
+
+
+def test_min_ready_waits_then_drains_then_drained_then_eos():
+    pool = make_pool(capacity=10, min_ready=6, jobs_in_flight_per_target=1)
+    pool.add_jobs(job(i, i % 3) for i in range(8))
+    for t in range(5):  # five jobs land, three stay pending
+        j = pool.next_job(t)
+        pool.job_done(t, meta_for(j, t), None)
+    assert pool.try_pull(0) is None  # 5 < min_ready and more is coming
+    j = pool.next_job(0)
+    pool.job_done(0, meta_for(j, 0), None)
+    first = pool.try_pull(0)
+    assert isinstance(first, PulledItem)  # 6 buffered: ready
+    assert pool.try_pull(0) is None  # 5 again
+    pool.finish_adding()
+    assert pool.try_pull(0) is None  # two jobs still pending
+    produce_all(pool)
+    assert pool.producing_finished
+    leased = [pool.try_pull(1) for _ in range(7)]  # drains below min_ready
+    assert all(isinstance(x, PulledItem) for x in leased)
+    assert isinstance(pool.try_pull(1), Drained)  # all produced, none buffered, leases out
+    pool.ack(1, [x.meta.job_id for x in leased])
+    assert isinstance(pool.try_pull(2), Drained)  # drafter 0 still holds one lease
+    pool.ack(0, [first.meta.job_id])
+    assert pool.done
+    assert isinstance(pool.try_pull(2), EndOfStream)
+    assert pool.ledger() == list(range(8))
+
+
+def test_byte_cap_counts_leases_and_a_stalled_pool_drains_below_min_ready():
+    pool = make_pool(capacity=20, capacity_bytes=1000, min_ready=6, jobs_in_flight_per_target=10)
+    pool.add_jobs(job(i, 0, est=300) for i in range(10))
+    assert produce_all(pool) == 3  # 900 bytes; a fourth would make 1200
+    a = pool.try_pull(0)
+    b = pool.try_pull(0)  # stalled: nothing in flight and the next job does not fit
+    assert isinstance(a, PulledItem) and isinstance(b, PulledItem)
+    assert pool.next_job(1) is None  # leased bytes still count
+    assert pool.pool_bytes == 900
+    pool.ack(0, [a.meta.job_id])
+    assert pool.next_job(1) is not None and pool.pool_bytes == 900
+
+
+def test_job_failed_and_target_lost_go_to_the_front():
+    pool = make_pool(capacity=20, min_ready=0, jobs_in_flight_per_target=3)
+    pool.add_jobs(job(i, 0) for i in range(10))
+    a, b, c = pool.next_job(0), pool.next_job(0), pool.next_job(1)
+    assert pool.job_failed(0, b.job_id)
+    assert pool.next_job(2).job_id == b.job_id
+    assert pool.target_lost(0) == [a.job_id]
+    assert pool.next_job(2).job_id == a.job_id
+    # a late result from the lost target is dropped, not buffered
+    assert not pool.job_done(0, meta_for(a, 0), None)
+    assert pool.stats().stale_results == 1 and pool.stats().buffered == 0
+    assert c.job_id == 2
+
+
+def test_release_returns_leases_to_the_front_in_order_and_ignores_stale_acks():
+    pool = make_pool(capacity=20, min_ready=0, jobs_in_flight_per_target=10)
+    pool.add_jobs(job(i, i % 2) for i in range(12))
+    for _ in range(4):
+        j = pool.next_job(0)
+        pool.job_done(0, meta_for(j, 0), None)
+    pulled = [pool.try_pull(5).meta.job_id for _ in range(3)]
+    assert pool.release(5) == pulled
+    assert [pool.next_job(1).job_id for _ in range(3)] == pulled
+    assert pool.ack(5, pulled) == 0 and pool.stats().stale_acks == 3
+    assert pool.stats().leased == 0
+
+
+def test_ack_twice_is_counted_not_fatal():
+    pool = make_pool(capacity=20, min_ready=0)
+    pool.add_jobs([job(0, 0)])
+    pool.job_done(0, meta_for(pool.next_job(0), 0), None)
+    pool.try_pull(0)
+    assert pool.ack(0, [0]) == 1
+    assert pool.ack(0, [0]) == 0
+    assert pool.acked_twice == 1 and pool.ledger() == [0]
+
+
+def test_restored_ledger_is_never_issued_again():
+    pool = make_pool(capacity=20, min_ready=0, jobs_in_flight_per_target=20)
+    pool.restore_ledger([1, 3, 5])
+    pool.add_jobs(job(i, 0) for i in range(6))
+    pool.finish_adding()
+    issued = []
+    while (j := pool.next_job(0)) is not None:
+        issued.append(j.job_id)
+    assert issued == [0, 2, 4]
+    st_ = pool.stats()
+    assert st_.total_jobs == 6 and st_.acked == 3
+
+
+@pytest.mark.parametrize(
+    "kw, word",
+    [
+        (dict(min_ready=30, capacity=24), "pool.min_ready=30"),
+        (dict(capacity=0), "pool.capacity=0"),
+        (dict(jobs_in_flight_per_target=0), "jobs_in_flight_per_target=0"),
+    ],
+)
+def test_bad_config_names_the_value(kw, word):
+    with pytest.raises(ValueError, match=word.replace(".", r"\.")):
+        make_pool(**kw)
+
+
+def test_bad_jobs_name_the_fix():
+    pool = make_pool(capacity_bytes=1000)
+    with pytest.raises(ValueError, match="bucket 7"):
+        pool.add_jobs([job(0, 7)])
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        pool.add_jobs([job(1, 0, est=5000)])
+    pool.add_jobs([job(2, 0)])
+    with pytest.raises(ValueError, match="added twice"):
+        pool.add_jobs([job(2, 0)])
+
+
+class Sim:
+    """Random targets, failures, drafters, releases over one pool; checks invariants each op."""
+
+    def __init__(self, seed: int, n_jobs: int = 120, cap: int = 8, cap_bytes: int = 3000) -> None:
+        self.rng = random.Random(seed)
+        self.pool = make_pool(
+            capacity=cap, capacity_bytes=cap_bytes, min_ready=3, jobs_in_flight_per_target=2, seed=seed
+        )
+        self.pool.add_jobs(job(i, self.rng.randrange(6), est=self.rng.randrange(50, 600)) for i in range(n_jobs))
+        self.pool.finish_adding()
+        self.held: dict[int, list[int]] = {d: [] for d in range(3)}
+        self.n_jobs = n_jobs
+
+    def step(self, op: int) -> None:
+        p, rng = self.pool, self.rng
+        t = rng.randrange(5)
+        if op == 0:
+            p.next_job(t)
+        elif op == 1:  # a random in-flight job lands with nbytes <= its estimate
+            fl = p.stats().in_flight_by_target
+            if fl:
+                t = rng.choice(sorted(fl))
+                jid = rng.choice(fl[t])[0]
+                j = p._in_flight[jid].job
+                p.job_done(t, meta_for(j, t, rng.randrange(0, j.est_bytes + 1)), None)
+        elif op == 2:
+            fl = p.stats().in_flight_by_target.get(t)
+            if fl:
+                p.job_failed(t, fl[0][0])
+        elif op == 3 and rng.random() < 0.3:
+            p.target_lost(t)
+        elif op == 4:
+            d = rng.randrange(3)
+            got = p.try_pull(d)
+            if isinstance(got, PulledItem):
+                self.held[d].append(got.meta.job_id)
+        elif op == 5:
+            d = rng.randrange(3)
+            if len(self.held[d]) >= 2 or p.producing_finished:
+                p.ack(d, self.held[d])
+                self.held[d] = []
+        elif op == 6 and rng.random() < 0.2:
+            d = rng.randrange(3)
+            p.release(d)
+            self.held[d] = []
+        self.check()
+
+    def check(self) -> None:
+        s = self.pool.stats()
+        assert s.buffered + s.in_flight <= s.capacity_items
+        assert s.pool_bytes <= s.capacity_bytes
+        assert s.pending + s.in_flight + s.buffered + s.leased + s.acked == s.total_jobs == self.n_jobs
+        assert s.q_hsb == [sum(1 for _ in b) for b in self.pool._buckets]
+
+    def run_to_end(self) -> None:
+        for _ in range(200_000):
+            if self.pool.done:
+                return
+            self.step(self.rng.randrange(7))
+        raise AssertionError(f"no progress: {self.pool.stats()}")
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), ops=st.lists(st.integers(0, 6), min_size=1, max_size=300))
+def test_capacity_in_items_and_bytes_is_never_exceeded(seed, ops):
+    sim = Sim(seed)
+    for op in ops:
+        sim.step(op)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_failures_and_releases_still_ack_every_job_exactly_once(seed):
+    sim = Sim(seed)
+    sim.run_to_end()
+    assert sim.pool.ledger() == list(range(sim.n_jobs))
+    assert sim.pool.acked_twice == 0
+    assert sim.pool.stats().bytes_overshoot == 0
+
+
+def test_eos_reaches_every_drafter_exactly_once_and_again_after_a_rebuild():
+    pool = make_pool(capacity=6, min_ready=2, jobs_in_flight_per_target=1)
+    pool.add_jobs(job(i, i % 6) for i in range(40))
+    pool.finish_adding()
+    eos_count = {d: 0 for d in range(3)}
+
+    async def target(t: int) -> None:
+        while not pool.producing_finished:
+            j = pool.next_job(t)
+            if j is None:
+                await pool.wait_changed()
+                continue
+            await asyncio.sleep(0)
+            pool.job_done(t, meta_for(j, t), None)
+
+    async def drafter(d: int) -> None:
+        held = []
+        while True:
+            got = await pool.pull(d)
+            if isinstance(got, EndOfStream):
+                eos_count[d] += 1
+                return
+            if isinstance(got, PulledItem):
+                held.append(got.meta.job_id)
+            if len(held) == 2 or isinstance(got, Drained):
+                pool.ack(d, held)
+                held = []
+                await asyncio.sleep(0)
+
+    async def main() -> None:
+        await asyncio.gather(*(target(t) for t in range(5)), *(drafter(d) for d in range(3)))
+
+    asyncio.run(main())
+    assert eos_count == {0: 1, 1: 1, 2: 1}
+    assert pool.eos_drafters() == [0, 1, 2]
+    assert pool.ledger() == list(range(40))
+    pool.reset_drafters()
+    assert pool.eos_drafters() == []
+    assert isinstance(pool.try_pull(1), EndOfStream) and pool.eos_drafters() == [1]
+
+
+def test_a_waiting_pull_is_fenced_by_release():
+    pool = make_pool(capacity=6, min_ready=1)
+    pool.add_jobs([job(0, 0)])
+
+    async def main():
+        waiting = asyncio.ensure_future(pool.pull(7))
+        await asyncio.sleep(0)
+        pool.release(7)  # the drafter died while its pull waited
+        pool.job_done(0, meta_for(pool.next_job(0), 0), None)
+        with pytest.raises(LeaseRevoked):
+            await waiting
+        assert pool.stats().buffered == 1  # the item was not leased to the dead drafter
+        got = await pool.pull(7)  # a new pull (the restarted drafter) works
+        assert isinstance(got, PulledItem)
+        assert pool.stats().pull_waits.count == 1
+
+    asyncio.run(main())
