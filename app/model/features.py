@@ -1,0 +1,27 @@
+"""Target features for DFlash: the concatenated hidden states of the chosen target layers."""
+from __future__ import annotations
+
+import torch
+
+
+def target_features(model, input_ids_BS: torch.Tensor, attention_mask_BS: torch.Tensor | None, layer_ids) -> torch.Tensor:
+    """[B, S, k*H]: `hidden_states[l + 1]` (output of decoder layer l) for each l, concatenated.
+
+    `hidden_states[0]` is the embedding output, hence the +1 (z-lab's `extract_context_feature`).
+    """
+    out = model(
+        input_ids=input_ids_BS,
+        attention_mask=attention_mask_BS,
+        output_hidden_states=True,
+        use_cache=False,
+    )
+    return features_from_hidden_states(out.hidden_states, layer_ids)
+
+
+def features_from_hidden_states(hidden_states, layer_ids) -> torch.Tensor:
+    """Concatenate `hidden_states[l + 1]` for l in layer_ids along the last dim."""
+    n = len(hidden_states) - 1
+    bad = [l for l in layer_ids if not 0 <= l < n]
+    if bad:
+        raise ValueError(f"target_layer_ids {bad} outside the target's layers 0..{n - 1}")
+    return torch.cat([hidden_states[l + 1] for l in layer_ids], dim=-1)
