@@ -1,0 +1,32 @@
+# Two entry points for a new machine: `make demo` and `make test`. Each creates .venv when missing
+# and installs the project into it first. CPU-only machines: TORCH_SPEC=torch==2.13.0 (or a CPU wheel).
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch
+CONFIG ?= conf/tiny.yaml
+PYTEST_ARGS ?=
+
+BIN := $(VENV)/bin
+
+.PHONY: demo test test-fast setup clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+demo: setup
+	$(BIN)/python -m app.train --config $(CONFIG)
+
+test: setup
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not ray and not slow" $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) runs .cache

@@ -1,0 +1,218 @@
+"""DrafterActor: one replica of the data-parallel drafter group.
+
+Each replica pulls its own micro-batches from the pool (prefetching the next pull while it computes),
+and every `train.grad_accum` micro-batches joins the step's single all-reduce (`app/trainer.py`).
+Rank 0 then acks the step's jobs of every rank to the pool, so the ledger it checkpoints is exactly
+the set of jobs inside the weights it saves. A rank that runs dry joins with zeros until all are dry.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from app.checkpoint import TrainState, load_checkpoint, restore_rng, rng_state, save_checkpoint
+from app.config import CheckpointConfig, DrafterConfig, FaultsConfig, TrainConfig
+from app.devices import compute_dtype, limit_threads, pick_device
+from app.faults import fire_once
+from app.messages import EndOfStream, StepRecord
+
+
+@dataclass(frozen=True)
+class DrafterSetup:
+    """What every replica of the group needs; identical across ranks but for `rank`."""
+
+    world_size: int
+    model_dir: str
+    layer_ids: list[int]
+    mask_token_id: int
+    drafter: DrafterConfig
+    train: TrainConfig
+    checkpoint: CheckpointConfig
+    faults: FaultsConfig
+    device: str
+    num_cpus: float
+    dtype: str
+    total_steps: int
+    resume_from: str | None  # checkpoint folder, or None for a fresh start
+
+
+@dataclass(frozen=True)
+class DrafterResult:
+    """A replica's view of the finished (or stopped) run."""
+
+    rank: int
+    steps: int
+    stopped: bool
+    weights_checksum: float
+    last_checkpoint: str | None
+    export_dir: str | None
+
+
+class _Prefetcher:
+    """Keeps one pull (and its payload fetch) in flight while the replica computes."""
+
+    def __init__(self, pool, rank: int) -> None:
+        self.pool, self.rank = pool, rank
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
+        self.pending: Future | None = None
+
+    def _fetch(self):
+        import ray
+
+        pulled = ray.get(self.pool.pull.remote(self.rank))
+        if isinstance(pulled, EndOfStream):
+            return pulled, None
+        return pulled, ray.get(pulled.payload_ref)
+
+    def next(self):
+        """(item, payload, seconds waited); item is EndOfStream when the stream is over."""
+        if self.pending is None:
+            self.pending = self.executor.submit(self._fetch)
+        t0 = time.perf_counter()
+        item, payload = self.pending.result()
+        waited = time.perf_counter() - t0
+        self.pending = None if isinstance(item, EndOfStream) else self.executor.submit(self._fetch)
+        return item, payload, waited
+
+
+class DrafterActor:
+    """One rank of the drafter group (gloo on CPU, nccl on GPU)."""
+
+    def __init__(self, rank: int, setup: DrafterSetup, pool) -> None:
+        limit_threads(setup.num_cpus)
+        self.rank, self.s, self.pool = rank, setup, pool
+        self.device = pick_device(setup.device)
+        self.dtype = compute_dtype(setup.dtype, self.device)
+
+    def address(self) -> tuple[str, int]:
+        """Rank 0's rendezvous address for torch.distributed."""
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return ip, sock.getsockname()[1]
+
+    def setup(self, master_addr: str, master_port: int) -> int:
+        """Join the process group, build the drafter, restore the checkpoint; returns the start step."""
+        import torch.distributed as dist
+
+        from app.drafter_build import build_or_load_drafter
+        from app.trainer import DrafterTrainer
+
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
+                                rank=self.rank, world_size=self.s.world_size)
+        drafter, head, self.arch = build_or_load_drafter(
+            self.s.model_dir, None, self.s.drafter, self.s.layer_ids, self.s.mask_token_id,
+            self.device, self.dtype, self.s.train.seed)
+        self.trainer = DrafterTrainer(drafter, head, self.s.drafter, self.s.train, self.s.total_steps,
+                                      self.device, reducer=lambda flat: dist.all_reduce(flat))
+        self.ledger: set[int] = set()
+        self.epoch = 0
+        if self.s.resume_from:
+            self._restore(self.s.resume_from)
+        for p in drafter.parameters():  # start identical on every rank, whatever the init did
+            dist.broadcast(p.data, src=0)
+        return self.trainer.step
+
+    def _restore(self, path: str) -> None:
+        state = load_checkpoint(path, map_location=str(self.device))
+        self.trainer.drafter.load_state_dict(state.drafter)
+        self.trainer.optimizer.load_state_dict(state.optimizer)
+        self.trainer.scheduler.load_state_dict(state.scheduler)
+        self.trainer.step, self.epoch, self.ledger = state.step, state.epoch, set(state.ledger)
+        if state.rng:
+            restore_rng(state.rng)
+
+    def run(self) -> DrafterResult:
+        """Train until every rank is dry or a stop is requested."""
+        import ray
+        import torch.distributed as dist
+
+        from app.model.loss import TrainBatch
+
+        fetch = _Prefetcher(self.pool, self.rank)
+        dry, stop_pending, stopped, last_ckpt = False, False, False, None
+        while True:
+            t_step, wait_s, job_ids = time.perf_counter(), 0.0, []
+            for _ in range(self.s.train.grad_accum):
+                if dry:
+                    break
+                item, payload, waited = fetch.next()
+                wait_s += waited
+                if isinstance(item, EndOfStream):
+                    dry = True
+                    break
+                self.epoch = max(self.epoch, item.meta.job_id >> 32)
+                batch = TrainBatch.from_hidden_batch(payload, self.device, self.dtype)
+                self.trainer.micro_step(batch, item.meta.job_id)
+                job_ids.append(item.meta.job_id)
+            stats = self.trainer.finish_step(stop_requested=stop_pending)
+            if stats.active_ranks == 0:
+                break  # every rank dry: the stream is over
+            self._maybe_crash(stats.step)
+            gathered: list[list[int]] = [[] for _ in range(self.s.world_size)]
+            dist.all_gather_object(gathered, job_ids)
+            step_jobs = [j for ids in gathered for j in ids]
+            if self.rank == 0:
+                reply = ray.get(self.pool.ack.remote(self.rank, step_jobs))
+                stop_pending = stop_pending or bool(getattr(reply, "stop_requested", False))
+                self.ledger.update(step_jobs)
+            self._report(stats, job_ids, wait_s, time.perf_counter() - t_step)
+            if stats.stop:
+                stopped = True
+                break
+            if self.rank == 0 and self.trainer.step % self.s.checkpoint.every_steps == 0:
+                last_ckpt = self.save()
+        if self.rank == 0:
+            last_ckpt = self.save()
+        return DrafterResult(self.rank, self.trainer.step, stopped, self.weights_checksum(), last_ckpt,
+                             self.export() if (self.rank == 0 and not stopped) else None)
+
+    def _maybe_crash(self, step: int) -> None:
+        # After the step's update but before its ack: the jobs are trained and not yet in the ledger.
+        if self.rank == 0 and step + 1 == self.s.faults.kill_drafter_at_step and fire_once(
+                self.s.checkpoint.dir, "kill_drafter"):
+            os._exit(1)
+
+    def _report(self, stats, job_ids: list[int], wait_s: float, step_s: float) -> None:
+        rec = StepRecord(
+            rank=self.rank, step=self.trainer.step, epoch=self.epoch, loss=stats.loss, weight_sum=stats.weight_sum,
+            correct=stats.accuracy, tokens=stats.local_tokens, accept_len=stats.accept_len,
+            per_pos_acc=stats.per_pos_acc, compute_s=max(0.0, step_s - wait_s), data_wait_s=wait_s,
+            lr=stats.lr, grad_norm=stats.grad_norm, job_ids=tuple(job_ids),
+        )
+        self.pool.report_step.remote(rec)  # fire and forget: telemetry must not slow the step
+
+    def save(self) -> str:
+        """Rank 0: write the checkpoint (weights, optimizer, scheduler, RNG, step, epoch, ledger)."""
+        t = self.trainer
+        state = TrainState(step=t.step, epoch=self.epoch, ledger=sorted(self.ledger),
+                           drafter=t.drafter.state_dict(), optimizer=t.optimizer.state_dict(),
+                           scheduler=t.scheduler.state_dict(), rng=rng_state())
+        return str(save_checkpoint(self.s.checkpoint.dir, state, self.s.checkpoint.keep))
+
+    def export(self) -> str:
+        from app.export import export_drafter
+
+        out = os.path.join(self.s.checkpoint.dir, "drafter")
+        export_drafter(self.trainer.drafter, self.arch, out)
+        return out
+
+    def weights_checksum(self) -> float:
+        with torch.no_grad():
+            return float(sum(p.double().sum() + (p.double() ** 2).sum() for p in self.trainer.drafter.parameters()))
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

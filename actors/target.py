@@ -1,0 +1,83 @@
+"""TargetActor: a frozen target LM that turns a job's sequences into drafter features.
+
+A thin shell: batching lives in `app/batching.py`, features in `app/model/features.py`. The pool calls
+`forward` with `num_returns=2`, so the small `ItemMeta` and the large `HiddenBatch` become two
+objects owned by the pool, and the payload outlives this process.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from app.batching import pack_hidden, pad_sequences
+from app.config import DrafterConfig, EvalConfig, FaultsConfig, ModelConfig
+from app.devices import compute_dtype, limit_threads, pick_device
+from app.faults import fire_once
+from app.messages import HiddenBatch, ItemMeta, JobSpec
+
+
+class TargetActor:
+    """Frozen HF causal LM on one GPU (or CPU share), forward only."""
+
+    def __init__(self, target_id: int, model_dir: str, layer_ids: list[int], model_cfg: ModelConfig,
+                 device: str, num_cpus: float, dataset, faults: FaultsConfig, run_dir: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        limit_threads(num_cpus)
+        self.target_id, self.layer_ids, self.dataset = target_id, list(layer_ids), dataset
+        self.faults, self.run_dir = faults, run_dir
+        self.device = pick_device(device)
+        self.dtype = compute_dtype(model_cfg.dtype, self.device)
+        self.model_dir = model_dir
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype).to(self.device).eval()
+        self.model.requires_grad_(False)
+        self.jobs_done = 0
+
+    def ping(self) -> int:
+        return self.target_id
+
+    def forward(self, job: JobSpec) -> tuple[ItemMeta, HiddenBatch]:
+        """Hidden states of `hidden_states[l + 1]` for each configured layer, per sequence of the job."""
+        self._maybe_inject_fault(job)
+        t0 = time.perf_counter()
+        seqs = [self.dataset.sequence(i) for i in job.seq_indices]
+        ids_BS, mask_BS, lengths_B = pad_sequences(seqs)
+        from app.model.features import target_features
+
+        with torch.inference_mode():
+            ids = torch.from_numpy(ids_BS).to(self.device)
+            attn = (torch.arange(ids.shape[1])[None, :] < torch.from_numpy(lengths_B)[:, None]).to(self.device)
+            feats_BSD = target_features(self.model, ids, attn.long(), self.layer_ids)
+        batch = pack_hidden(job.job_id, feats_BSD, ids_BS, mask_BS, lengths_B)
+        self.jobs_done += 1
+        meta = ItemMeta(
+            job_id=job.job_id, bucket=job.bucket, num_seqs=len(seqs), num_tokens=int(lengths_B.sum()),
+            loss_tokens=int(mask_BS.sum()), nbytes=batch_nbytes(batch), target_id=self.target_id,
+            forward_s=time.perf_counter() - t0,
+        )
+        return meta, batch
+
+    def _maybe_inject_fault(self, job: JobSpec) -> None:
+        if job.index == self.faults.kill_target_at_job and job.epoch == 0 and fire_once(self.run_dir, "kill_target"):
+            os._exit(1)  # a hard crash, as a GPU falling off would look
+        if job.index == self.faults.stall_target_at_job and job.epoch == 0 and fire_once(self.run_dir, "stall_target"):
+            time.sleep(10**6)  # a hang: only the watchdog gets us out
+
+    def evaluate(self, drafter_dir: str | None, prompts: list[list[int]], drafter_cfg: DrafterConfig,
+                 eval_cfg: EvalConfig, mask_token_id: int, seed: int = 0) -> dict:
+        """Acceptance length (tau) of an exported drafter, or of a fresh one when `drafter_dir` is None."""
+        from app.drafter_build import build_or_load_drafter
+        from app.spec_decode import measure_tau
+
+        drafter, head, arch = build_or_load_drafter(
+            self.model_dir, drafter_dir, drafter_cfg, self.layer_ids, mask_token_id, self.device, self.dtype, seed
+        )
+        result = measure_tau(self.model, drafter, head, prompts[: eval_cfg.num_prompts], eval_cfg.max_new_tokens,
+                             self.layer_ids, arch.block_size)
+        return {"tau": float(result.tau), "tok_s": float(result.tok_s)}
+
+
+def batch_nbytes(batch: HiddenBatch) -> int:
+    return int(sum(a.nbytes for a in (batch.hidden_BSD, batch.input_ids_BS, batch.loss_mask_BS, batch.lengths_B)))

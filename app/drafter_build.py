@@ -1,0 +1,31 @@
+"""Building the drafter and the frozen target head for a run (shared by drafters and evaluation)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from app.config import DrafterConfig
+
+
+def build_or_load_drafter(model_dir: str, drafter_dir: str | None, drafter_cfg: DrafterConfig, layer_ids: list[int],
+                          mask_token_id: int, device: torch.device, dtype: torch.dtype, seed: int):
+    """(drafter, target head, arch): a fresh drafter seeded by `seed`, or one exported to `drafter_dir`."""
+    from transformers import AutoConfig
+
+    from app.export import load_drafter
+    from app.model.arch import DrafterArch
+    from app.model.drafter import DFlashDrafter
+    from app.model.target_head import TargetHead
+
+    head = TargetHead.load(model_dir, dtype=dtype, device=device)
+    if drafter_dir:
+        drafter, arch = load_drafter(drafter_dir, device=device)
+    else:
+        arch = DrafterArch.from_target(
+            AutoConfig.from_pretrained(model_dir), replace(drafter_cfg, mask_token_id=mask_token_id), list(layer_ids)
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)  # every replica builds the same initial weights
+            drafter = DFlashDrafter(arch)
+    return drafter.to(device=device, dtype=dtype), head, arch

@@ -1,0 +1,27 @@
+"""Fault injection from `faults.*`: each configured fault fires once per run directory.
+
+A marker file created with O_EXCL makes "once" hold across processes and restarts: a restarted
+target that gets the same job again does not die again.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def fire_once(run_dir: str | Path, name: str) -> bool:
+    """True the first time `name` is asked for under `run_dir`, False ever after."""
+    marks = Path(run_dir) / "faults_fired"
+    marks.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(marks / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.close(fd)
+    return True
+
+
+def fired(run_dir: str | Path) -> list[str]:
+    """Names of the faults that have fired in this run directory."""
+    marks = Path(run_dir) / "faults_fired"
+    return sorted(p.name for p in marks.iterdir()) if marks.is_dir() else []

@@ -1,0 +1,160 @@
+"""One drafter replica's training step, without Ray.
+
+A step is `grad_accum` micro-batches on every rank. Each micro-batch backpropagates its weighted
+cross-entropy SUM; at the step boundary the ranks all-reduce the gradients together with the step's
+statistics in one flat tensor, and every rank divides by the GLOBAL weight sum, so ranks with more
+loss tokens weigh more. A rank with no data joins the same collective with zeros. The collective is
+injected (`Reducer`), so the single-process case and tests need no torch.distributed.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+from app.config import DrafterConfig, TrainConfig, default_gamma
+
+# Layout of the statistics that ride along with the gradients in the step's all-reduce.
+_STATS = ("weight_sum", "loss_sum", "correct_sum", "tokens", "accept_len_sum", "num_blocks", "active", "stop")
+
+
+class Reducer(Protocol):
+    """Sums a flat float tensor across all ranks, in place."""
+
+    def __call__(self, flat: torch.Tensor) -> None: ...
+
+
+def local_reducer(flat: torch.Tensor) -> None:
+    """World size 1: the sum is the tensor itself."""
+
+
+def warmup_cosine(total_steps: int, warmup_ratio: float) -> Callable[[int], float]:
+    """LR multiplier: linear warmup over warmup_ratio of the steps, then cosine to zero."""
+    warmup = max(1, int(round(total_steps * warmup_ratio))) if warmup_ratio > 0 else 0
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+@dataclass
+class StepStats:
+    """Global statistics of one optimizer step (identical on every rank after the all-reduce)."""
+
+    step: int
+    loss: float
+    accuracy: float
+    accept_len: float
+    weight_sum: float
+    tokens: int
+    active_ranks: int
+    stop: bool
+    grad_norm: float
+    lr: float
+    per_pos_acc: list[float] = field(default_factory=list)
+    local_tokens: int = 0
+    local_loss: float = 0.0
+    compute_s: float = 0.0
+
+
+class StepAccumulator:
+    """This rank's sums over the micro-batches of the current step."""
+
+    def __init__(self, block_size: int) -> None:
+        self.sums = dict.fromkeys(_STATS, 0.0)
+        self.pos_correct = torch.zeros(block_size - 1, dtype=torch.float64)
+        self.pos_count = torch.zeros(block_size - 1, dtype=torch.float64)
+        self.job_ids: list[int] = []
+
+    def add(self, out, job_id: int) -> None:  # out: app.model.loss.LossOutput
+        self.sums["weight_sum"] += float(out.weight_sum)
+        self.sums["loss_sum"] += float(out.loss_sum.detach())
+        self.sums["correct_sum"] += float(out.correct_sum)
+        self.sums["tokens"] += float(out.tokens)
+        self.sums["accept_len_sum"] += float(out.accept_len_sum)
+        self.sums["num_blocks"] += float(out.num_blocks)
+        self.pos_correct += out.per_pos_correct.detach().double().cpu()
+        self.pos_count += out.per_pos_count.detach().double().cpu()
+        self.job_ids.append(job_id)
+        self.sums["active"] = 1.0
+
+
+class DrafterTrainer:
+    """Drafter, frozen target head, AdamW and the warmup-cosine schedule of one replica."""
+
+    def __init__(self, drafter: torch.nn.Module, head: torch.nn.Module, dcfg: DrafterConfig,
+                 tcfg: TrainConfig, total_steps: int, device: torch.device, reducer: Reducer = local_reducer):
+        self.drafter, self.head, self.dcfg, self.tcfg = drafter, head, dcfg, tcfg
+        self.device, self.reducer = device, reducer
+        self.gamma = dcfg.loss_gamma or default_gamma(dcfg.block_size)
+        params = [p for p in drafter.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.95))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_cosine(total_steps, tcfg.warmup_ratio))
+        self.step = 0
+        self.acc = StepAccumulator(dcfg.block_size)
+
+    def micro_step(self, batch, job_id: int) -> None:
+        """Forward + backward of one micro-batch (a target job); anchors depend only on (seed, job)."""
+        from app.model.loss import dflash_loss
+
+        gen = torch.Generator(device="cpu").manual_seed(self.tcfg.seed * 1_000_003 + job_id)
+        topk = 5 if self.tcfg.sample_every > 0 and (self.step + 1) % self.tcfg.sample_every == 0 else 0
+        self.drafter.train()
+        out = dflash_loss(
+            self.drafter, self.head, batch, block_size=self.dcfg.block_size, num_anchors=self.dcfg.num_anchors,
+            gamma=self.gamma, ce_chunk_rows=self.dcfg.ce_chunk_rows, generator=gen, topk=topk,
+        )
+        if out.loss_sum.requires_grad:
+            out.loss_sum.backward()
+        self.acc.add(out, job_id)
+
+    def finish_step(self, stop_requested: bool = False) -> StepStats:
+        """All-reduce grads + stats, normalise by the global weight sum, clip, step, schedule."""
+        t0 = time.perf_counter()
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        local = self.acc.sums | {"stop": float(stop_requested)}
+        stats = torch.tensor([local[k] for k in _STATS], dtype=torch.float32)
+        pos = torch.cat([self.acc.pos_correct, self.acc.pos_count]).float()
+        # One flat fp32 buffer: a single collective per step (gloo and nccl both like few, large calls).
+        flat = torch.cat([g.detach().reshape(-1).float() for g in grads] + [stats.to(self.device), pos.to(self.device)])
+        self.reducer(flat)
+        n_grad = flat.numel() - stats.numel() - pos.numel()
+        g_stats = dict(zip(_STATS, flat[n_grad:n_grad + len(_STATS)].tolist()))
+        g_pos = flat[n_grad + len(_STATS):].cpu()
+        weight = g_stats["weight_sum"]
+        grad_norm, lr = 0.0, self.scheduler.get_last_lr()[0]
+        if weight > 0:
+            grad_norm = self._apply(params, flat[:n_grad] / weight)
+        half = g_pos.numel() // 2
+        per_pos = (g_pos[:half] / g_pos[half:].clamp(min=1)).tolist()
+        accuracy = float(g_pos[:half].sum() / g_pos[half:].sum().clamp(min=1))  # top-1 over predicted positions
+        result = StepStats(
+            step=self.step, loss=g_stats["loss_sum"] / max(weight, 1e-12), accuracy=accuracy,
+            accept_len=g_stats["accept_len_sum"] / max(g_stats["num_blocks"], 1.0), weight_sum=weight,
+            tokens=int(g_stats["tokens"]), active_ranks=int(g_stats["active"]), stop=g_stats["stop"] > 0,
+            grad_norm=grad_norm, lr=lr, per_pos_acc=per_pos, local_tokens=int(self.acc.sums["tokens"]),
+            local_loss=self.acc.sums["loss_sum"] / max(weight, 1e-12), compute_s=time.perf_counter() - t0,
+        )
+        self.acc = StepAccumulator(self.dcfg.block_size)
+        return result
+
+    def _apply(self, params: list[torch.nn.Parameter], flat_grad: torch.Tensor) -> float:
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad = flat_grad[offset:offset + n].view_as(p).to(p.dtype)
+            offset += n
+        norm = float(torch.nn.utils.clip_grad_norm_(params, self.tcfg.max_grad_norm))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+        return norm
