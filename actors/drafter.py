@@ -19,7 +19,8 @@ from app.checkpoint import TrainState, load_checkpoint, restore_rng, rng_state, 
 from app.config import CheckpointConfig, DrafterConfig, FaultsConfig, TrainConfig
 from app.devices import compute_dtype, limit_threads, pick_device
 from app.faults import fire_once
-from app.messages import EndOfStream, StepRecord
+from app.messages import EndOfStream, StepRecord, split_job_id
+from app.pool import Drained
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class _Prefetcher:
         import ray
 
         pulled = ray.get(self.pool.pull.remote(self.rank))
-        if isinstance(pulled, EndOfStream):
+        if isinstance(pulled, (EndOfStream, Drained)):
             return pulled, None
         return pulled, ray.get(pulled.payload_ref)
 
@@ -76,7 +77,8 @@ class _Prefetcher:
         t0 = time.perf_counter()
         item, payload = self.pending.result()
         waited = time.perf_counter() - t0
-        self.pending = None if isinstance(item, EndOfStream) else self.executor.submit(self._fetch)
+        # After end-of-stream or a drain, pull again only when asked (a drain clears after acks).
+        self.pending = None if isinstance(item, (EndOfStream, Drained)) else self.executor.submit(self._fetch)
         return item, payload, waited
 
 
@@ -137,35 +139,24 @@ class DrafterActor:
         import ray
         import torch.distributed as dist
 
-        from app.model.loss import TrainBatch
-
         fetch = _Prefetcher(self.pool, self.rank)
-        dry, stop_pending, stopped, last_ckpt = False, False, False, None
+        eos, stopped, last_ckpt = False, False, None
         while True:
-            t_step, wait_s, job_ids = time.perf_counter(), 0.0, []
-            for _ in range(self.s.train.grad_accum):
-                if dry:
-                    break
-                item, payload, waited = fetch.next()
-                wait_s += waited
-                if isinstance(item, EndOfStream):
-                    dry = True
-                    break
-                self.epoch = max(self.epoch, item.meta.job_id >> 32)
-                batch = TrainBatch.from_hidden_batch(payload, self.device, self.dtype)
-                self.trainer.micro_step(batch, item.meta.job_id)
-                job_ids.append(item.meta.job_id)
-            stats = self.trainer.finish_step(stop_requested=stop_pending)
-            if stats.active_ranks == 0:
-                break  # every rank dry: the stream is over
+            t_step = time.perf_counter()
+            job_ids, wait_s, eos = self._accumulate(fetch, eos)
+            stop = self.rank == 0 and bool(ray.get(self.pool.stop_requested.remote()))
+            stats = self.trainer.finish_step(stop_requested=stop, eos=eos)
+            if stats.eos_ranks == self.s.world_size:
+                break  # every rank's stream is over
+            if stats.active_ranks == 0 and not stats.stop:
+                time.sleep(0.05)  # all ranks drained while leases elsewhere await acks: pull again
+                continue
             self._maybe_crash(stats.step)
+            if job_ids:  # after the optimizer step: a crash before this re-issues the jobs
+                ray.get(self.pool.ack.remote(self.rank, job_ids))
             gathered: list[list[int]] = [[] for _ in range(self.s.world_size)]
             dist.all_gather_object(gathered, job_ids)
-            step_jobs = [j for ids in gathered for j in ids]
-            if self.rank == 0:
-                reply = ray.get(self.pool.ack.remote(self.rank, step_jobs))
-                stop_pending = stop_pending or bool(getattr(reply, "stop_requested", False))
-                self.ledger.update(step_jobs)
+            self.ledger.update(j for ids in gathered for j in ids)
             self._report(stats, job_ids, wait_s, time.perf_counter() - t_step)
             if stats.stop:
                 stopped = True
@@ -176,6 +167,28 @@ class DrafterActor:
             last_ckpt = self.save()
         return DrafterResult(self.rank, self.trainer.step, stopped, self.weights_checksum(), last_ckpt,
                              self.export() if (self.rank == 0 and not stopped) else None)
+
+    def _accumulate(self, fetch: "_Prefetcher", eos: bool) -> tuple[list[int], float, bool]:
+        """Up to grad_accum micro-batches: (job ids trained, seconds waiting for data, stream ended)."""
+        from app.model.loss import TrainBatch
+
+        job_ids: list[int] = []
+        wait_s = 0.0
+        for _ in range(self.s.train.grad_accum):
+            if eos:
+                break
+            item, payload, waited = fetch.next()
+            wait_s += waited
+            if isinstance(item, EndOfStream):
+                eos = True
+                break
+            if isinstance(item, Drained):
+                break  # nothing buffered, others hold the last leases: step with what we have
+            self.epoch = max(self.epoch, split_job_id(item.meta.job_id)[0])
+            batch = TrainBatch.from_hidden_batch(payload, self.device, self.dtype)
+            self.trainer.micro_step(batch, item.meta.job_id)
+            job_ids.append(item.meta.job_id)
+        return job_ids, wait_s, eos
 
     def _maybe_crash(self, step: int) -> None:
         # After the step's update but before its ack: the jobs are trained and not yet in the ledger.

@@ -18,7 +18,7 @@ import torch
 from app.config import DrafterConfig, TrainConfig, default_gamma
 
 # Layout of the statistics that ride along with the gradients in the step's all-reduce.
-_STATS = ("weight_sum", "loss_sum", "correct_sum", "tokens", "accept_len_sum", "num_blocks", "active", "stop")
+_STATS = ("weight_sum", "loss_sum", "correct_sum", "tokens", "accept_len_sum", "num_blocks", "active", "stop", "eos")
 
 
 class Reducer(Protocol):
@@ -54,7 +54,8 @@ class StepStats:
     accept_len: float
     weight_sum: float
     tokens: int
-    active_ranks: int
+    active_ranks: int  # ranks that trained on something this step
+    eos_ranks: int  # ranks whose stream has ended
     stop: bool
     grad_norm: float
     lr: float
@@ -115,12 +116,12 @@ class DrafterTrainer:
             out.loss_sum.backward()
         self.acc.add(out, job_id)
 
-    def finish_step(self, stop_requested: bool = False) -> StepStats:
+    def finish_step(self, stop_requested: bool = False, eos: bool = False) -> StepStats:
         """All-reduce grads + stats, normalise by the global weight sum, clip, step, schedule."""
         t0 = time.perf_counter()
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        local = self.acc.sums | {"stop": float(stop_requested)}
+        local = self.acc.sums | {"stop": float(stop_requested), "eos": float(eos)}
         stats = torch.tensor([local[k] for k in _STATS], dtype=torch.float32)
         pos = torch.cat([self.acc.pos_correct, self.acc.pos_count]).float()
         # One flat fp32 buffer: a single collective per step (gloo and nccl both like few, large calls).
@@ -139,7 +140,7 @@ class DrafterTrainer:
         result = StepStats(
             step=self.step, loss=g_stats["loss_sum"] / max(weight, 1e-12), accuracy=accuracy,
             accept_len=g_stats["accept_len_sum"] / max(g_stats["num_blocks"], 1.0), weight_sum=weight,
-            tokens=int(g_stats["tokens"]), active_ranks=int(g_stats["active"]), stop=g_stats["stop"] > 0,
+            tokens=int(g_stats["tokens"]), active_ranks=int(g_stats["active"]), eos_ranks=int(g_stats["eos"]), stop=g_stats["stop"] > 0,
             grad_norm=grad_norm, lr=lr, per_pos_acc=per_pos, local_tokens=int(self.acc.sums["tokens"]),
             local_loss=self.acc.sums["loss_sum"] / max(weight, 1e-12), compute_s=time.perf_counter() - t0,
         )

@@ -1,0 +1,157 @@
+"""The driver's steps: plan, connect, check resources, start, supervise, finish (see app/train.py)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from app.config import Config
+from app.config_checks import check_resources
+from app.config_load import ConfigError
+from app.status import RunMonitor
+
+
+def log(msg: str) -> None:
+    print(f"[dflash {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def run(cfg: Config) -> int:
+    """Run (or resume) training; returns the process exit code."""
+    from app.supervisor import RunFailed
+
+    try:
+        use_gpu = connect(cfg)
+        plan = make_plan(cfg, use_gpu)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    stop = install_stop_handler()
+    try:
+        return supervise(plan, use_gpu, stop)
+    except RunFailed as exc:
+        print(f"run failed: {exc}", file=sys.stderr)
+        return 1
+
+
+def connect(cfg: Config) -> bool:
+    """Join the cluster in RAY_ADDRESS (what `ray job submit` sets) or start a local one; check resources."""
+    import ray
+
+    from app.topology import uses_gpu
+
+    if not ray.is_initialized():
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local runs only; a cluster sets its own mode
+        address = os.environ.get("RAY_ADDRESS") or None
+        ray.init(address=address, include_dashboard=None if address else False, log_to_driver=True,
+                 configure_logging=False)
+    resources = ray.cluster_resources()
+    use_gpu = uses_gpu(cfg.topology, resources.get("GPU", 0.0))
+    check_resources(cfg, resources, use_gpu)
+    return use_gpu
+
+
+def make_plan(cfg: Config, use_gpu: bool):
+    from app.run_setup import plan_run
+
+    t0 = time.monotonic()
+    plan = plan_run(cfg, use_gpu)
+    resumed = f", resuming from {plan.resume_from} (step {plan.resume_step}, {len(plan.resume_ledger)} jobs done)" \
+        if plan.resume_from else ""
+    log(f"target {plan.model_dir} layers {plan.layer_ids}; {len(plan.dataset)} sequences, {len(plan.jobs)} jobs over "
+        f"{cfg.train.epochs} epochs, ~{plan.total_steps} steps{resumed} ({time.monotonic() - t0:.1f} s)")
+    return plan
+
+
+def install_stop_handler() -> threading.Event:
+    """SIGTERM (what `ray job stop` sends) and SIGINT ask for checkpoint-then-exit, once."""
+    stop = threading.Event()
+
+    def handler(signum, _frame):
+        if stop.is_set():  # a second signal: give up waiting
+            raise KeyboardInterrupt
+        log(f"received {signal.Signals(signum).name}: stopping at the next step boundary")
+        stop.set()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+    return stop
+
+
+def supervise(plan, use_gpu: bool, stop: threading.Event) -> int:
+    from app.run_setup import run_name
+    from app.supervisor import Supervisor
+    from app.topology import Topology, plan_bundles
+    from app.wandb_log import WandbLogger
+
+    cfg = plan.cfg
+    name = run_name(cfg)
+    topo = Topology(cfg, plan_bundles(cfg.topology, use_gpu), name)
+    monitor = RunMonitor()
+    wandb = WandbLogger(cfg.logging, name, cfg)
+    sup = Supervisor(plan, topo, monitor, stop, log=log)
+    sup.on_status = wandb.log
+    t0 = time.monotonic()
+    try:
+        sup.start()
+        log(f"{cfg.topology.num_targets} targets and {cfg.topology.num_drafters} drafters running (run '{name}')")
+        outcome = sup.run()
+        if outcome.stopped:
+            log(f"stopped cleanly at step {outcome.steps}; resubmit the same command to resume")
+            return 0
+        export_dir = next((r.export_dir for r in outcome.drafter_results if r.export_dir), None)
+        tau_u, tau_t = sup.evaluate(export_dir)
+        summary = build_summary(plan, sup, monitor, outcome, tau_u, tau_t, time.monotonic() - t0)
+        write_summary(cfg, summary)
+        wandb.finish(summary)
+        log(f"exported drafter to {export_dir}")
+        print("RESULT " + " ".join(f"{k}={_fmt(v)}" for k, v in summary.items() if not isinstance(v, (list, dict))),
+              flush=True)
+        return 0
+    finally:
+        sup.shutdown()
+        topo.remove()
+
+
+def build_summary(plan, sup, monitor: RunMonitor, outcome, tau_u, tau_t, elapsed: float) -> dict:
+    ledger = sup.ledger_report()
+    checksums = {round(r.weights_checksum, 6) for r in outcome.drafter_results}
+    return {
+        "epochs": plan.cfg.train.epochs,
+        "jobs_scheduled": len(plan.jobs),
+        "jobs_acked": ledger["jobs_acked"],
+        "jobs_acked_twice": ledger["jobs_acked_twice"],
+        "steps": outcome.steps,
+        "loss_first": monitor.loss_first,
+        "loss_last": monitor.loss_last,
+        "train_tok_s": monitor.train_tokens / max(elapsed, 1e-9),
+        "data_wait": monitor.data_wait_share(),
+        "restarts": sum(outcome.restarts.values()),
+        "faults": len(monitor.events),
+        "tau_untrained": tau_u,
+        "tau_trained": tau_t,
+        "replicas_identical": len(checksums) == 1,
+        "resumed_from_step": plan.resume_step,
+        "elapsed_s": elapsed,
+        "fault_log": list(monitor.events),
+        "data": plan.data_summary,
+    }
+
+
+def write_summary(cfg: Config, summary: dict) -> Path:
+    path = Path(cfg.checkpoint.dir) / "summary.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(summary, indent=2, default=str))
+    tmp.replace(path)
+    return path
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)

@@ -1,0 +1,110 @@
+"""Everything the driver settles before any actor starts: target, checks, data, schedule, resume point.
+
+No Ray here: a bad target, a bad mask token or an empty dataset is a `ConfigError` raised before the
+cluster is touched.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from app.checkpoint import latest_checkpoint, read_ledger
+from app.config import Config
+from app.config_checks import (TargetInfo, check_target, read_target_info, resolved_layer_ids,
+                               resolved_mask_token_id)
+from app.config_load import ConfigError
+from app.messages import JobSpec
+
+
+@dataclass
+class RunPlan:
+    """The resolved run: what every actor and the supervisor need."""
+
+    cfg: Config
+    model_dir: str
+    info: TargetInfo
+    layer_ids: list[int]
+    mask_token_id: int
+    dataset: object  # app.data.TokenizedDataset
+    data_summary: dict
+    jobs: list[JobSpec]  # every epoch, in schedule order
+    eval_prompts: list[list[int]]
+    resume_from: str | None
+    resume_step: int
+    resume_ledger: list[int]
+    total_steps: int
+    bytes_per_token: int
+
+    @property
+    def jobs_remaining(self) -> int:
+        return len(self.jobs) - len(set(self.resume_ledger))
+
+
+def bytes_per_token(cfg: Config, info: TargetInfo, layer_ids: list[int], on_gpu: bool) -> int:
+    """Object-store bytes per token: layers x hidden x (2 for bf16/fp16, 4 for fp32 on CPU) + ids and mask."""
+    width = 4 if (not on_gpu or cfg.model.dtype == "float32") else 2
+    return len(layer_ids) * info.hidden_size * width + 9
+
+
+def plan_run(cfg: Config, on_gpu: bool) -> RunPlan:
+    """Resolve the target, check the config against it, tokenize, schedule and find the resume point."""
+    from transformers import AutoTokenizer
+
+    from app.data import load_dataset, load_eval_prompts
+    from app.schedule import build_schedule
+    from app.tiny import resolve_target
+
+    target = resolve_target(cfg)
+    info = read_target_info(target.model_dir)
+    if cfg.drafter.mask_token_id < 0 and target.mask_token_id is not None:
+        info = replace(info, mask_token_id=target.mask_token_id)
+    check_target(cfg, info)
+    layer_ids, mask_id = resolved_layer_ids(cfg, info), resolved_mask_token_id(cfg, info)
+    tokenizer = AutoTokenizer.from_pretrained(target.model_dir)
+    dataset = load_dataset(cfg.data, cfg.drafter.block_size, tokenizer, target.train_files)
+    if len(dataset) == 0:
+        raise ConfigError(f"data.train_files={target.train_files} gave no usable sequence; see the data summary "
+                          "(too few loss tokens or malformed records) and fix the data or data.max_length")
+    bpt = bytes_per_token(cfg, info, layer_ids, on_gpu)
+    lengths = np.asarray(dataset.lengths())
+    jobs = [job for epoch in range(cfg.train.epochs) for job in build_schedule(lengths, cfg.data, epoch, bpt)]
+    _check_job_fits(cfg, jobs)
+    prompts = load_eval_prompts(target.eval_prompts_file, tokenizer) if target.eval_prompts_file else []
+    ckpt = latest_checkpoint(cfg.checkpoint.dir)
+    step, _, ledger = read_ledger(ckpt) if ckpt else (0, 0, [])
+    per_step = cfg.topology.num_drafters * cfg.train.grad_accum
+    return RunPlan(
+        cfg=cfg, model_dir=target.model_dir, info=info, layer_ids=layer_ids, mask_token_id=mask_id,
+        dataset=dataset, data_summary=_summary_dict(dataset), jobs=jobs, eval_prompts=prompts,
+        resume_from=str(ckpt) if ckpt else None, resume_step=step, resume_ledger=ledger,
+        # Partial steps at drains add a few; the schedule must not hit zero LR before the end.
+        total_steps=math.ceil(len(jobs) / per_step) + cfg.topology.num_drafters, bytes_per_token=bpt,
+    )
+
+
+def _check_job_fits(cfg: Config, jobs: list[JobSpec]) -> None:
+    biggest = max((j.est_bytes for j in jobs), default=0)
+    if biggest > cfg.pool.capacity_bytes:
+        raise ConfigError(
+            f"pool.capacity_bytes={cfg.pool.capacity_bytes} is smaller than one job's hidden states ({biggest} bytes "
+            f"at data.tokens_per_job={cfg.data.tokens_per_job}); raise pool.capacity_bytes or lower data.tokens_per_job"
+        )
+
+
+def _summary_dict(dataset) -> dict:
+    summary = getattr(dataset, "summary", None)
+    if summary is None:
+        return {"sequences": len(dataset)}
+    if hasattr(summary, "to_dict"):
+        return summary.to_dict()
+    from dataclasses import asdict, is_dataclass
+
+    return asdict(summary) if is_dataclass(summary) else dict(summary)
+
+
+def run_name(cfg: Config) -> str:
+    """`logging.run_name`, or the checkpoint folder's name: the `run` label of every metric."""
+    return cfg.logging.run_name or Path(cfg.checkpoint.dir).resolve().name

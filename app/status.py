@@ -1,0 +1,123 @@
+"""The driver's view of a run: step records and pool snapshots folded into one status line.
+
+Pure: fed `StepRecord`s (from the pool, the telemetry hub) and `PoolStats`; the same numbers go
+to the status line, wandb and `summary.json`.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from app.messages import StepRecord
+from app.pool_stats import PoolStats
+
+# Data-wait share above which the drafters are starving (targets are the bottleneck).
+STARVING_WAIT_SHARE = 0.10
+# Buffered share of capacity above which targets are blocked on a full pool (drafters are the bottleneck).
+FULL_POOL_SHARE = 0.75
+
+
+def bottleneck(data_wait_share: float, buffered: int, capacity: int) -> str:
+    """Which side holds the run back: 'targets' (drafters wait for data), 'drafters' (pool full), or 'balanced'."""
+    if data_wait_share > STARVING_WAIT_SHARE:
+        return "targets"
+    if capacity > 0 and buffered >= FULL_POOL_SHARE * capacity:
+        return "drafters"
+    return "balanced"
+
+
+@dataclass
+class _Window:
+    """Rate over a sliding time window."""
+
+    seconds: float = 30.0
+    points: deque = field(default_factory=deque)  # (time, cumulative value)
+
+    def add(self, now: float, total: float) -> None:
+        self.points.append((now, total))
+        while len(self.points) > 2 and now - self.points[0][0] > self.seconds:
+            self.points.popleft()
+
+    def rate(self) -> float:
+        if len(self.points) < 2:
+            return 0.0
+        (t0, v0), (t1, v1) = self.points[0], self.points[-1]
+        return (v1 - v0) / (t1 - t0) if t1 > t0 else 0.0
+
+
+class RunMonitor:
+    """Accumulates what the driver reports; one instance per driver process."""
+
+    def __init__(self, clock=time.monotonic) -> None:
+        self.clock = clock
+        self.started = clock()
+        self.step = 0
+        self.epoch = 0
+        self.loss_first: float | None = None
+        self.loss_last: float | None = None
+        self.accuracy = 0.0
+        self.accept_len = 0.0
+        self.per_pos_acc: list[float] = []
+        self.train_tokens = 0
+        self.compute_s: dict[int, float] = {}
+        self.wait_s: dict[int, float] = {}
+        self.events: list[str] = []
+        self._train_rate = _Window()
+        self._target_rate = _Window()
+        self.last_progress = clock()
+
+    def add_records(self, records: list[StepRecord]) -> None:
+        for rec in records:
+            self.train_tokens += rec.tokens
+            self.compute_s[rec.rank] = self.compute_s.get(rec.rank, 0.0) + rec.compute_s
+            self.wait_s[rec.rank] = self.wait_s.get(rec.rank, 0.0) + rec.data_wait_s
+            if rec.rank == 0:  # every rank carries the global step numbers; count them once
+                self._rank0(rec)
+
+    def _rank0(self, rec: StepRecord) -> None:
+        if rec.step > self.step:
+            self.last_progress = self.clock()
+        self.step, self.epoch = max(self.step, rec.step), max(self.epoch, rec.epoch)
+        if self.loss_first is None:
+            self.loss_first = rec.loss
+        self.loss_last, self.accuracy, self.accept_len = rec.loss, rec.correct, rec.accept_len
+        self.per_pos_acc = list(rec.per_pos_acc)
+
+    def add_pool(self, stats: PoolStats) -> None:
+        now = self.clock()
+        self._train_rate.add(now, self.train_tokens)
+        self._target_rate.add(now, sum(stats.tokens_by_target.values()))
+        self.last_pool = stats
+
+    def data_wait_share(self) -> float:
+        wait, busy = sum(self.wait_s.values()), sum(self.compute_s.values())
+        return wait / (wait + busy) if wait + busy > 0 else 0.0
+
+    def note(self, event: str) -> None:
+        """A fault seen and what was done about it: shown in the status line and the summary."""
+        self.events.append(event)
+
+    def values(self) -> dict[str, float | int | str]:
+        """The numbers of the status line, for wandb."""
+        stats = getattr(self, "last_pool", None)
+        q = stats.q_hsb if stats else []
+        return {
+            "step": self.step, "epoch": self.epoch, "loss": self.loss_last or 0.0, "accuracy": self.accuracy,
+            "accept_len": self.accept_len, "target_tok_s": self._target_rate.rate(),
+            "train_tok_s": self._train_rate.rate(), "data_wait": self.data_wait_share(),
+            "q_hsb": str(q), "buffered": stats.buffered if stats else 0,
+            "acked": stats.acked if stats else 0, "total_jobs": stats.total_jobs if stats else 0,
+            "bottleneck": bottleneck(self.data_wait_share(), stats.buffered if stats else 0,
+                                     stats.capacity_items if stats else 0),
+        }
+
+    def line(self) -> str:
+        v = self.values()
+        faults = f" | faults={len(self.events)} last: {self.events[-1]}" if self.events else ""
+        return (
+            f"step {v['step']} ep {v['epoch']} jobs {v['acked']}/{v['total_jobs']} | loss {v['loss']:.3f} "
+            f"acc {v['accuracy']:.3f} accept_len {v['accept_len']:.2f} | target {v['target_tok_s']:.0f} tok/s "
+            f"train {v['train_tok_s']:.0f} tok/s | q_hsb={v['q_hsb']} data_wait {100 * v['data_wait']:.0f}% "
+            f"| bottleneck: {v['bottleneck']}{faults}"
+        )

@@ -1,0 +1,108 @@
+"""The run's Ray topology: one placement group, a bundle per actor (targets first, then drafters).
+
+Actors are plain classes made remote here, with resources from the `topology` section; each one
+is pinned to its bundle, so a restarted actor lands exactly where its predecessor was.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from app.config import Config, TopologyConfig
+
+
+@dataclass(frozen=True)
+class BundlePlan:
+    """Bundles of the placement group and which actor sits in which."""
+
+    bundles: list[dict[str, float]]
+    num_targets: int
+    num_drafters: int
+    use_gpu: bool
+
+    def target_bundle(self, i: int) -> int:
+        return i
+
+    def drafter_bundle(self, rank: int) -> int:
+        return self.num_targets + rank
+
+
+def plan_bundles(topo: TopologyConfig, use_gpu: bool) -> BundlePlan:
+    """One bundle per actor: GPUs when the run uses them, CPU shares always."""
+    def bundle(cpus: float, gpus: float) -> dict[str, float]:
+        b = {"CPU": cpus}
+        if use_gpu and gpus > 0:
+            b["GPU"] = gpus
+        return b
+
+    bundles = [bundle(topo.cpus_per_target, topo.gpus_per_target) for _ in range(topo.num_targets)]
+    bundles += [bundle(topo.cpus_per_drafter, topo.gpus_per_drafter) for _ in range(topo.num_drafters)]
+    return BundlePlan(bundles, topo.num_targets, topo.num_drafters, use_gpu)
+
+
+def uses_gpu(topo: TopologyConfig, cluster_gpus: float) -> bool:
+    """`device=auto` means GPUs when the cluster has any; `cpu` never; `cuda` always."""
+    if topo.device == "cpu":
+        return False
+    return topo.device == "cuda" or cluster_gpus > 0
+
+
+class Topology:
+    """Creates (and re-creates) the run's actors inside its placement group."""
+
+    def __init__(self, cfg: Config, plan: BundlePlan, run_name: str) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+
+        self.cfg, self.plan, self.run_name = cfg, plan, run_name
+        self.pg = placement_group(plan.bundles, strategy="PACK", name=f"dflash-{run_name}")
+        ready, _ = ray.wait([self.pg.ready()], timeout=120)
+        if not ready:
+            raise RuntimeError(f"placement group {plan.bundles} not ready after 120 s: the cluster lacks resources")
+
+    def _strategy(self, bundle: int) -> Any:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=bundle)
+
+    def make_pool(self, num_buckets: int) -> Any:
+        import ray
+
+        from actors.hs_pool import HSPoolActor, pool_max_concurrency
+
+        topo = self.cfg.topology
+        return ray.remote(HSPoolActor).options(
+            num_cpus=0, max_concurrency=pool_max_concurrency(topo.num_targets, topo.num_drafters),
+            name=f"dflash-pool-{self.run_name}", max_restarts=0,
+        ).remote(self.cfg.pool, num_buckets, self.run_name)
+
+    def make_target(self, i: int, model_dir: str, layer_ids: list[int], dataset_ref: Any, faults: Any) -> Any:
+        import ray
+
+        from actors.target import TargetActor
+
+        topo, bundle = self.cfg.topology, self.plan.bundles[self.plan.target_bundle(i)]
+        return ray.remote(TargetActor).options(
+            num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0, max_concurrency=2,
+            scheduling_strategy=self._strategy(self.plan.target_bundle(i)),
+        ).remote(i, model_dir, layer_ids, self.cfg.model, topo.device if self.plan.use_gpu else "cpu",
+                 bundle["CPU"], dataset_ref, faults, self.cfg.checkpoint.dir)
+
+    def make_drafters(self, setup: Any, pool: Any) -> list[Any]:
+        import ray
+
+        from actors.drafter import DrafterActor
+
+        actors = []
+        for rank in range(self.plan.num_drafters):
+            bundle = self.plan.bundles[self.plan.drafter_bundle(rank)]
+            actors.append(ray.remote(DrafterActor).options(
+                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0,
+                scheduling_strategy=self._strategy(self.plan.drafter_bundle(rank)),
+            ).remote(rank, setup, pool))
+        return actors
+
+    def remove(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.pg)

@@ -1,0 +1,30 @@
+"""wandb logging of the status-line values (`logging.wandb_mode`: offline, online, disabled)."""
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from app.config import Config, LoggingConfig
+
+
+class WandbLogger:
+    """A no-op when disabled; otherwise one wandb run per driver process, resumed by run name."""
+
+    def __init__(self, cfg: LoggingConfig, run_name: str, full: Config) -> None:
+        self.run = None
+        if cfg.wandb_mode == "disabled":
+            return
+        import wandb
+
+        self.run = wandb.init(project=cfg.wandb_project, name=run_name, id=run_name, resume="allow",
+                              mode=cfg.wandb_mode, config=asdict(full), dir=full.checkpoint.dir)
+
+    def log(self, values: dict[str, Any]) -> None:
+        if self.run is not None:
+            numbers = {k: v for k, v in values.items() if isinstance(v, (int, float))}
+            self.run.log(numbers, step=int(values.get("step", 0)))
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        if self.run is not None:
+            self.run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float))})
+            self.run.finish()
