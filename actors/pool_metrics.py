@@ -1,0 +1,118 @@
+"""Ray metrics of the pool actor (names in app/metric_names.py; DESIGN section 4).
+
+Every metric carries the tag `run`. Gauges are re-set on every tick (the pool calls `tick` every
+pool.metrics_every_s seconds) because Ray drops gauges that are not refreshed. Counters are fed
+deltas on each tick, and pull waits are observed in batches, so the pull/ack hot path makes no
+metrics calls at all.
+
+Prometheus names as scraped from Ray 2.60: each name gets the `ray_` prefix
+(`ray_dflash_pool_items`); a Counter named `dflash_served_total` is exported as
+`ray_dflash_served_total` (no extra suffix); histograms add `_bucket`, `_sum`, `_count`.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from app import metric_names as mn
+from app.messages import StepRecord
+from app.pool_stats import PoolStats
+
+JOB_STATES = ("pending", "in_flight", "buffered", "leased", "acked")
+WAIT_BOUNDARIES_S = [0.001, 0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0]
+
+
+class PoolMetrics:
+    """Owns the ray.util.metrics objects; fed from PoolStats snapshots and step records."""
+
+    def __init__(self, run_name: str) -> None:
+        from ray.util.metrics import Counter, Gauge, Histogram
+
+        self.run = run_name
+        run = ("run",)
+        self.pool_items = Gauge(mn.POOL_ITEMS, "Buffered items per length bucket (q_hsb)", run + ("bucket",))
+        self.pool_bytes = Gauge(mn.POOL_BYTES, "Bytes buffered + leased + reserved in flight", run)
+        self.capacity_bytes = Gauge(mn.POOL_CAPACITY_BYTES, "The pool's byte cap", run)
+        self.jobs = Gauge(mn.JOBS, "Jobs by state", run + ("state",))
+        self.pull_wait = Histogram(
+            mn.PULL_WAIT_SECONDS, "Seconds a pull waited for an item", WAIT_BOUNDARIES_S, run
+        )
+        self.served = Counter(mn.SERVED_TOTAL, "Items served per bucket", run + ("bucket",))
+        self.target_tokens = Counter(mn.TARGET_TOKENS_TOTAL, "Tokens produced per target", run + ("target",))
+        self.target_busy = Gauge(mn.TARGET_BUSY_RATIO, "Forward time / wall time per target", run + ("target",))
+        self.train_tokens = Counter(mn.TRAIN_TOKENS_TOTAL, "Tokens trained (all drafters)", run)
+        self.train_step = Gauge(mn.TRAIN_STEP, "Latest optimizer step", run)
+        self.train_loss = Gauge(mn.TRAIN_LOSS, "Loss of the latest complete step", run)
+        self.data_wait = Gauge(
+            mn.DRAFTER_DATA_WAIT_RATIO, "Data wait / (wait + compute) per drafter", run + ("drafter",)
+        )
+        self._last_served: list[int] = []
+        self._last_tokens: dict[int, int] = {}
+        self._last_forward: dict[int, tuple[float, float]] = {}  # target -> (forward_s, wall time)
+        self._busy: dict[int, float] = {}
+        self._wait_ratio: dict[int, float] = {}
+        self._step_loss: dict[int, dict[int, float]] = {}  # step -> rank -> loss
+        self._ranks: set[int] = set()
+        self._step = -1
+        self._loss: float | None = None
+
+    def _t(self, **tags: Any) -> dict[str, str]:
+        return {"run": self.run, **{k: str(v) for k, v in tags.items()}}
+
+    def tick(self, st: PoolStats, waits: list[float], now: float | None = None) -> None:
+        """Re-set every gauge and feed counters the deltas since the previous tick."""
+        now = time.monotonic() if now is None else now
+        for b, n in enumerate(st.q_hsb):
+            self.pool_items.set(n, self._t(bucket=b))
+        self.pool_bytes.set(st.pool_bytes, self._t())
+        self.capacity_bytes.set(st.capacity_bytes, self._t())
+        for state, n in st.jobs_by_state().items():
+            self.jobs.set(n, self._t(state=state))
+        for w in waits:
+            self.pull_wait.observe(w, self._t())
+        self._counters(st)
+        self._target_busy(st, now)
+        for t, ratio in self._busy.items():
+            self.target_busy.set(ratio, self._t(target=t))
+        for d, ratio in self._wait_ratio.items():
+            self.data_wait.set(ratio, self._t(drafter=d))
+        if self._step >= 0:
+            self.train_step.set(self._step, self._t())
+        if self._loss is not None:
+            self.train_loss.set(self._loss, self._t())
+
+    def _counters(self, st: PoolStats) -> None:
+        if not self._last_served:
+            self._last_served = [0] * len(st.served_per_bucket)
+        for b, n in enumerate(st.served_per_bucket):
+            if n > self._last_served[b]:
+                self.served.inc(n - self._last_served[b], self._t(bucket=b))
+                self._last_served[b] = n
+        for t, n in st.tokens_by_target.items():
+            delta = n - self._last_tokens.get(t, 0)
+            if delta > 0:
+                self.target_tokens.inc(delta, self._t(target=t))
+                self._last_tokens[t] = n
+
+    def _target_busy(self, st: PoolStats, now: float) -> None:
+        for t, fwd in st.forward_s_by_target.items():
+            prev = self._last_forward.get(t)
+            self._last_forward[t] = (fwd, now)
+            if prev is not None and now > prev[1]:
+                self._busy[t] = min(1.0, max(0.0, (fwd - prev[0]) / (now - prev[1])))
+
+    def step(self, rec: StepRecord) -> None:
+        """Fold one rank's step record in: tokens now; loss once every known rank reported."""
+        if rec.tokens > 0:
+            self.train_tokens.inc(rec.tokens, self._t())
+        total = rec.compute_s + rec.data_wait_s
+        if total > 0:
+            self._wait_ratio[rec.rank] = rec.data_wait_s / total
+        self._ranks.add(rec.rank)
+        self._step = max(self._step, rec.step)
+        losses = self._step_loss.setdefault(rec.step, {})
+        losses[rec.rank] = rec.loss
+        if len(losses) >= len(self._ranks):  # ranks' losses are shares of the global mean
+            self._loss = sum(losses.values())
+            for s in [s for s in self._step_loss if s <= rec.step]:
+                del self._step_loss[s]
