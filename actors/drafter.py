@@ -192,7 +192,7 @@ class DrafterActor:
 
     def _maybe_crash(self, step: int) -> None:
         # After the step's update but before its ack: the jobs are trained and not yet in the ledger.
-        if self.rank == 0 and step + 1 == self.s.faults.kill_drafter_at_step and fire_once(
+        if self.rank == 0 and step == self.s.faults.kill_drafter_at_step and fire_once(
                 self.s.checkpoint.dir, "kill_drafter"):
             os._exit(1)
 

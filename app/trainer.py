@@ -48,7 +48,7 @@ def warmup_cosine(total_steps: int, warmup_ratio: float) -> Callable[[int], floa
 class StepStats:
     """Global statistics of one optimizer step (identical on every rank after the all-reduce)."""
 
-    step: int
+    step: int  # optimizer steps done, this one included
     loss: float
     accuracy: float
     accept_len: float

@@ -1,0 +1,126 @@
+"""The drafter step without Ray: LR schedule, global-weight normalisation across ranks, dry ranks."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from app.config import DrafterConfig, TrainConfig
+from app.model.drafter import DFlashDrafter
+from app.model.loss import TrainBatch
+from app.model.target_head import TargetHead
+from app.model.toy import save_tiny_target, tiny_arch
+from app.trainer import DrafterTrainer, warmup_cosine
+
+BLOCK = 4
+
+
+def test_warmup_then_cosine_to_zero() -> None:
+    f = warmup_cosine(100, 0.1)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(55) == pytest.approx(0.5, abs=0.02)
+    assert f(100) == pytest.approx(0.0, abs=1e-9) and f(500) == pytest.approx(0.0, abs=1e-9)
+    assert all(f(s) >= f(s + 1) for s in range(10, 120))
+
+
+class ThreadReducer:
+    """Sums flat tensors across `n` threads, like an all-reduce across ranks."""
+
+    def __init__(self, n: int) -> None:
+        self.buf: list[torch.Tensor] = []
+        self.lock = threading.Lock()
+        self.posted = threading.Barrier(n)
+        self.read = threading.Barrier(n, action=self.buf.clear)  # runs once, after every rank has read
+
+    def __call__(self, flat: torch.Tensor) -> None:
+        with self.lock:
+            self.buf.append(flat.clone())
+        self.posted.wait()
+        total = torch.stack(self.buf).sum(0)
+        self.read.wait()
+        flat.copy_(total)
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    target_dir = tmp_path_factory.mktemp("target")
+    target = save_tiny_target(target_dir, vocab=64, hidden=32, layers=4)
+    arch = tiny_arch(target.config, num_layers=1, block_size=BLOCK, mask_token_id=3)
+    head = TargetHead.load(target_dir)
+    g = torch.Generator().manual_seed(0)
+
+    def batch(n: int, S: int) -> TrainBatch:
+        ids = torch.randint(4, 64, (n, S), generator=g)
+        mask = torch.ones(n, S)
+        mask[:, : S // 3] = 0
+        hidden = torch.randn(n, S, arch.feature_dim, generator=g)
+        return TrainBatch(ids, mask, hidden, torch.full((n,), S))
+
+    return arch, head, [batch(1, 24), batch(3, 40)]
+
+
+def _trainer(arch, head, reducer=None) -> DrafterTrainer:
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(arch)
+    dcfg = DrafterConfig(num_layers=1, block_size=BLOCK, num_anchors=8, mask_token_id=3, ce_chunk_rows=16)
+    tcfg = TrainConfig(lr=1e-2, warmup_ratio=0.0, grad_accum=2, sample_every=0)
+    kw = {"reducer": reducer} if reducer else {}
+    return DrafterTrainer(drafter, head, dcfg, tcfg, total_steps=10, device=torch.device("cpu"), **kw)
+
+
+def test_two_ranks_match_one_rank_with_both_batches(parts) -> None:
+    """Loss weights are normalised by the GLOBAL sum: a rank with more tokens weighs more."""
+    arch, head, (small, big) = parts
+    single = _trainer(arch, head)
+    single.micro_step(small, job_id=1)
+    single.micro_step(big, job_id=2)
+    ref = single.finish_step()
+
+    reducer = ThreadReducer(2)
+    ranks = [_trainer(arch, head, reducer), _trainer(arch, head, reducer)]
+    results = [None, None]
+
+    def go(r: int, batch, job: int) -> None:
+        ranks[r].micro_step(batch, job_id=job)
+        results[r] = ranks[r].finish_step()
+
+    threads = [threading.Thread(target=go, args=(0, small, 1)), threading.Thread(target=go, args=(1, big, 2))]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert results[0].loss == pytest.approx(ref.loss, rel=1e-5)
+    assert results[0].weight_sum == pytest.approx(ref.weight_sum, rel=1e-6)
+    for p_ref, p0, p1 in zip(single.drafter.parameters(), ranks[0].drafter.parameters(), ranks[1].drafter.parameters()):
+        assert torch.allclose(p0, p1)  # replicas stay identical
+        assert torch.allclose(p_ref, p0, atol=1e-6)
+
+
+def test_a_dry_rank_joins_with_zeros(parts) -> None:
+    arch, head, (small, _) = parts
+    reducer = ThreadReducer(2)
+    ranks = [_trainer(arch, head, reducer), _trainer(arch, head, reducer)]
+    out = [None, None]
+
+    def busy() -> None:
+        ranks[0].micro_step(small, job_id=1)
+        out[0] = ranks[0].finish_step()
+
+    def dry() -> None:
+        out[1] = ranks[1].finish_step(eos=True)
+
+    threads = [threading.Thread(target=busy), threading.Thread(target=dry)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert out[0].active_ranks == 1 and out[0].eos_ranks == 1 and out[1].step == 1
+    assert ranks[0].step == ranks[1].step == 1  # both stepped on the one rank's gradients
+    for p0, p1 in zip(ranks[0].drafter.parameters(), ranks[1].drafter.parameters()):
+        assert torch.allclose(p0, p1)
+
+
+def test_a_step_with_no_weight_does_not_move_the_weights(parts) -> None:
+    arch, head, _ = parts
+    t = _trainer(arch, head)
+    before = [p.detach().clone() for p in t.drafter.parameters()]
+    stats = t.finish_step(eos=True)
+    assert stats.active_ranks == 0 and t.step == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, t.drafter.parameters()))
