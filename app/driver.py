@@ -29,12 +29,14 @@ def run(cfg: Config) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    stop = install_stop_handler()
+    stop, restore_signals = install_stop_handler()
     try:
         return supervise(plan, use_gpu, stop)
     except RunFailed as exc:
         print(f"run failed: {exc}", file=sys.stderr)
         return 1
+    finally:
+        restore_signals()
 
 
 def connect(cfg: Config) -> bool:
@@ -66,9 +68,12 @@ def make_plan(cfg: Config, use_gpu: bool):
     return plan
 
 
-def install_stop_handler() -> threading.Event:
-    """SIGTERM (what `ray job stop` sends) and SIGINT ask for checkpoint-then-exit, once."""
+def install_stop_handler():
+    """SIGTERM (what `ray job stop` sends) and SIGINT ask for checkpoint-then-exit, once.
+
+    Returns the stop event and a function that puts the previous handlers back."""
     stop = threading.Event()
+    previous: dict[int, object] = {}
 
     def handler(signum, _frame):
         if stop.is_set():  # a second signal: give up waiting
@@ -77,9 +82,14 @@ def install_stop_handler() -> threading.Event:
         stop.set()
 
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
-    return stop
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, handler)
+
+    def restore() -> None:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+    return stop, restore
 
 
 def supervise(plan, use_gpu: bool, stop: threading.Event) -> int:
@@ -125,6 +135,7 @@ def build_summary(plan, sup, monitor: RunMonitor, outcome, tau_u, tau_t, elapsed
         "jobs_scheduled": len(plan.jobs),
         "jobs_acked": ledger["jobs_acked"],
         "jobs_acked_twice": ledger["jobs_acked_twice"],
+        "jobs_trained_this_run": ledger["jobs_acked"] - len(set(plan.resume_ledger)),
         "steps": outcome.steps,
         "loss_first": monitor.loss_first,
         "loss_last": monitor.loss_last,

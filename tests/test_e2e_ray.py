@@ -1,0 +1,46 @@
+"""End to end on the tiny config: the real driver, 5 targets and 3 drafters on the local cluster."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from app.checkpoint import latest_checkpoint, read_ledger
+from tests.e2e_helpers import run_in_process, sigterm_and_wait, start_driver, summary, wait_for
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+def test_tiny_run_trains_every_job_exactly_once(ray_cluster, tmp_path: Path, capsys) -> None:
+    assert run_in_process(tmp_path) == 0
+    s = summary(tmp_path)
+    out = capsys.readouterr().out
+    assert s["jobs_acked"] == s["jobs_scheduled"] > 0
+    assert s["jobs_acked_twice"] == 0
+    assert s["loss_last"] < s["loss_first"]
+    assert s["replicas_identical"] is True
+    assert s["tau_trained"] is not None and s["tau_untrained"] is not None
+    assert "q_hsb=[" in out and "bottleneck:" in out and "RESULT " in out
+    ledger = read_ledger(latest_checkpoint(tmp_path))[2]
+    assert len(ledger) == len(set(ledger)) == s["jobs_scheduled"]
+    config = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"]
+
+
+def test_stop_then_resume_trains_each_job_once(ray_cluster, tmp_path: Path) -> None:
+    proc = start_driver(tmp_path, "checkpoint.every_steps=2")
+    wait_for(lambda: latest_checkpoint(tmp_path) is not None, 240, "a first checkpoint")
+    code, out = sigterm_and_wait(proc, timeout=120)
+    assert code == 0, out
+    assert "stopped cleanly" in out
+    step1, _, ledger1 = read_ledger(latest_checkpoint(tmp_path))
+    assert step1 > 0 and ledger1
+
+    assert run_in_process(tmp_path) == 0
+    s = summary(tmp_path)
+    assert s["resumed_from_step"] == step1
+    assert s["jobs_acked"] == s["jobs_scheduled"] and s["jobs_acked_twice"] == 0
+    assert s["jobs_trained_this_run"] == s["jobs_scheduled"] - len(ledger1)
+    final = read_ledger(latest_checkpoint(tmp_path))[2]
+    assert sorted(final) == sorted(set(final)) and set(ledger1) <= set(final)
