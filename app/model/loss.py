@@ -116,6 +116,19 @@ def block_input_ids(input_ids_BS: torch.Tensor, anchors_NA: torch.Tensor, block_
     return ids
 
 
+def block_labels(batch: TrainBatch, anchors_NA: torch.Tensor, block_size: int):
+    """Labels and label mask [N, A, B-1]: output k of block j predicts input_ids[p_j + k]
+    (the same position, no shift), k = 1..B-1; the mask is loss_mask there and 0 past the length."""
+    N, A = anchors_NA.shape
+    k = torch.arange(1, block_size, device=anchors_NA.device)
+    pos = anchors_NA[:, :, None] + k
+    in_seq = pos < batch.lengths_B[:, None, None]
+    pos_c = pos.clamp(max=batch.input_ids_BS.shape[1] - 1).flatten(1)
+    labels = batch.input_ids_BS.gather(1, pos_c).view(N, A, block_size - 1)
+    lmask = batch.loss_mask_BS.gather(1, pos_c).view(N, A, block_size - 1) * in_seq
+    return labels, lmask
+
+
 def _zero_output(drafter, batch: TrainBatch, block_size: int) -> LossOutput:
     # A differentiable zero keeps backward() and the gradient all-reduce uniform across ranks.
     zero = sum(p.sum() * 0.0 for p in drafter.parameters())
@@ -148,15 +161,10 @@ def dflash_loss(
     embeds = head.embed(ids_NAB.flatten(1)).to(param_dtype)
     hidden = drafter(embeds, batch.hidden_BSD, anchors, batch.lengths_B).view(N, A, B, -1)
 
-    # Output k of block j predicts input_ids[p_j + k] (same position, no shift), k = 1..B-1.
+    labels, lmask = block_labels(batch, anchors, B)
+    lmask = lmask * valid[:, :, None]
     k = torch.arange(1, B, device=anchors.device)
-    pos_NAK = anchors[:, :, None] + k
-    in_seq = pos_NAK < batch.lengths_B[:, None, None]
-    pos_c = pos_NAK.clamp(max=batch.input_ids_BS.shape[1] - 1)
-    labels = batch.input_ids_BS.gather(1, pos_c.flatten(1)).view(N, A, B - 1)
-    lmask = batch.loss_mask_BS.gather(1, pos_c.flatten(1)).view(N, A, B - 1) * in_seq * valid[:, :, None]
-    decay = torch.exp(-(k - 1).float() / gamma)
-    weight = lmask * decay
+    weight = lmask * torch.exp(-(k - 1).float() / gamma)
 
     rows = valid  # only real anchors go through the LM head
     h_rows = hidden[:, :, 1:][rows].reshape(-1, hidden.shape[-1]).to(head.lm_head.weight.dtype)

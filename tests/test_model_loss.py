@@ -1,0 +1,159 @@
+"""Anchors, labels, weights, chunked CE and the overfit check of the DFlash loss."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from app.messages import HiddenBatch
+from app.model.chunked_ce import chunked_cross_entropy, full_cross_entropy
+from app.model.drafter import DFlashDrafter
+from app.model.loss import TrainBatch, block_labels, dflash_loss, sample_anchors
+from app.model.target_head import TargetHead
+from app.model.toy import tiny_arch, tiny_qwen3_config
+
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny tensors: torch's intra-op threads only add contention on a shared 2-core machine
+    # (a 15 ms step took 400 ms under load with 2 threads).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+def _batch(N=2, S=24, H=32, k=2, V=128, seed=0, lengths=(24, 17)):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (N, S), generator=g)
+    lengths_t = torch.tensor(lengths)
+    mask = (torch.arange(S)[None] < lengths_t[:, None]).float()
+    mask[:, :3] = 0  # a "prompt" that is not trained on
+    return TrainBatch(ids, mask, torch.randn(N, S, k * H, generator=g), lengths_t)
+
+
+def _head(V=128, H=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return TargetHead(torch.randn(V, H, generator=g), torch.randn(V, H, generator=g) * 0.3)
+
+
+def test_sample_anchors_respects_mask_and_block_end():
+    mask = torch.tensor([0, 0, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1])
+    g = torch.Generator().manual_seed(0)
+    a = sample_anchors(mask, 10, 4, 100, g)
+    assert a.tolist() == [2, 3, 4, 6]  # loss_mask 1 and p <= 10 - 4
+    a = sample_anchors(mask, 10, 4, 2, g)
+    assert len(a) == 2 and len(set(a.tolist())) == 2 and set(a.tolist()) <= {2, 3, 4, 6}
+    assert sample_anchors(mask, 3, 4, 8, g).numel() == 0
+
+
+def test_labels_are_same_position_not_shifted():
+    b = _batch()
+    anchors = torch.tensor([[3, 10], [5, 13]])
+    labels, lmask = block_labels(b, anchors, 4)
+    for n in range(2):
+        for j in range(2):
+            for k in range(1, 4):
+                assert labels[n, j, k - 1] == b.input_ids_BS[n, anchors[n, j] + k]
+    assert lmask[1, 1].tolist() == [1.0, 1.0, 1.0]  # 13 + 3 = 16 < 17
+
+
+class _OracleDrafter(nn.Module):
+    """Outputs one-hot(input_ids[p_j + i]) at block row i: right only under same-position labels."""
+
+    def __init__(self, arch, ids):
+        super().__init__()
+        self.arch, self.ids = arch, ids
+        self.w = nn.Parameter(torch.ones(()))
+
+    def forward(self, embeds, feats, anchors, lengths):
+        B = self.arch.block_size
+        pos = (anchors[:, :, None] + torch.arange(B)).flatten(1).clamp(max=self.ids.shape[1] - 1)
+        return nn.functional.one_hot(self.ids.gather(1, pos), 32).float() * self.w
+
+
+def test_loss_trains_same_position_labels_and_weights():
+    V = H = 32
+    b = _batch(V=V)
+    arch = tiny_arch(tiny_qwen3_config(vocab=V), block_size=4, target_layer_ids=(0, 2))
+    head = TargetHead(torch.randn(V, H), torch.eye(V) * 10)
+    out = dflash_loss(_OracleDrafter(arch, b.input_ids_BS), head, b, block_size=4, num_anchors=64,
+                      gamma=2.0, generator=torch.Generator().manual_seed(0))
+    assert out.correct_sum == out.weight_sum > 0
+    assert out.accept_len_sum == 4 * out.num_blocks  # every block fully accepted
+    # Anchors: positions 3..20 (S=24) and 3..13 (len 17) -> 18 + 11 blocks, all labels masked in.
+    assert out.num_blocks == 29
+    assert math.isclose(out.weight_sum, 29 * (1 + math.exp(-1 / 2) + math.exp(-2 / 2)), rel_tol=1e-6)
+    assert out.per_pos_count.tolist() == [29.0, 29.0, 29.0]
+
+
+def test_chunked_ce_matches_full_in_fp32():
+    torch.manual_seed(0)
+    h = torch.randn(37, 16, dtype=torch.float64).float().requires_grad_()
+    W = torch.randn(301, 16)
+    y = torch.randint(0, 301, (37,))
+    w = torch.rand(37)
+    nll, pred, top = chunked_cross_entropy(h, W, y, chunk_rows=5, topk=3)
+    (nll * w).sum().backward()
+    g_chunk = h.grad.clone()
+    h.grad = None
+    ref = full_cross_entropy(h, W, y)
+    (ref * w).sum().backward()
+    torch.testing.assert_close(nll, ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(g_chunk, h.grad, rtol=0, atol=1e-5)
+    logits = h.detach() @ W.T
+    assert torch.equal(pred, logits.argmax(-1))
+    assert torch.equal(top, (logits.topk(3).indices == y[:, None]).any(-1))
+
+
+def test_gradients_reach_only_drafter_parameters():
+    arch = tiny_arch(tiny_qwen3_config(), block_size=4, target_layer_ids=(0, 2))
+    drafter, head, b = DFlashDrafter(arch), _head(), _batch()
+    out = dflash_loss(drafter, head, b, block_size=4, num_anchors=8, generator=torch.Generator().manual_seed(0))
+    out.loss_sum.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in drafter.parameters())
+    assert all(not p.requires_grad and p.grad is None for p in head.parameters())
+    assert not b.hidden_BSD.requires_grad
+
+
+def test_loss_falls_90_percent_when_overfitting_one_batch():
+    torch.manual_seed(0)
+    arch = tiny_arch(tiny_qwen3_config(), block_size=4, target_layer_ids=(0, 2))
+    drafter, head, b = DFlashDrafter(arch), _head(), _batch(N=1, lengths=(24,))
+    opt = torch.optim.Adam(drafter.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(40):
+        out = dflash_loss(drafter, head, b, block_size=4, num_anchors=6, ce_chunk_rows=7,
+                          generator=torch.Generator().manual_seed(0))  # the same anchors every step
+        loss = out.loss_sum / out.weight_sum
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] <= 0.1 * losses[0], (losses[0], losses[-1])
+
+
+def test_empty_batch_gives_differentiable_zero():
+    arch = tiny_arch(tiny_qwen3_config(), block_size=4, target_layer_ids=(0, 2))
+    drafter, b = DFlashDrafter(arch), _batch(lengths=(3, 2))
+    out = dflash_loss(drafter, _head(), b, block_size=4, num_anchors=8)
+    out.loss_sum.backward()
+    assert out.weight_sum == 0 and out.num_blocks == 0
+    assert all(p.grad is not None and p.grad.abs().sum() == 0 for p in drafter.parameters())
+
+
+def test_from_hidden_batch_reads_bf16_uint16_view():
+    h = torch.randn(2, 5, 8).to(torch.bfloat16)
+    a = h.view(torch.int16).numpy().view(np.uint16)
+    a.setflags(write=False)
+    hb = HiddenBatch(job_id=1, hidden_BSD=a, hidden_dtype="bfloat16", input_ids_BS=np.zeros((2, 5), np.int64),
+                     loss_mask_BS=np.ones((2, 5), np.uint8), lengths_B=np.array([5, 4]))
+    tb = TrainBatch.from_hidden_batch(hb, "cpu", torch.float32)
+    assert torch.equal(tb.hidden_BSD, h.float())
+    tb16 = TrainBatch.from_hidden_batch(hb, "cpu", torch.bfloat16)
+    assert torch.equal(tb16.hidden_BSD, h)
+    tb16.hidden_BSD.add_(1)  # a private copy: writable
+    assert tb.loss_mask_BS.dtype == torch.float32 and tb.lengths_B.tolist() == [5, 4]
