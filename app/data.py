@@ -1,0 +1,302 @@
+"""Training data: read chat or pre-tokenized records, apply the chat template, mask, filter, count.
+
+Formats (per record with `data.format: auto`):
+- openai:    {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", ...}, ...]}
+- sharegpt:  {"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", ...}, ...]}
+             mapped to the same roles, so it tokenizes identically to openai
+- tokenized: {"input_ids": [...], "loss_mask": [...]} used as is
+
+The loss mask covers the tokens of every assistant turn (content and end-of-turn token), nothing
+else. Templates with `{% generation %}` markers use HF's assistant mask; others derive the spans by
+rendering conversation prefixes (see `app/chat_mask.py`).
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from app.chat_mask import tokenize_conversation
+from app.config import DataConfig
+
+DROP_REASONS = ("too_few_loss_tokens", "overlong", "malformed")
+
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+}
+FORMATS = ("auto", "openai", "sharegpt", "tokenized")
+
+
+class MalformedRecord(Exception):
+    """A record that cannot be turned into tokens; the reader names file and line."""
+
+
+@dataclass
+class FileSummary:
+    """What happened to the records of one input file."""
+
+    records: int = 0
+    kept: int = 0
+    dropped: dict[str, int] = field(default_factory=lambda: {r: 0 for r in DROP_REASONS})
+    truncated: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+
+    def to_dict(self) -> dict:
+        return {
+            "records": self.records,
+            "kept": self.kept,
+            "dropped": dict(self.dropped),
+            "truncated": self.truncated,
+            "tokens": self.tokens,
+            "loss_tokens": self.loss_tokens,
+        }
+
+
+@dataclass
+class DataSummary:
+    """Per-file and total counts; every record read is either kept or dropped for one reason."""
+
+    files: dict[str, FileSummary] = field(default_factory=dict)
+
+    def total(self) -> FileSummary:
+        tot = FileSummary()
+        for fs in self.files.values():
+            tot.records += fs.records
+            tot.kept += fs.kept
+            tot.truncated += fs.truncated
+            tot.tokens += fs.tokens
+            tot.loss_tokens += fs.loss_tokens
+            for r, n in fs.dropped.items():
+                tot.dropped[r] = tot.dropped.get(r, 0) + n
+        return tot
+
+    def to_dict(self) -> dict:
+        return {"total": self.total().to_dict(), "files": {k: v.to_dict() for k, v in self.files.items()}}
+
+
+@dataclass
+class TokenizedDataset:
+    """Kept sequences as flat arrays: sequence i is tokens[offsets[i]:offsets[i+1]]."""
+
+    tokens: np.ndarray  # int32 [T]
+    loss_mask: np.ndarray  # uint8 [T]
+    offsets: np.ndarray  # int64 [N+1]
+    summary: DataSummary
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def sequence(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        lo, hi = self.offsets[i], self.offsets[i + 1]
+        return self.tokens[lo:hi], self.loss_mask[lo:hi]
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+
+# ----------------------------------------------------------------------------------- readers
+
+
+def iter_records(path: str) -> Iterator[tuple[int, dict | MalformedRecord]]:
+    """(line number from 1, record or MalformedRecord) for a .jsonl/.json or .parquet file."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"data file {path!r} does not exist; fix data.train_files")
+    if p.suffix == ".parquet":
+        yield from _iter_parquet(p)
+    elif p.suffix in (".jsonl", ".json"):
+        yield from _iter_jsonl(p)
+    else:
+        raise ValueError(f"data file {path!r}: unknown extension {p.suffix!r}; use .jsonl or .parquet")
+
+
+def _iter_jsonl(p: Path) -> Iterator[tuple[int, dict | MalformedRecord]]:
+    with open(p, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue  # blank lines are not records
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                yield line_no, MalformedRecord(f"invalid JSON: {e}")
+                continue
+            yield line_no, rec if isinstance(rec, dict) else MalformedRecord("record is not a JSON object")
+
+
+def _iter_parquet(p: Path) -> Iterator[tuple[int, dict | MalformedRecord]]:
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(p)
+    row = 0
+    for batch in pf.iter_batches(batch_size=1024):
+        for rec in batch.to_pylist():
+            row += 1
+            yield row, rec
+
+
+def detect_format(rec: dict, fmt: str) -> str:
+    """The record's format: `fmt` itself unless it is auto."""
+    if fmt != "auto":
+        return fmt
+    if "messages" in rec:
+        return "openai"
+    if "conversations" in rec:
+        return "sharegpt"
+    if "input_ids" in rec:
+        return "tokenized"
+    raise MalformedRecord(f"no messages/conversations/input_ids key (keys: {sorted(rec)[:8]})")
+
+
+def to_messages(rec: dict, fmt: str) -> list[dict]:
+    """OpenAI-style [{"role", "content"}] from an openai or sharegpt record."""
+    if fmt == "openai":
+        turns = rec.get("messages")
+        if not isinstance(turns, list) or not turns:
+            raise MalformedRecord("`messages` must be a non-empty list")
+        out = []
+        for t in turns:
+            if not isinstance(t, dict) or not isinstance(t.get("role"), str) or not isinstance(t.get("content"), str):
+                raise MalformedRecord("each message needs string `role` and `content`")
+            out.append({"role": t["role"], "content": t["content"]})
+        return out
+    turns = rec.get("conversations")
+    if not isinstance(turns, list) or not turns:
+        raise MalformedRecord("`conversations` must be a non-empty list")
+    out = []
+    for t in turns:
+        if not isinstance(t, dict) or not isinstance(t.get("from"), str) or not isinstance(t.get("value"), str):
+            raise MalformedRecord("each conversation turn needs string `from` and `value`")
+        role = SHAREGPT_ROLES.get(t["from"].lower())
+        if role is None:
+            raise MalformedRecord(f"unknown ShareGPT speaker {t['from']!r}")
+        out.append({"role": role, "content": t["value"]})
+    return out
+
+
+def _tokenized_record(rec: dict) -> tuple[list[int], list[int]]:
+    ids, mask = rec.get("input_ids"), rec.get("loss_mask")
+    if not isinstance(ids, list) or not isinstance(mask, list):
+        raise MalformedRecord("tokenized records need list `input_ids` and list `loss_mask`")
+    if len(ids) != len(mask):
+        raise MalformedRecord(f"input_ids has {len(ids)} tokens but loss_mask has {len(mask)}")
+    if not all(isinstance(t, int) and t >= 0 for t in ids) or not all(m in (0, 1) for m in mask):
+        raise MalformedRecord("input_ids must be non-negative ints and loss_mask 0/1")
+    return ids, [int(m) for m in mask]
+
+
+def record_tokens(rec: dict, fmt: str, tokenizer, enable_thinking: bool) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) of one record; MalformedRecord if it cannot be tokenized."""
+    kind = detect_format(rec, fmt)
+    if kind == "tokenized":
+        return _tokenized_record(rec)
+    messages = to_messages(rec, kind)
+    try:
+        return tokenize_conversation(tokenizer, messages, enable_thinking=enable_thinking)
+    except MalformedRecord:
+        raise
+    except (ValueError, TypeError, KeyError) as e:  # template errors (e.g. roles out of order)
+        raise MalformedRecord(f"chat template failed: {e}") from e
+
+
+# ----------------------------------------------------------------------------------- loading
+
+
+def check_data_config(data: DataConfig) -> None:
+    """ValueErrors for data settings this module interprets."""
+    if data.format not in FORMATS:
+        raise ValueError(f"data.format={data.format!r}; use one of {FORMATS}")
+    if data.overlong not in ("truncate", "drop"):
+        raise ValueError(f"data.overlong={data.overlong!r}; use truncate or drop")
+    if data.on_error not in ("raise", "skip"):
+        raise ValueError(f"data.on_error={data.on_error!r}; use raise or skip")
+    if data.max_length < 1:
+        raise ValueError(f"data.max_length={data.max_length} must be >= 1")
+
+
+def load_dataset(data: DataConfig, block_size: int, tokenizer, files: list[str]) -> TokenizedDataset:
+    """Tokenize, mask and filter every record of `files` (in order) into one flat dataset."""
+    check_data_config(data)
+    if not files:
+        raise ValueError("no training files; set data.train_files (or use model.target=tiny)")
+    min_loss = 2 * block_size
+    tok_parts, mask_parts, lengths = [], [], []
+    summary = DataSummary()
+    for path in files:
+        fs = summary.files.setdefault(str(path), FileSummary())
+        for line_no, rec in iter_records(path):
+            fs.records += 1
+            try:
+                if isinstance(rec, MalformedRecord):
+                    raise rec
+                ids, mask = record_tokens(rec, data.format, tokenizer, data.enable_thinking)
+            except MalformedRecord as e:
+                if data.on_error == "raise":
+                    raise ValueError(
+                        f"{path}:{line_no}: malformed record: {e}. Fix the record or set data.on_error=skip"
+                    ) from None
+                fs.dropped["malformed"] += 1
+                continue
+            if len(ids) > data.max_length:
+                if data.overlong == "drop":
+                    fs.dropped["overlong"] += 1
+                    continue
+                ids, mask = ids[: data.max_length], mask[: data.max_length]
+                fs.truncated += 1
+            n_loss = int(sum(mask))
+            if n_loss < min_loss:
+                fs.dropped["too_few_loss_tokens"] += 1
+                continue
+            fs.kept += 1
+            fs.tokens += len(ids)
+            fs.loss_tokens += n_loss
+            tok_parts.append(np.asarray(ids, dtype=np.int32))
+            mask_parts.append(np.asarray(mask, dtype=np.uint8))
+            lengths.append(len(ids))
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(np.asarray(lengths, dtype=np.int64), out=offsets[1:])
+    tokens = np.concatenate(tok_parts) if tok_parts else np.zeros(0, np.int32)
+    loss_mask = np.concatenate(mask_parts) if mask_parts else np.zeros(0, np.uint8)
+    return TokenizedDataset(tokens=tokens, loss_mask=loss_mask, offsets=offsets, summary=summary)
+
+
+def load_eval_prompts(path: str, tokenizer, enable_thinking: bool = False) -> list[list[int]]:
+    """Prompt ids of a held-out file, chat template applied with add_generation_prompt=True.
+
+    Lines are `{"messages": [...]}` (trailing assistant turns are dropped: the prompt ends where the
+    response would start), `{"conversations": [...]}` (ShareGPT) or `{"prompt": "text"}` (one user turn).
+    """
+    from app.chat_mask import render
+
+    prompts = []
+    for line_no, rec in iter_records(path):
+        if isinstance(rec, MalformedRecord):
+            raise ValueError(f"{path}:{line_no}: {rec}; fix the eval prompts file")
+        try:
+            if isinstance(rec.get("prompt"), str):
+                messages = [{"role": "user", "content": rec["prompt"]}]
+            else:
+                messages = to_messages(rec, detect_format(rec, "auto"))
+        except MalformedRecord as e:
+            raise ValueError(f"{path}:{line_no}: {e}; eval prompts need messages or prompt") from None
+        while messages and messages[-1]["role"] == "assistant":
+            messages.pop()
+        if not messages:
+            raise ValueError(f"{path}:{line_no}: no prompt turns left after dropping assistant turns")
+        text = render(tokenizer, messages, add_generation_prompt=True, enable_thinking=enable_thinking)
+        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return prompts

@@ -1,0 +1,255 @@
+"""The built-in tiny target (`model.target: tiny`): a small random Qwen3 model, a local tokenizer, data.
+
+Everything is built offline from `TinyConfig` with a fixed seed, once, into
+`tiny.cache_dir/<hash of the settings>/`, and reused. The build writes into a temp folder and renames
+it into place, so concurrent or interrupted builds never leave a half-written cache.
+
+Layout of a build:
+    model/            Qwen3ForCausalLM + tokenizer, loadable with Auto*.from_pretrained
+    train.jsonl       {"messages": [user, assistant]} per line; the response is the target's own
+                      greedy continuation, so a drafter has something real to learn
+    eval_prompts.jsonl {"messages": [{"role": "user", "content": ...}]} per line (no assistant turn)
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from app.config import TINY_TARGET, Config, TinyConfig
+
+# Bump when the builder changes what it writes, so old caches are not reused.
+BUILD_VERSION = 1
+# Weight init std of the random target. HF's 0.02 makes a tiny model's greedy output collapse into
+# one repeated token; 0.3 makes it near-random. 0.1 gives context-dependent, partly repetitive text.
+INIT_STD = 0.1
+
+PAD, IM_START, IM_END, MASK, UNK, BOS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|mask|>",
+    "<unk>",
+    "<|bos|>",
+)
+SPECIAL_TOKENS = [PAD, IM_START, IM_END, MASK, UNK, BOS]
+ROLE_WORDS = ["system", "user", "assistant"]
+
+# ChatML, as Qwen uses it (no generation markers: the loss mask comes from prefix rendering).
+CHATML_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+@dataclass(frozen=True)
+class TinyArtifacts:
+    """Paths and ids of one tiny-target build."""
+
+    model_dir: str
+    train_file: str  # JSONL, OpenAI `messages` (user + assistant)
+    eval_prompts_file: str  # JSONL, `{"messages": [{"role": "user", ...}]}` per line
+    mask_token_id: int  # `<|mask|>`: a real embedding row, neither pad nor eos
+
+
+@dataclass(frozen=True)
+class ResolvedTarget:
+    """Where the target model and its data live, whatever `model.target` says."""
+
+    model_dir: str
+    train_files: list[str]
+    eval_prompts_file: str
+    mask_token_id: int | None  # known for the tiny target; None: take drafter.mask_token_id
+
+
+def settings_hash(tiny: TinyConfig) -> str:
+    """Cache key: every setting that shapes the build (not where it is cached)."""
+    settings = {k: v for k, v in asdict(tiny).items() if k != "cache_dir"}
+    settings["_build_version"] = BUILD_VERSION
+    settings["_init_std"] = INIT_STD
+    blob = json.dumps(settings, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def ensure_tiny_target(tiny: TinyConfig) -> TinyArtifacts:
+    """Build the tiny target and its data once (atomically) and return where they are."""
+    _check_tiny(tiny)
+    final = Path(tiny.cache_dir) / settings_hash(tiny)
+    if not final.exists():
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.parent / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            _build(tiny, tmp)
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                # Another process finished the same build first; its result is identical.
+                if not final.exists():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return _artifacts(final)
+
+
+def resolve_target(cfg: Config) -> ResolvedTarget:
+    """For target=tiny build/reuse the tiny artifacts (config paths still win); else pass paths on."""
+    if cfg.model.target != TINY_TARGET:
+        return ResolvedTarget(
+            model_dir=cfg.model.target,
+            train_files=list(cfg.data.train_files),
+            eval_prompts_file=cfg.data.eval_prompts,
+            mask_token_id=None,
+        )
+    art = ensure_tiny_target(cfg.tiny)
+    return ResolvedTarget(
+        model_dir=art.model_dir,
+        train_files=list(cfg.data.train_files) or [art.train_file],
+        eval_prompts_file=cfg.data.eval_prompts or art.eval_prompts_file,
+        mask_token_id=art.mask_token_id,
+    )
+
+
+def _artifacts(root: Path) -> TinyArtifacts:
+    return TinyArtifacts(
+        model_dir=str(root / "model"),
+        train_file=str(root / "train.jsonl"),
+        eval_prompts_file=str(root / "eval_prompts.jsonl"),
+        mask_token_id=SPECIAL_TOKENS.index(MASK),
+    )
+
+
+def _check_tiny(tiny: TinyConfig) -> None:
+    words = tiny.vocab_size - len(SPECIAL_TOKENS) - len(ROLE_WORDS)
+    if words < 16:
+        raise ValueError(f"tiny.vocab_size={tiny.vocab_size} is too small; use at least 64")
+    if tiny.hidden_size % tiny.num_heads:
+        raise ValueError(f"tiny.hidden_size={tiny.hidden_size} must be a multiple of tiny.num_heads={tiny.num_heads}")
+    if tiny.num_heads % tiny.num_kv_heads:
+        raise ValueError(f"tiny.num_heads={tiny.num_heads} must be a multiple of tiny.num_kv_heads={tiny.num_kv_heads}")
+    if tiny.prompt_length < 1 or tiny.response_length < 4:
+        raise ValueError("tiny.prompt_length must be >= 1 and tiny.response_length >= 4")
+
+
+def synthetic_words(count: int) -> list[str]:
+    """`count` distinct pronounceable words (consonant-vowel syllables), deterministic."""
+    cons, vows = "bdfgklmnprstvz", "aeiou"
+    syll = [c + v for c in cons for v in vows]
+    words = list(syll)
+    for a in syll:
+        for b in syll:
+            if len(words) >= count:
+                return words[:count]
+            words.append(a + b)
+    return words[:count]
+
+
+def build_tokenizer(vocab_size: int):
+    """A word-level fast tokenizer with ChatML specials and a reserved `<|mask|>` row."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = synthetic_words(vocab_size - len(SPECIAL_TOKENS) - len(ROLE_WORDS))
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + ROLE_WORDS + words)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        unk_token=UNK,
+        pad_token=PAD,
+        eos_token=IM_END,
+        bos_token=BOS,
+        mask_token=MASK,
+        additional_special_tokens=[IM_START],
+    )
+    tok.chat_template = CHATML_TEMPLATE
+    assert len(tok) == vocab_size, (len(tok), vocab_size)
+    return tok
+
+
+def build_model(tiny: TinyConfig, tokenizer):
+    """A randomly initialised Qwen3ForCausalLM from the tiny settings (seeded)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(
+        vocab_size=tiny.vocab_size,
+        hidden_size=tiny.hidden_size,
+        intermediate_size=tiny.intermediate_size,
+        num_hidden_layers=tiny.num_layers,
+        num_attention_heads=tiny.num_heads,
+        num_key_value_heads=tiny.num_kv_heads,
+        head_dim=tiny.hidden_size // tiny.num_heads,
+        max_position_embeddings=4096,
+        initializer_range=INIT_STD,
+        tie_word_embeddings=False,  # drafters load embed_tokens and lm_head separately
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    torch.manual_seed(tiny.seed)
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+def _prompts(rng: np.random.Generator, words: list[str], count: int, length: int) -> list[str]:
+    """Random word prompts whose lengths vary by +-50% around `length`."""
+    lo, hi = max(1, length // 2), max(1, length + length // 2)
+    out = []
+    for _ in range(count):
+        n = int(rng.integers(lo, hi + 1))
+        out.append(" ".join(words[int(j)] for j in rng.integers(0, len(words), n)))
+    return out
+
+
+def response_lengths(rng: np.random.Generator, count: int, length: int) -> list[int]:
+    """Per-response token counts, uniform in [length/4, 7*length/4], so several buckets fill."""
+    return [int(x) for x in rng.integers(max(4, length // 4), length * 7 // 4 + 1, count)]
+
+
+def _build(tiny: TinyConfig, root: Path) -> None:
+    import torch
+
+    from app.generate import greedy_generate
+
+    root.mkdir(parents=True)
+    tokenizer = build_tokenizer(tiny.vocab_size)
+    model = build_model(tiny, tokenizer)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+
+    rng = np.random.default_rng([tiny.seed, 1])
+    words = synthetic_words(tiny.vocab_size - len(SPECIAL_TOKENS) - len(ROLE_WORDS))
+    train_prompts = _prompts(rng, words, tiny.num_train_prompts, tiny.prompt_length)
+    eval_prompts = _prompts(rng, words, tiny.num_eval_prompts, tiny.prompt_length)
+    lengths = response_lengths(rng, tiny.num_train_prompts, tiny.response_length)
+
+    prompt_ids = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+        for p in train_prompts
+    ]
+    prompt_ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in prompt_ids]
+    # Special ids are suppressed so every response decodes to words and re-tokenizes identically.
+    special = sorted(set(tokenizer.all_special_ids) | {tokenizer.convert_tokens_to_ids(IM_START)})
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    responses = greedy_generate(
+        model, prompt_ids, lengths, pad_id=tokenizer.pad_token_id, suppress_ids=special, batch_size=64
+    )
+    with open(root / "train.jsonl", "w") as f:
+        for prompt, resp in zip(train_prompts, responses):
+            text = tokenizer.decode(resp, skip_special_tokens=True)
+            msgs = [{"role": "user", "content": prompt}, {"role": "assistant", "content": text}]
+            f.write(json.dumps({"messages": msgs}) + "\n")
+    with open(root / "eval_prompts.jsonl", "w") as f:
+        for prompt in eval_prompts:
+            f.write(json.dumps({"messages": [{"role": "user", "content": prompt}]}) + "\n")
+    (root / "settings.json").write_text(json.dumps(asdict(tiny), sort_keys=True, indent=1) + "\n")
