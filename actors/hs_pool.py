@@ -42,9 +42,16 @@ def pool_max_concurrency(num_targets: int, num_drafters: int) -> int:
 class HSPoolActor:
     """Shared job queue, per-bucket payload refs, bucket-fair pulls, leases, metrics hub."""
 
-    def __init__(self, pool_cfg: PoolConfig, num_buckets: int, run_name: str, pull_policy: str = "fair") -> None:
+    def __init__(
+        self,
+        pool_cfg: PoolConfig,
+        num_buckets: int,
+        run_name: str,
+        pull_policy: str = "fair",
+        trace_pulls: bool = False,
+    ) -> None:
         self._cfg = pool_cfg
-        self._pool = HSPool(pool_cfg, num_buckets, pull_policy=pull_policy)
+        self._pool = HSPool(pool_cfg, num_buckets, pull_policy=pull_policy, trace_pulls=trace_pulls)
         self._run_name = run_name
         self._targets: dict[int, Any] = {}
         self._failures: list[str] = []
@@ -184,6 +191,10 @@ class HSPoolActor:
 
     async def recent_step_records(self, n: int = 100) -> list[StepRecord]:
         return list(self._steps)[-n:]
+
+    async def pull_trace(self) -> list[tuple[int, int, int]]:
+        """(drafter, bucket, non-empty buckets before the pull) per pull; needs trace_pulls=True."""
+        return list(self._pool.pull_trace or [])
 
     async def stats(self) -> PoolStats:
         return self._stats()

@@ -87,6 +87,7 @@ class HSPool:
         num_buckets: int,
         pull_policy: str = "fair",
         clock: Callable[[], float] = time.monotonic,
+        trace_pulls: bool = False,
     ) -> None:
         _validate(cfg, num_buckets, pull_policy)
         self.cfg = cfg
@@ -117,6 +118,8 @@ class HSPool:
         self.stale_acks = 0
         self.bytes_overshoot = 0
         self._event = asyncio.Event()
+        # (drafter, bucket, non-empty buckets before the pull) per served pull; for benches.
+        self.pull_trace: list[tuple[int, int, int]] | None = [] if trace_pulls else None
 
     # ---- producing side -------------------------------------------------------------------
 
@@ -212,7 +215,11 @@ class HSPool:
             return Drained() if self.producing_finished else None
         if buffered < self.cfg.min_ready and not (self.producing_finished or self._stalled()):
             return None
+        if self.pull_trace is not None:
+            nonempty = sum(1 for b in self._buckets if b)
         bucket = self._choose_bucket(drafter_id)
+        if self.pull_trace is not None:
+            self.pull_trace.append((drafter_id, bucket, nonempty))
         items = self._buckets[bucket]
         # A uniformly random item within the bucket; swap-remove keeps it O(1).
         k = self._rng.randrange(len(items))

@@ -1,0 +1,30 @@
+"""Benchmark dispatcher: `python -m app.bench pool|sched|e2e|loss [args...]`.
+
+Each bench prints ratios measured side by side in one run and ends with one `RESULT key=value ...`
+line. The modules are imported lazily so one bench's dependencies never slow another down.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHES = {
+    "pool": ("app.bench_pool", "put+pull pairs/s: pool actor vs ray.util.queue.Queue"),
+    "sched": ("app.bench_sched", "fair pool vs per-drafter queues vs random pulls (busy, mixing)"),
+    "e2e": ("app.bench_e2e", "end-to-end training throughput"),
+    "loss": ("app.bench_loss", "DFlash loss kernels"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in BENCHES:
+        names = "\n".join(f"  {k:6s} {desc}" for k, (_, desc) in BENCHES.items())
+        print(f"usage: python -m app.bench NAME [args...]\n{names}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(BENCHES[argv[0]][0])
+    return int(module.main(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
