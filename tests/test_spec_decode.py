@@ -1,0 +1,115 @@
+"""Speculative decoding reproduces the target's greedy output, whatever the drafter proposes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import app.spec_decode as sd
+from app.model.drafter import DFlashDrafter
+from app.model.features import target_features
+from app.model.loss import TrainBatch, dflash_loss
+from app.model.target_head import TargetHead
+from app.model.toy import save_tiny_target, tiny_arch
+
+B = 4
+LAYERS = (0, 2)
+PROMPTS = [[5, 9, 17, 2], [100, 3], [7, 7, 7, 7, 7, 7, 40]]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny tensors: torch's intra-op threads only add contention on a shared 2-core machine.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = tmp_path_factory.mktemp("target")
+    model = save_tiny_target(path, seed=0)
+    return model, TargetHead.load(path), path
+
+
+def _drafter(model, seed=0):
+    torch.manual_seed(seed)
+    return DFlashDrafter(tiny_arch(model.config, block_size=B, target_layer_ids=LAYERS)).eval()
+
+
+def test_random_drafter_matches_greedy_and_tau_near_one(target):
+    model, head, _ = target
+    drafter = _drafter(model)
+    ev = sd.measure_tau(model, drafter, head, PROMPTS, 16, LAYERS, B)
+    res = sd.spec_generate(model, drafter, head, PROMPTS[0], 16, LAYERS, B)
+    assert sum(res.accepted_per_forward) == len(res.tokens) - 1  # the prefill made the first
+    assert ev.matches_greedy and 1.0 <= ev.tau < 1.3
+
+
+def _oracle(model, correct: int):
+    """A draft_block stand-in that knows the target's greedy continuation for `correct` tokens."""
+
+    def draft(drafter, head, context, anchor_token, block_size):
+        # context holds the features of every position before the anchor: recover the ids.
+        ids = draft.ids[: context.shape[0] + 1]
+        assert ids[-1] == anchor_token
+        cont = sd.greedy_generate(model, ids, block_size - 1)
+        return cont[:correct] + [(t + 1) % 128 for t in cont[correct:]]
+
+    return draft
+
+
+@pytest.mark.parametrize("correct,tau", [(B - 1, B), (2, 3), (0, 1)])
+def test_forced_drafts_are_accepted_exactly(target, monkeypatch, correct, tau):
+    model, head, _ = target
+    prompt = PROMPTS[0]
+    ref = sd.greedy_generate(model, prompt, 21)
+    oracle = _oracle(model, correct)
+    oracle.ids = prompt + ref
+    monkeypatch.setattr(sd, "draft_block", oracle)
+    res = sd.spec_generate(model, _drafter(model), head, prompt, 21, LAYERS, B)
+    assert res.tokens == ref
+    assert res.accepted_per_forward == [tau] * (20 // tau) + ([20 % tau] if 20 % tau else [])
+
+
+def test_stops_at_eos(target):
+    model, head, _ = target
+    ref = sd.greedy_generate(model, PROMPTS[0], 30)
+    eos = ref[5]
+    want = ref[: ref.index(eos) + 1]
+    assert sd.greedy_generate(model, PROMPTS[0], 30, eos) == want
+    assert sd.spec_generate(model, _drafter(model), head, PROMPTS[0], 30, LAYERS, B, eos).tokens == want
+
+
+@pytest.mark.slow
+def test_trained_drafter_is_accepted_and_still_matches_greedy(target):
+    """Train on the target's own greedy continuations; the same prompts then draft well.
+
+    This ties training to inference: with shifted labels every draft lands one slot off and tau
+    stays near 1. (The `<=` mask bug is not caught here: three memorised sequences give the drafter
+    other cues; the mask tests catch it.)
+    """
+    model, head, _ = target
+    seqs = [p + sd.greedy_generate(model, p, 40) for p in PROMPTS]
+    S = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), S, dtype=torch.long)
+    mask = torch.zeros(len(seqs), S)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, len(PROMPTS[i]) - 1 : len(s)] = 1  # the anchor may be the last prompt token
+    lengths = torch.tensor([len(s) for s in seqs])
+    with torch.no_grad():
+        feats = target_features(model, ids, (torch.arange(S) < lengths[:, None]).long(), LAYERS)
+    batch = TrainBatch(ids, mask, feats, lengths)
+    drafter = _drafter(model).train()
+    opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        out = dflash_loss(drafter, head, batch, block_size=B, num_anchors=64, generator=gen)
+        opt.zero_grad()
+        (out.loss_sum / out.weight_sum).backward()
+        opt.step()
+    drafter.eval()
+    ev = sd.measure_tau(model, drafter, head, PROMPTS, 40, LAYERS, B)
+    assert ev.matches_greedy
+    assert ev.tau > 2.5, ev
