@@ -150,8 +150,13 @@ def build_schedule(
     return specs
 
 
-def schedule_summary(dataset_lengths: np.ndarray, data: DataConfig, epochs: int) -> dict:
-    """Per-bucket sequences and tokens, and per-epoch job counts and padding, for `app.prepare`."""
+def schedule_summary(
+    dataset_lengths: np.ndarray, data: DataConfig, epochs: int, schedules: list[list[JobSpec]] | None = None
+) -> dict:
+    """Per-bucket sequences and tokens, and per-epoch job counts and padding, for `app.prepare`.
+
+    `schedules` (one list of JobSpec per epoch) saves rebuilding them when the caller has them.
+    """
     lengths = np.asarray(dataset_lengths, dtype=np.int64)
     buckets = assign_buckets(lengths, data.bucket_boundaries) if len(lengths) else np.zeros(0, np.int64)
     per_bucket = []
@@ -167,7 +172,7 @@ def schedule_summary(dataset_lengths: np.ndarray, data: DataConfig, epochs: int)
         )
     per_epoch = []
     for epoch in range(epochs):
-        specs = build_schedule(lengths, data, epoch)
+        specs = schedules[epoch] if schedules is not None else build_schedule(lengths, data, epoch)
         padded = sum(s.padded_tokens for s in specs)
         jobs_per_bucket = [0] * len(data.bucket_boundaries)
         for s in specs:

@@ -240,10 +240,15 @@ def _build(tiny: TinyConfig, root: Path) -> None:
     prompt_ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in prompt_ids]
     # Special ids are suppressed so every response decodes to words and re-tokenizes identically.
     special = sorted(set(tokenizer.all_special_ids) | {tokenizer.convert_tokens_to_ids(IM_START)})
-    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-    responses = greedy_generate(
-        model, prompt_ids, lengths, pad_id=tokenizer.pad_token_id, suppress_ids=special, batch_size=64
-    )
+    # One thread: the decode steps are tiny, and on a shared 2-core machine two threads run ~20x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        responses = greedy_generate(
+            model, prompt_ids, lengths, pad_id=tokenizer.pad_token_id, suppress_ids=special, batch_size=64
+        )
+    finally:
+        torch.set_num_threads(threads)
     with open(root / "train.jsonl", "w") as f:
         for prompt, resp in zip(train_prompts, responses):
             text = tokenizer.decode(resp, skip_special_tokens=True)
