@@ -61,6 +61,7 @@ class HSPoolActor:
         self._tasks: set[asyncio.Task] = set()
         self._started = False
         self._metrics: Any = None
+        self._stop_requested = False
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -173,6 +174,17 @@ class HSPoolActor:
     async def reset_drafters(self) -> list[int]:
         return self._pool.reset_drafters()
 
+    async def rollback(self, keep_ids: list[int], requeue: list[JobSpec]) -> int:
+        """Drafter group rebuilt from a checkpoint: see HSPool.rollback."""
+        return self._pool.rollback(keep_ids, requeue)
+
+    async def request_stop(self) -> None:
+        """The driver got SIGTERM: drafter rank 0 sees this and the group checkpoints and returns."""
+        self._stop_requested = True
+
+    async def stop_requested(self) -> bool:
+        return self._stop_requested
+
     async def ledger(self) -> list[int]:
         return self._pool.ledger()
 
@@ -193,7 +205,7 @@ class HSPoolActor:
         return list(self._steps)[-n:]
 
     async def pull_trace(self) -> list[tuple[int, int, int]]:
-        """(drafter, bucket, non-empty buckets before the pull) per pull; needs trace_pulls=True."""
+        """(drafter, bucket, bitmask of non-empty buckets before the pull) per pull; trace_pulls=True."""
         return list(self._pool.pull_trace or [])
 
     async def stats(self) -> PoolStats:

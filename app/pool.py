@@ -118,7 +118,7 @@ class HSPool:
         self.stale_acks = 0
         self.bytes_overshoot = 0
         self._event = asyncio.Event()
-        # (drafter, bucket, non-empty buckets before the pull) per served pull; for benches.
+        # (drafter, bucket, bitmask of non-empty buckets before the pull) per pull; for benches.
         self.pull_trace: list[tuple[int, int, int]] | None = [] if trace_pulls else None
 
     # ---- producing side -------------------------------------------------------------------
@@ -216,7 +216,7 @@ class HSPool:
         if buffered < self.cfg.min_ready and not (self.producing_finished or self._stalled()):
             return None
         if self.pull_trace is not None:
-            nonempty = sum(1 for b in self._buckets if b)
+            nonempty = sum(1 << b for b, items in enumerate(self._buckets) if items)
         bucket = self._choose_bucket(drafter_id)
         if self.pull_trace is not None:
             self.pull_trace.append((drafter_id, bucket, nonempty))
@@ -289,6 +289,19 @@ class HSPool:
         self._eos_drafters.clear()
         self._cursor.clear()
         return ids
+
+    def rollback(self, keep_ids: Iterable[int], requeue: Iterable[JobSpec]) -> int:
+        """A drafter group rebuilt from a checkpoint whose ledger is `keep_ids`: every lease and every
+        job acked after that checkpoint (given in `requeue`, schedule order) goes back to the front
+        of the queue, since the restored weights never saw them. Returns how many were re-queued."""
+        n = len(self.reset_drafters())
+        keep = set(keep_ids)
+        undo = [job for job in requeue if job.job_id in self._acked and job.job_id not in keep]
+        for job in reversed(undo):  # appendleft in reverse keeps schedule order at the front
+            self._acked.discard(job.job_id)
+            self._queue.appendleft(job)
+        self._wake()
+        return n + len(undo)
 
     # ---- queries --------------------------------------------------------------------------
 

@@ -65,18 +65,19 @@ class Supervisor:
         for i in range(0, len(self.plan.jobs), 4096):  # chunks keep each call's message small
             ray.get(self.pool.add_jobs.remote(self.plan.jobs[i:i + 4096]))
         ray.get(self.pool.finish_adding.remote())
-        for i in range(self.cfg.topology.num_targets):
-            self._start_target(i)
+        self._start_targets(list(range(self.cfg.topology.num_targets)))
         self._start_drafters(self.plan.resume_from)
 
-    def _start_target(self, i: int) -> None:
+    def _start_targets(self, ids: list[int]) -> None:
+        """Create the targets together (model loading overlaps), then hand them to the pool."""
         import ray
 
-        faults = self.cfg.faults
-        handle = self.topo.make_target(i, self.plan.model_dir, self.plan.layer_ids, self.dataset_ref, faults)
-        ray.get(handle.ping.remote())  # surface load errors here, not inside the pool
-        self.targets[i] = handle
-        ray.get(self.pool.add_target.remote(i, handle))
+        handles = {i: self.topo.make_target(i, self.plan.model_dir, self.plan.layer_ids, self.dataset_ref,
+                                            self.cfg.faults) for i in ids}
+        ray.get([h.ping.remote() for h in handles.values()])  # surface load errors here, not inside the pool
+        for i, handle in handles.items():
+            self.targets[i] = handle
+            ray.get(self.pool.add_target.remote(i, handle))
 
     def _start_drafters(self, resume_from: str | None) -> None:
         import ray
@@ -188,7 +189,7 @@ class Supervisor:
             return
         self.target_restarts[tid] = used + 1
         self.outcome.restarts["target"] += 1
-        self._start_target(tid)
+        self._start_targets([tid])
         self.monitor.note(f"{failure} -> job re-queued, target {tid} restarted ({used + 1}/{budget})")
         self.log(f"target {tid} crashed ({failure}); its job went back to the queue; restarted ({used + 1}/{budget})")
 
@@ -223,7 +224,8 @@ class Supervisor:
                             "raise supervision.max_restarts_drafter_group")
         ckpt = latest_checkpoint(self.cfg.checkpoint.dir)
         ledger = read_ledger(ckpt)[2] if ckpt else list(self.plan.resume_ledger)
-        requeued = ray.get(self.pool.rollback.remote(ledger))
+        acked_now = set(ray.get(self.pool.ledger.remote())) - set(ledger)
+        requeued = ray.get(self.pool.rollback.remote(ledger, [j for j in self.plan.jobs if j.job_id in acked_now]))
         self.outcome.restarts["drafter_group"] += 1
         self.monitor.note(f"{reason} -> group rebuilt from {ckpt.name if ckpt else 'scratch'}, "
                           f"{requeued} jobs re-issued ({used + 1}/{budget})")
