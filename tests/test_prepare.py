@@ -1,0 +1,82 @@
+"""`python -m app.prepare`: deterministic files that account for every record."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from app.config import Config, DataConfig, DrafterConfig, ModelConfig, TinyConfig, TrainConfig
+from app.prepare import run_prepare
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _small_cfg(cache_dir: str, extra_files: list[str] = ()) -> Config:
+    tiny = replace(TinyConfig(), cache_dir=cache_dir, num_layers=2, num_train_prompts=24, response_length=24)
+    data = replace(DataConfig(), max_length=40, bucket_boundaries=[16, 24, 32, 40], tokens_per_job=96,
+                   on_error="skip", train_files=list(extra_files))
+    return Config(model=ModelConfig(target="tiny"), tiny=tiny, data=data,
+                  drafter=DrafterConfig(block_size=4, mask_token_id=3), train=replace(TrainConfig(), epochs=2))
+
+
+@pytest.mark.slow
+def test_prepare_twice_gives_identical_files_that_account_for_every_record(tmp_path):
+    from app.tiny import ensure_tiny_target
+
+    cfg = _small_cfg(str(tmp_path / "cache"))
+    art = ensure_tiny_target(cfg.tiny)
+    # The generated data plus a file with every kind of reject, so each count is exercised.
+    extra = tmp_path / "extra.jsonl"
+    extra.write_text("\n".join([
+        json.dumps({"messages": [{"role": "user", "content": "ba"}, {"role": "assistant", "content": "be"}]}),
+        "{broken",
+        json.dumps({"input_ids": [5] * 30, "loss_mask": [1] * 30}),
+    ]) + "\n")
+    cfg = replace(cfg, data=replace(cfg.data, train_files=[art.train_file, str(extra)]))
+
+    first = run_prepare(cfg, tmp_path / "a")
+    second = run_prepare(cfg, tmp_path / "b")
+    for name in ("summary.json", "schedule.jsonl"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    assert first == second
+
+    s = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert s["records"] == 24 + 3 and s["accounted"]
+    assert s["kept"] + sum(s["dropped"].values()) == s["records"]
+    assert s["dropped"]["malformed"] == 1 and s["dropped"]["too_few_loss_tokens"] >= 1
+    assert s["truncated"] >= 1  # responses run past max_length=40
+    assert s["files"][str(extra)]["records"] == 3
+    assert sum(b["sequences"] for b in s["buckets"]) == s["kept"]
+    assert sum(b["tokens"] for b in s["buckets"]) == s["tokens"]
+
+    rows = [json.loads(line) for line in (tmp_path / "a" / "schedule.jsonl").read_text().splitlines()]
+    assert len(rows) == sum(s["jobs_per_epoch"]) and {r["epoch"] for r in rows} == {0, 1}
+    for epoch in (0, 1):
+        seqs = sorted(i for r in rows if r["epoch"] == epoch for i in r["sequences"])
+        assert seqs == list(range(s["kept"]))
+    assert all(r["padded_tokens"] <= 96 for r in rows)
+
+
+@pytest.mark.slow
+def test_prepare_cli_on_the_tiny_config_is_fast(tmp_path):
+    conf = ROOT / "conf" / "tiny.yaml"
+    if not conf.exists():
+        pytest.skip("conf/tiny.yaml not written yet")
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "app.prepare", "--config", str(conf), "--out", str(tmp_path / "out"),
+         f"tiny.cache_dir={tmp_path / 'cache'}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    took = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    print(f"RESULT prepare_tiny_s={took:.1f} records={s['records']} kept={s['kept']} jobs_per_epoch={s['jobs_per_epoch'][0]}")
+    assert s["accounted"] and s["records"] == 192
+    assert sum(1 for b in s["buckets"] if b["sequences"] > 0) >= 5  # lengths spread over the buckets
+    assert took < 60
