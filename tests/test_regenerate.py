@@ -1,0 +1,95 @@
+"""`app.regenerate`: assistant turns rewritten by the target, spread over generator actors, resumable."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from app.config import Config, DataConfig, ModelConfig, TinyConfig, TopologyConfig
+from app.regenerate import read_done_ids, regenerate_conversations
+
+SMALL = dict(num_layers=2, num_train_prompts=4, num_eval_prompts=1, prompt_length=4, response_length=8)
+
+CONVS = [
+    [{"role": "user", "content": "ba be bi"}, {"role": "assistant", "content": "old"},
+     {"role": "user", "content": "bo bu"}, {"role": "assistant", "content": "old too"}],
+    [{"role": "system", "content": "da"}, {"role": "user", "content": "de di do du"}],
+    [{"role": "user", "content": "fa"}, {"role": "assistant", "content": "x"}],
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_cfg(tmp_path_factory):
+    tiny = replace(TinyConfig(), cache_dir=str(tmp_path_factory.mktemp("tiny")), **SMALL)
+    return Config(model=ModelConfig(target="tiny"), tiny=tiny,
+                  data=replace(DataConfig(), max_length=40, on_error="skip"),
+                  topology=replace(TopologyConfig(), num_targets=2, cpus_per_target=1, device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def model_tok(tiny_cfg):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from app.tiny import ensure_tiny_target
+
+    art = ensure_tiny_target(tiny_cfg.tiny)
+    return AutoModelForCausalLM.from_pretrained(art.model_dir).eval(), AutoTokenizer.from_pretrained(art.model_dir)
+
+
+@pytest.mark.slow
+def test_every_assistant_turn_is_the_targets_greedy_reply(model_tok):
+    from app.generate import greedy_generate
+
+    model, tok = model_tok
+    out = regenerate_conversations(model, tok, CONVS, max_new_tokens=6, max_length=40)
+    assert [[m["role"] for m in c] for c in out] == [
+        ["user", "assistant", "user", "assistant"], ["system", "user", "assistant"], ["user", "assistant"]]
+    assert [m["content"] for m in out[0] if m["role"] == "user"] == ["ba be bi", "bo bu"]
+    assert all(m["content"] not in ("old", "old too", "x") for c in out for m in c if m["role"] == "assistant")
+    # The second turn sees the regenerated first one: regenerate it by hand and compare.
+    prompt = tok.apply_chat_template(out[0][:3], tokenize=False, add_generation_prompt=True)
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    want = greedy_generate(model, [ids], 6, pad_id=tok.pad_token_id, stop_ids=[tok.eos_token_id])[0]
+    assert out[0][3]["content"] == tok.decode(want, skip_special_tokens=True).strip()
+    # Each turn is capped so prompt + response fits max_length.
+    short = regenerate_conversations(model, tok, CONVS[:1], max_new_tokens=50, max_length=14)[0]
+    full = tok.apply_chat_template(short, tokenize=False)
+    assert len(tok(full, add_special_tokens=False)["input_ids"]) <= 14 + 2  # + trailing <|im_end|>, newline
+
+
+def test_a_torn_last_line_is_cut_and_regenerated(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": 1, "messages": []}\n{"id": 3, "messages": []}\n{"id": 5, "mess')
+    assert read_done_ids(out) == {1, 3}
+    assert out.read_text() == '{"id": 1, "messages": []}\n{"id": 3, "messages": []}\n'
+    assert read_done_ids(tmp_path / "missing.jsonl") == set()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_regenerate_over_actors_then_resume(ray_cluster, tiny_cfg, tmp_path):
+    from app.regenerate import run_regenerate
+
+    src = tmp_path / "in.jsonl"
+    lines = [json.dumps({"messages": c}) for c in CONVS]
+    lines.append(json.dumps({"conversations": [{"from": "human", "value": "ga ge"}, {"from": "gpt", "value": "y"}]}))
+    lines.append("{broken")
+    lines.append(json.dumps({"messages": [{"role": "user", "content": "ka ke ki"}]}))
+    src.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+
+    counts = run_regenerate(tiny_cfg, str(src), str(out), max_new_tokens=6, chunk_size=2, batch_size=2)
+    assert counts == {"records": 6, "already_done": 0, "malformed": 1, "pending": 5, "written": 5}
+    first = {r["id"]: r["messages"] for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(first) == [1, 2, 3, 4, 6]
+
+    # Lose two records (one torn mid-write) and resume: only those are regenerated, identically.
+    kept = [line for line in out.read_text().splitlines() if json.loads(line)["id"] not in (2, 6)]
+    out.write_text("\n".join(kept) + "\n" + json.dumps({"id": 2, "messages": first[2]})[:15])
+    again = run_regenerate(tiny_cfg, str(src), str(out), max_new_tokens=6, chunk_size=2, batch_size=2)
+    assert again == {"records": 6, "already_done": 3, "malformed": 1, "pending": 2, "written": 2}
+    final = [json.loads(line) for line in Path(out).read_text().splitlines()]
+    assert sorted(r["id"] for r in final) == [1, 2, 3, 4, 6]
+    assert {r["id"]: r["messages"] for r in final} == first
