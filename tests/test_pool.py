@@ -339,3 +339,38 @@ def test_a_waiting_pull_is_fenced_by_release():
         assert pool.stats().pull_waits.count == 1
 
     asyncio.run(main())
+
+
+def _window_covers_available(policy: str, seed: int, steps: int = 3000) -> float:
+    """Drafter 0 pulls in 4-pull windows while drafters 1-2 and targets interleave at random;
+    share of windows covering min(4, buckets non-empty at every one of drafter 0's pulls)."""
+    rng = random.Random(seed)
+    pool = HSPool(PoolConfig(capacity=14, min_ready=3, jobs_in_flight_per_target=2, seed=seed), 6,
+                  pull_policy=policy, trace_pulls=True)
+    pool.add_jobs(job(i, rng.choices(range(6), weights=[1, 1, 1, 1, 2, 6])[0]) for i in range(steps))
+    for _ in range(steps):
+        for t in range(5):
+            if rng.random() < 0.3 and (j := pool.next_job(t)) is not None:
+                pool.job_done(t, meta_for(j, t), None)
+        d = rng.randrange(3)
+        got = pool.try_pull(d)
+        if isinstance(got, PulledItem):
+            pool.ack(d, [got.meta.job_id])
+    mine = [(b, m) for d, b, m in pool.pull_trace if d == 0]
+    windows = [mine[i : i + 4] for i in range(0, len(mine) - 3, 4)]
+    ok = 0
+    for w in windows:
+        avail = w[0][1]
+        for _, m in w[1:]:
+            avail &= m
+        ok += len({b for b, _ in w}) >= min(4, bin(avail).count("1"))
+    assert len(windows) > 100
+    return ok / len(windows)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_fair_pulls_cover_every_bucket_available_throughout_a_window(seed):
+    # Round-robin over non-empty buckets cannot skip a bucket that stays non-empty, so a 4-pull
+    # window always covers min(4, buckets available at each of its pulls): exactly 1.0.
+    assert _window_covers_available("fair", seed) == 1.0
+    assert _window_covers_available("random", seed) < 0.6
