@@ -1,6 +1,8 @@
 """Speculative decoding reproduces the target's greedy output, whatever the drafter proposes."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -113,3 +115,18 @@ def test_trained_drafter_is_accepted_and_still_matches_greedy(target):
     ev = sd.measure_tau(model, drafter, head, PROMPTS, 40, LAYERS, B)
     assert ev.matches_greedy
     assert ev.tau > 2.5, ev
+
+
+@pytest.mark.slow
+def test_evaluate_cli_untrained_drafter_tau_near_one(capsys):
+    """`python -m app.evaluate` on the tiny target (built once into .cache/tiny) with a fresh drafter."""
+    from app.evaluate import main
+
+    root = Path(__file__).resolve().parents[1]
+    rc = main(["--config", str(root / "conf" / "tiny.yaml"), f"tiny.cache_dir={root / '.cache' / 'tiny'}",
+               "eval.num_prompts=2", "eval.max_new_tokens=24"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    result = dict(kv.split("=") for kv in out.strip().splitlines()[-1].removeprefix("RESULT ").split())
+    assert 1.0 <= float(result["tau"]) < 1.3
+    assert float(result["tok_s"]) > 0 and result["matches_greedy"] == "1"
