@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections import deque
 from typing import Any
@@ -27,6 +28,8 @@ from app.config import PoolConfig
 from app.messages import EndOfStream, ItemMeta, JobSpec, PulledItem, StepRecord
 from app.pool import Drained, HSPool
 from app.pool_stats import PoolStats
+
+log = logging.getLogger(__name__)
 
 
 def pool_max_concurrency(num_targets: int, num_drafters: int) -> int:
@@ -76,8 +79,13 @@ class HSPoolActor:
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)  # keep a strong ref; asyncio holds tasks weakly
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
         return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # never lose a loop silently
+            log.error("pool background task failed", exc_info=task.exception())
 
     # ---- targets --------------------------------------------------------------------------
 

@@ -110,9 +110,10 @@ class PoolMetrics:
             self._wait_ratio[rec.rank] = rec.data_wait_s / total
         self._ranks.add(rec.rank)
         self._step = max(self._step, rec.step)
-        losses = self._step_loss.setdefault(rec.step, {})
-        losses[rec.rank] = rec.loss
-        if len(losses) >= len(self._ranks):  # ranks' losses are shares of the global mean
-            self._loss = sum(losses.values())
-            for s in [s for s in self._step_loss if s <= rec.step]:
-                del self._step_loss[s]
+        self._step_loss.setdefault(rec.step, {})[rec.rank] = rec.loss
+        # The step loss is the sum of the ranks' shares: report the newest step all ranks sent.
+        complete = [s for s, by_rank in self._step_loss.items() if len(by_rank) >= len(self._ranks)]
+        if complete:
+            self._loss = sum(self._step_loss[max(complete)].values())
+        for s in [s for s in self._step_loss if s < self._step - 16]:
+            del self._step_loss[s]

@@ -10,7 +10,7 @@ import pytest
 
 from app import metric_names as mn
 from app.config import PoolConfig
-from app.messages import EndOfStream, HiddenBatch, ItemMeta, JobSpec, PulledItem
+from app.messages import EndOfStream, HiddenBatch, ItemMeta, JobSpec, PulledItem, StepRecord
 from app.pool import Drained
 
 pytestmark = pytest.mark.ray
@@ -180,6 +180,9 @@ def test_prometheus_endpoint_shows_live_per_bucket_counts(ray_cluster):
         assert time.time() < deadline
         time.sleep(0.05)
     q_hsb = ray.get(pool.stats.remote()).q_hsb
+    for rank in range(2):
+        rec = StepRecord(rank, 3, 0, 0.25, 1.0, 0.5, 100, 1.5, compute_s=0.3, data_wait_s=0.1)
+        ray.get(pool.report_step.remote(rec))
     want = {str(b): float(n) for b, n in enumerate(q_hsb)}
     port = ray._private.worker.global_worker.node.metrics_export_port
     deadline, text, got = time.time() + 30, "", {}
@@ -192,5 +195,8 @@ def test_prometheus_endpoint_shows_live_per_bucket_counts(ray_cluster):
     assert got == want, f"scraped {got}, pool says {want}"
     names = sorted({line.split("{")[0] for line in text.splitlines() if "dflash_" in line and not line.startswith("#")})
     print("scraped dflash names:", names)
-    assert any(n.endswith(mn.POOL_BYTES) for n in names)
-    assert any(n.endswith(mn.JOBS) for n in names)
+    for name in (mn.POOL_BYTES, mn.POOL_CAPACITY_BYTES, mn.JOBS, mn.TRAIN_STEP, mn.TRAIN_LOSS, mn.TRAIN_TOKENS_TOTAL,
+                 mn.TARGET_TOKENS_TOTAL, mn.TARGET_BUSY_RATIO, mn.DRAFTER_DATA_WAIT_RATIO):
+        assert any(n in (name, "ray_" + name) for n in names), (name, names)
+    loss = [line for line in text.splitlines() if re.match(rf"^(?:ray_)?{mn.TRAIN_LOSS}\{{", line) and run in line]
+    assert loss and float(loss[0].rsplit(" ", 1)[1]) == pytest.approx(0.5)  # two ranks' 0.25 shares
