@@ -153,11 +153,12 @@ def detect_format(rec: dict, fmt: str) -> str:
     """The record's format: `fmt` itself unless it is auto."""
     if fmt != "auto":
         return fmt
-    if "messages" in rec:
+    # `is not None`: Parquet files with mixed schemas carry every column, null where unused.
+    if rec.get("messages") is not None:
         return "openai"
-    if "conversations" in rec:
+    if rec.get("conversations") is not None:
         return "sharegpt"
-    if "input_ids" in rec:
+    if rec.get("input_ids") is not None:
         return "tokenized"
     raise MalformedRecord(f"no messages/conversations/input_ids key (keys: {sorted(rec)[:8]})")
 
@@ -205,11 +206,14 @@ def record_tokens(rec: dict, fmt: str, tokenizer, enable_thinking: bool) -> tupl
     if kind == "tokenized":
         return _tokenized_record(rec)
     messages = to_messages(rec, kind)
+    from jinja2.exceptions import TemplateError
+
     try:
         return tokenize_conversation(tokenizer, messages, enable_thinking=enable_thinking)
     except MalformedRecord:
         raise
-    except (ValueError, TypeError, KeyError) as e:  # template errors (e.g. roles out of order)
+    # Templates reject records with raise_exception (TemplateError), e.g. roles out of order.
+    except (TemplateError, ValueError, TypeError, KeyError) as e:
         raise MalformedRecord(f"chat template failed: {e}") from e
 
 

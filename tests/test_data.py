@@ -240,6 +240,16 @@ def test_on_error_raise_names_file_and_line(tmp_path, qwen_tok):
         load_dataset(_cfg(), 2, qwen_tok, [sg])
 
 
+def test_template_that_rejects_a_record_counts_it_as_malformed(tmp_path):
+    strict = "{%- if messages[0]['role'] != 'user' -%}{{ raise_exception('first turn must be user') }}{%- endif -%}"
+    tok = _bpe_tokenizer(strict + QWEN_TEMPLATE)
+    path = _write_jsonl(tmp_path / "r.jsonl", [{"messages": THREE_TURNS}, {"messages": THREE_TURNS[1:]}])
+    ds = load_dataset(_cfg(on_error="skip"), 2, tok, [path])
+    assert (len(ds), ds.summary.total().dropped["malformed"]) == (1, 1)
+    with pytest.raises(ValueError, match=r"r\.jsonl:2: .*first turn must be user"):
+        load_dataset(_cfg(), 2, tok, [path])
+
+
 def test_bad_settings_and_paths_name_the_fix(tmp_path, qwen_tok):
     with pytest.raises(ValueError, match="data.overlong='cut'"):
         load_dataset(_cfg(overlong="cut"), 2, qwen_tok, [])

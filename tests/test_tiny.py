@@ -16,6 +16,17 @@ from app.tiny import ensure_tiny_target, resolve_target, settings_hash
 SMALL = dict(num_layers=2, num_train_prompts=12, num_eval_prompts=3, prompt_length=6, response_length=16)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny forwards are overhead-bound; two threads on a busy 2-core box run them ~20x slower."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
     tiny = replace(TinyConfig(), cache_dir=str(tmp_path_factory.mktemp("tiny")), **SMALL)
