@@ -70,6 +70,9 @@ def assistant_char_spans(tokenizer, messages: list[dict], full: str, enable_thin
     cursor = 0
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant":
+            # Walk past this turn's text, so a later content search cannot land inside it.
+            pos = full.find(msg["content"], cursor) if msg["content"] else -1
+            cursor = pos + len(msg["content"]) if pos >= 0 else cursor
             continue
         span = _prefix_span(tokenizer, messages, i, full, enable_thinking)
         if span is None or span[0] < cursor:
@@ -93,7 +96,9 @@ def _prefix_span(tokenizer, messages, i, full, enable_thinking) -> tuple[int, in
 
 
 def _search_span(tokenizer, content: str, full: str, cursor: int) -> tuple[int, int]:
-    start = full.find(content, cursor) if content else -1
+    if not content:
+        return cursor, cursor  # an empty turn has no tokens to learn
+    start = full.find(content, cursor)
     if start < 0:
         raise _malformed("cannot locate an assistant turn in the rendered chat template")
     end = start + len(content)

@@ -269,3 +269,59 @@ def test_eval_prompts_end_with_the_generation_prompt(tmp_path, qwen_tok):
     assert "Paris" not in texts[0]
     assert texts[1] == qwen_tok.apply_chat_template(
         [{"role": "user", "content": "Tell me a joke about cats."}], tokenize=False, add_generation_prompt=True)
+
+
+# The assistant branch and generation prompt of Qwen3's template, as shipped: history turns render
+# bare, turns after the last user query get a (possibly empty) think block, and enable_thinking=False
+# puts an empty think block into the generation prompt.
+QWEN3_TEMPLATE = (
+    "{%- set ns = namespace(last_query_index=messages|length - 1) -%}"
+    "{%- for message in messages[::-1] -%}{%- set index = (messages|length - 1) - loop.index0 -%}"
+    "{%- if message.role == 'user' and ns.last_query_index == messages|length - 1 -%}"
+    "{%- set ns.last_query_index = index -%}{%- endif -%}{%- endfor -%}"
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'user' or message.role == 'system' -%}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' -}}"
+    "{%- elif message.role == 'assistant' -%}"
+    "{%- if loop.index0 > ns.last_query_index and loop.last -%}"
+    "{{- '<|im_start|>' + message.role + '\\n<think>\\n\\n</think>\\n\\n' + message.content -}}"
+    "{%- else -%}{{- '<|im_start|>' + message.role + '\\n' + message.content -}}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
+    "{%- endif -%}"
+)
+
+
+@pytest.mark.parametrize("enable_thinking", [False, True])
+def test_qwen3_style_template_masks_every_assistant_turn(enable_thinking):
+    tok = _bpe_tokenizer(QWEN3_TEMPLATE)
+    # The user repeats the earlier answer: a naive content search would land in the user turn.
+    convo = THREE_TURNS[:2] + [{"role": "user", "content": "Paris is the capital of France."},
+                               {"role": "assistant", "content": "Paris is the capital of France."}]
+    ids, mask = tokenize_conversation(tok, convo, enable_thinking=enable_thinking)
+    runs = _masked_runs(tok, ids, mask)
+    last = "Paris is the capital of France.<|im_end|>"
+    # With thinking off, the empty think block is part of the prompt; with it on, the model writes it.
+    assert runs == ["Paris is the capital of France.<|im_end|>",
+                    last if not enable_thinking else "<think>\n\n</think>\n\n" + last]
+    # Nothing of the user turns is masked.
+    text = tok.decode(ids)
+    user_start = text.index("<|im_start|>user\nParis")
+    assert not any(m for m, o in zip(mask, _token_starts(tok, ids)) if user_start <= o < user_start + 40)
+
+
+def _token_starts(tok, ids):
+    starts, pos = [], 0
+    for t in ids:
+        starts.append(pos)
+        pos += len(tok.decode([t]))
+    return starts
+
+
+def test_empty_assistant_turn_masks_nothing_for_it():
+    tok = _bpe_tokenizer(QWEN3_TEMPLATE)
+    convo = [THREE_TURNS[0], {"role": "assistant", "content": ""}, THREE_TURNS[2], THREE_TURNS[3]]
+    ids, mask = tokenize_conversation(tok, convo)
+    assert _masked_runs(tok, ids, mask) == [THREE_TURNS[3]["content"] + "<|im_end|>"]
