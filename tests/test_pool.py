@@ -374,3 +374,24 @@ def test_fair_pulls_cover_every_bucket_available_throughout_a_window(seed):
     # window always covers min(4, buckets available at each of its pulls): exactly 1.0.
     assert _window_covers_available("fair", seed) == 1.0
     assert _window_covers_available("random", seed) < 0.6
+
+
+def test_rollback_requeues_leases_and_jobs_acked_after_the_checkpoint():
+    pool = make_pool(capacity=20, min_ready=0, jobs_in_flight_per_target=20)
+    all_jobs = [job(i, i % 3) for i in range(8)]
+    pool.add_jobs(all_jobs)
+    pool.finish_adding()
+    produce_all(pool, targets=1)
+    got = [pool.try_pull(0).meta.job_id for _ in range(6)]
+    pool.ack(0, got[:2])  # checkpoint ledger
+    pool.ack(0, got[2:4])  # acked after the checkpoint
+    n = pool.rollback(got[:2], all_jobs)
+    assert n == 4  # two leases + two post-checkpoint acks
+    assert pool.ledger() == sorted(got[:2])
+    s = pool.stats()
+    assert s.leased == 0 and s.pending == 4 and s.buffered == 2
+    produce_all(pool, targets=1)
+    while not pool.done:
+        g = pool.try_pull(1)
+        pool.ack(1, [g.meta.job_id])
+    assert pool.ledger() == list(range(8)) and pool.acked_twice == 0
