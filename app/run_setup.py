@@ -72,7 +72,8 @@ def plan_run(cfg: Config, on_gpu: bool) -> RunPlan:
     lengths = np.asarray(dataset.lengths())
     jobs = [job for epoch in range(cfg.train.epochs) for job in build_schedule(lengths, cfg.data, epoch, bpt)]
     _check_job_fits(cfg, jobs)
-    prompts = load_eval_prompts(target.eval_prompts_file, tokenizer) if target.eval_prompts_file else []
+    prompts = (load_eval_prompts(target.eval_prompts_file, tokenizer, cfg.data.enable_thinking)
+               if target.eval_prompts_file else [])
     ckpt = latest_checkpoint(cfg.checkpoint.dir)
     step, _, ledger = read_ledger(ckpt) if ckpt else (0, 0, [])
     per_step = cfg.topology.num_drafters * cfg.train.grad_accum

@@ -68,6 +68,10 @@ class RunMonitor:
         self.last_progress = clock()
 
     def add_records(self, records: list[StepRecord]) -> None:
+        if records:
+            now = self.clock()
+            self.first_record_t = getattr(self, "first_record_t", now)
+            self.last_record_t = now
         for rec in records:
             self.train_tokens += rec.tokens
             self.compute_s[rec.rank] = self.compute_s.get(rec.rank, 0.0) + rec.compute_s
@@ -89,6 +93,16 @@ class RunMonitor:
         self._train_rate.add(now, self.train_tokens)
         self._target_rate.add(now, sum(stats.tokens_by_target.values()))
         self.last_pool = stats
+
+    def train_tok_s(self) -> float:
+        """All replicas' tokens per second over the training phase (first to last step report)."""
+        span = getattr(self, "last_record_t", 0.0) - getattr(self, "first_record_t", 0.0)
+        return self.train_tokens / span if span > 0 else 0.0
+
+    def replica_tok_s(self) -> float:
+        """Tokens per second of one replica while inside its step loop (compute + data wait)."""
+        busy = sum(self.compute_s.values()) + sum(self.wait_s.values())
+        return self.train_tokens / busy if busy > 0 else 0.0
 
     def data_wait_share(self) -> float:
         wait, busy = sum(self.wait_s.values()), sum(self.compute_s.values())
