@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"prompts={res.num_prompts} new_tokens={res.new_tokens} verify_forwards={res.target_forwards}")
     print(f"tau={res.tau:.3f} (mean tokens per target forward, bonus included)")
     print(f"spec {res.tok_s:.1f} tok/s vs greedy {res.greedy_tok_s:.1f} tok/s: speedup {res.speedup:.2f}x "
-          f"(no KV cache in either)")
+          f"(target KV cache in both)")
     print(f"output equals greedy: {res.matches_greedy}")
     print(f"RESULT tau={res.tau:.4f} tok_s={res.tok_s:.2f} greedy_tok_s={res.greedy_tok_s:.2f} "
           f"speedup={res.speedup:.3f} matches_greedy={int(res.matches_greedy)}")

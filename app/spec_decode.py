@@ -5,11 +5,13 @@ features of every accepted position before it, verifies the block with one targe
 accepts the longest prefix the target agrees with plus the target's own next token. The output is
 the target's greedy output token for token, whatever the drafter predicts.
 
-No KV cache: every target forward reads the whole sequence (correctness first; the tiny targets
-used here make that cheap). The greedy baseline does the same, so tokens/s compare like for like.
+The target keeps a KV cache (cropped to the accepted prefix after each verify); `use_cache=False`
+recomputes the whole sequence every forward, as a reference. The greedy baseline uses the same
+setting, so tokens/s compare like for like. The drafter recomputes its context each block.
 """
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -41,27 +43,64 @@ class EvalResult:
     matches_greedy: bool
 
 
-def _target_step(target_model, ids: list[int], layer_ids):
-    """One full forward: (greedy next token at every position [L], features [L, k*H])."""
-    dev = next(target_model.parameters()).device
-    x = torch.tensor([ids], dtype=torch.long, device=dev)
-    out = target_model(input_ids=x, output_hidden_states=layer_ids is not None, use_cache=False)
-    greedy = out.logits[0].argmax(dim=-1)
-    feats = None if layer_ids is None else features_from_hidden_states(out.hidden_states, layer_ids)[0]
-    return greedy, feats
+class _TargetRunner:
+    """Target forwards over a growing sequence, with or without a KV cache.
+
+    `run(ids, start)` returns the greedy next token and the features for positions start..len-1;
+    with a cache only those positions are fed (the cache must hold exactly 0..start-1), without
+    one the whole sequence is recomputed and sliced.
+    """
+
+    def __init__(self, model, layer_ids, use_cache: bool) -> None:
+        self.model, self.layer_ids, self.use_cache = model, layer_ids, use_cache
+        self.device = next(model.parameters()).device
+        self.cache = None
+        if use_cache:
+            from transformers import DynamicCache
+
+            self.cache = DynamicCache(config=model.config)
+            # transformers >= 5.24 renames `past_key_values` to `cache` (the old name warns).
+            params = inspect.signature(model.forward).parameters
+            self.cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    def run(self, ids: list[int], start: int):
+        feed = ids[start:] if self.use_cache else ids
+        first = start if self.use_cache else 0
+        x = torch.tensor([feed], dtype=torch.long, device=self.device)
+        pos = torch.arange(first, first + len(feed), device=self.device)[None]
+        kw: dict = {"use_cache": False}
+        if self.cache is not None:
+            kw = {self.cache_kw: self.cache, "use_cache": True}
+        out = self.model(input_ids=x, position_ids=pos, output_hidden_states=self.layer_ids is not None, **kw)
+        cut = start - first
+        greedy = out.logits[0, cut:].argmax(dim=-1).tolist()
+        feats = None
+        if self.layer_ids is not None:
+            feats = features_from_hidden_states(out.hidden_states, self.layer_ids)[0, cut:]
+        return greedy, feats
+
+    def keep(self, length: int) -> None:
+        """Drop cached positions >= length (rejected drafts)."""
+        if self.cache is not None:
+            extra = self.cache.get_seq_length() - length
+            if extra > 0:
+                self.cache.crop(-extra)  # negative = tokens to remove (transformers 4.x and 5.x)
 
 
 @torch.no_grad()
-def greedy_generate(target_model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None) -> list[int]:
-    """Plain greedy decoding, one full target forward per token (the reference for spec_generate)."""
+def greedy_generate(target_model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None,
+                    use_cache: bool = True) -> list[int]:
+    """Plain greedy decoding, one target forward per token (the reference for spec_generate)."""
+    runner = _TargetRunner(target_model, None, use_cache)
     ids = list(prompt_ids)
     new: list[int] = []
+    start = 0
     while len(new) < max_new_tokens:
-        greedy, _ = _target_step(target_model, ids, None)
-        tok = int(greedy[-1])
-        ids.append(tok)
-        new.append(tok)
-        if tok == eos_token_id:
+        greedy, _ = runner.run(ids, start)
+        start = len(ids)
+        ids.append(greedy[-1])
+        new.append(greedy[-1])
+        if greedy[-1] == eos_token_id:
             break
     return new
 
@@ -90,31 +129,33 @@ def spec_generate(
     layer_ids,
     block_size: int,
     eos_token_id: int | None = None,
+    use_cache: bool = True,
 ) -> SpecResult:
     """Greedy speculative decoding; the tokens equal `greedy_generate`'s."""
     if not prompt_ids:
         raise ValueError("prompt_ids is empty; speculative decoding needs at least one prompt token")
-    greedy, feats = _target_step(target_model, list(prompt_ids), layer_ids)
-    ids = list(prompt_ids) + [int(greedy[-1])]
-    context = feats  # features of every position before the last (anchor) token
-    new = [ids[-1]]
+    runner = _TargetRunner(target_model, list(layer_ids), use_cache)
+    greedy, context = runner.run(list(prompt_ids), 0)
+    ids = list(prompt_ids) + [greedy[-1]]
+    new = [greedy[-1]]  # `context` holds the features of every position before the last token
     result = SpecResult(tokens=new, target_forwards=0)
     while len(new) < max_new_tokens and new[-1] != eos_token_id:
-        n = len(ids) - 1  # anchor position
+        n = len(ids) - 1  # anchor position; the cache (if any) holds positions 0..n-1
         drafts = draft_block(drafter, head, context, ids[-1], block_size)
         drafts = drafts[: max_new_tokens - len(new) - 1]  # the bonus token fills the last slot
-        greedy, feats = _target_step(target_model, ids + drafts, layer_ids)
-        # greedy[n + i] is the target's token for position n + i + 1, the slot of drafts[i].
+        greedy, feats = runner.run(ids + drafts, n)
+        # greedy[i] is the target's token for position n + i + 1, the slot of drafts[i].
         accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == int(greedy[n + accepted]):
+        while accepted < len(drafts) and drafts[accepted] == greedy[accepted]:
             accepted += 1
-        produced = drafts[:accepted] + [int(greedy[n + accepted])]
+        produced = drafts[:accepted] + [greedy[accepted]]
         if eos_token_id is not None and eos_token_id in produced:
             produced = produced[: produced.index(eos_token_id) + 1]
-        produced = produced[: max_new_tokens - len(new)]
+        # Positions n .. n+len(produced)-1 (anchor + accepted drafts) are now final context.
+        context = torch.cat([context, feats[: len(produced)]], dim=0)
         ids += produced
         new += produced
-        context = feats[: len(ids) - 1]  # accepted positions only; the new anchor has none yet
+        runner.keep(len(ids) - 1)
         result.target_forwards += 1
         result.accepted_per_forward.append(len(produced))
     return result
@@ -130,6 +171,7 @@ def measure_tau(
     block_size: int,
     eos_token_id: int | None = None,
     baseline: bool = True,
+    use_cache: bool = True,
 ) -> EvalResult:
     """Run spec (and, with `baseline`, plain greedy) decoding on every prompt; tau and tokens/s.
 
@@ -140,10 +182,11 @@ def measure_tau(
     same = True
     for prompt in prompts:
         t0 = time.perf_counter()
-        res = spec_generate(target_model, drafter, head, prompt, max_new_tokens, layer_ids, block_size, eos_token_id)
+        res = spec_generate(target_model, drafter, head, prompt, max_new_tokens, layer_ids, block_size, eos_token_id,
+                            use_cache)
         t1 = time.perf_counter()
         if baseline:
-            same &= res.tokens == greedy_generate(target_model, prompt, max_new_tokens, eos_token_id)
+            same &= res.tokens == greedy_generate(target_model, prompt, max_new_tokens, eos_token_id, use_cache)
         spec_s += t1 - t0
         greedy_s += time.perf_counter() - t1
         new_tokens += len(res.tokens)

@@ -39,11 +39,12 @@ def _drafter(model, seed=0):
     return DFlashDrafter(tiny_arch(model.config, block_size=B, target_layer_ids=LAYERS)).eval()
 
 
-def test_random_drafter_matches_greedy_and_tau_near_one(target):
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_random_drafter_matches_greedy_and_tau_near_one(target, use_cache):
     model, head, _ = target
     drafter = _drafter(model)
-    ev = sd.measure_tau(model, drafter, head, PROMPTS, 16, LAYERS, B)
-    res = sd.spec_generate(model, drafter, head, PROMPTS[0], 16, LAYERS, B)
+    ev = sd.measure_tau(model, drafter, head, PROMPTS, 16, LAYERS, B, use_cache=use_cache)
+    res = sd.spec_generate(model, drafter, head, PROMPTS[0], 16, LAYERS, B, use_cache=use_cache)
     assert sum(res.accepted_per_forward) == len(res.tokens) - 1  # the prefill made the first
     assert ev.matches_greedy and 1.0 <= ev.tau < 1.3
 
@@ -55,7 +56,7 @@ def _oracle(model, correct: int):
         # context holds the features of every position before the anchor: recover the ids.
         ids = draft.ids[: context.shape[0] + 1]
         assert ids[-1] == anchor_token
-        cont = sd.greedy_generate(model, ids, block_size - 1)
+        cont = sd.greedy_generate(model, ids, block_size - 1, use_cache=False)
         return cont[:correct] + [(t + 1) % 128 for t in cont[correct:]]
 
     return draft
@@ -66,6 +67,7 @@ def test_forced_drafts_are_accepted_exactly(target, monkeypatch, correct, tau):
     model, head, _ = target
     prompt = PROMPTS[0]
     ref = sd.greedy_generate(model, prompt, 21)
+    assert ref == sd.greedy_generate(model, prompt, 21, use_cache=False)
     oracle = _oracle(model, correct)
     oracle.ids = prompt + ref
     monkeypatch.setattr(sd, "draft_block", oracle)
