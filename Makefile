@@ -17,6 +17,8 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	# z-lab's reference DFlashDraftModel, for the export-compatibility test; its own pins clash, so no deps.
+	$(BIN)/python -m pip install -q --no-deps dflash==0.1.0
 	touch $@
 
 demo: setup

@@ -6,6 +6,13 @@ import os
 import pytest
 
 
+def pytest_configure(config) -> None:
+    """One torch thread in the test process: on 2 shared cores, more threads run tiny ops 20x slower."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A local CPU Ray cluster that fakes eight GPUs; shared by every Ray test of the session."""
