@@ -132,8 +132,10 @@ class HSPoolActor:
         self._pool.job_done(tid, meta, payload_ref)
 
     def _on_target_error(self, tid: int, handle: Any, job: JobSpec, err: Exception) -> None:
-        self._pool.job_failed(tid, job.job_id)
-        if self._targets.get(tid) is handle:  # not already replaced by a restarted incarnation
+        # Only the registered incarnation counts: when a target was removed or replaced, its
+        # in-flight jobs were re-queued then, and the job id may now run on the new incarnation.
+        if self._targets.get(tid) is handle:
+            self._pool.job_failed(tid, job.job_id)
             del self._targets[tid]
             self._pool.target_lost(tid)
             first_line = (str(err).strip().splitlines() or [""])[0][:300]
