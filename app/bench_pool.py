@@ -86,7 +86,7 @@ class BenchConsumer:
             n += 1
 
 
-def run_pool(ray, n: int, prods: list, cons: list, floats: int, buckets: int) -> float:
+def run_pool(ray, n: int, prods: list, cons: list, floats: int, buckets: int, batch: int = 4) -> float:
     from actors.hs_pool import HSPoolActor, pool_max_concurrency
 
     cfg = PoolConfig(capacity=64, min_ready=0, jobs_in_flight_per_target=4, metrics_every_s=5.0)
@@ -96,7 +96,7 @@ def run_pool(ray, n: int, prods: list, cons: list, floats: int, buckets: int) ->
     ray.get(pool.ledger.remote())
     jobs = [JobSpec(i, 0, i, i % buckets, (i,), 4, floats * 4 + 4096) for i in range(n)]
     t0 = time.perf_counter()
-    runs = [c.from_pool.remote(pool, d, 4) for d, c in enumerate(cons)]
+    runs = [c.from_pool.remote(pool, d, batch) for d, c in enumerate(cons)]
     ray.get(pool.add_jobs.remote(jobs))
     ray.get(pool.finish_adding.remote())
     for t, p in enumerate(prods):
@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--consumers", type=int, default=3)
     ap.add_argument("--kib", type=int, default=256, help="payload size per item")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--pull-batch", type=int, default=4, help="items per pull_many call (acks: one per call)")
     args = ap.parse_args(argv)
     import ray
 
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.items} items, {args.producers} producers, {args.consumers} consumers, {args.repeats} rounds")
     pool_rates, queue_rates = [], []
     for r in range(args.repeats):  # alternate so drift hits both alike
-        pool_rates.append(run_pool(ray, *shape))
+        pool_rates.append(run_pool(ray, *shape, batch=args.pull_batch))
         queue_rates.append(run_queue(ray, *shape))
         print(f"round {r}: pool {pool_rates[-1]:.0f} pairs/s   queue {queue_rates[-1]:.0f} pairs/s")
     pool_best, queue_best = max(pool_rates), max(queue_rates)
