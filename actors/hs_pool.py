@@ -25,7 +25,7 @@ from collections import deque
 from typing import Any
 
 from app.config import PoolConfig
-from app.messages import EndOfStream, ItemMeta, JobSpec, PulledItem, StepRecord
+from app.messages import EndOfStream, ItemMeta, JobSpec, PulledItem, StepRecord, TargetFailure
 from app.pool import Drained, HSPool
 from app.pool_stats import PoolStats
 
@@ -57,7 +57,7 @@ class HSPoolActor:
         self._pool = HSPool(pool_cfg, num_buckets, pull_policy=pull_policy, trace_pulls=trace_pulls)
         self._run_name = run_name
         self._targets: dict[int, Any] = {}
-        self._failures: list[str] = []
+        self._failures: list[TargetFailure] = []
         self._steps: deque[StepRecord] = deque(maxlen=4096)
         self._undrained: list[StepRecord] = []
         self._waits: list[float] = []  # pull waits since the last metrics tick
@@ -102,7 +102,7 @@ class HSPoolActor:
         self._targets.pop(target_id, None)
         return self._pool.target_lost(target_id)
 
-    async def target_failures(self) -> list[str]:
+    async def target_failures(self) -> list[TargetFailure]:
         """One line per target failure seen (target, job, error), oldest first."""
         return list(self._failures)
 
@@ -139,7 +139,7 @@ class HSPoolActor:
             del self._targets[tid]
             self._pool.target_lost(tid)
             first_line = (str(err).strip().splitlines() or [""])[0][:300]
-            self._failures.append(f"target {tid} job {job.job_id}: {type(err).__name__}: {first_line}")
+            self._failures.append(TargetFailure(tid, job.job_id, f"{type(err).__name__}: {first_line}"))
 
     # ---- jobs -----------------------------------------------------------------------------
 

@@ -102,3 +102,15 @@ class StepRecord:
     lr: float = 0.0
     grad_norm: float = 0.0
     job_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class TargetFailure:
+    """A target call that failed: the job went back to the queue; the driver decides on a restart."""
+
+    target_id: int
+    job_id: int
+    error: str  # exception type and first line
+
+    def __str__(self) -> str:
+        return f"target {self.target_id} job {self.job_id}: {self.error}"

@@ -77,7 +77,7 @@ class PoolStats:
     done: bool
     eos_drafters: list[int] = field(default_factory=list)
     # Filled in by the actor shell (the pure pool knows nothing about Ray):
-    target_failures: list[str] = field(default_factory=list)
+    target_failures: list = field(default_factory=list)  # app.messages.TargetFailure, oldest first
     targets: list[int] = field(default_factory=list)
 
     def jobs_by_state(self) -> dict[str, int]:

@@ -95,7 +95,8 @@ class Supervisor:
         )
         self.drafters = self.topo.make_drafters(setup, self.pool)
         addr, port = ray.get(self.drafters[0].address.remote())
-        steps = ray.get([d.setup.remote(addr, port) for d in self.drafters], timeout=self.sup.stall_timeout_s)
+        # Setup builds the model and joins the process group: slow on a loaded box, so it gets at least 2 min.
+        steps = ray.get([d.setup.remote(addr, port) for d in self.drafters], timeout=max(120.0, self.sup.stall_timeout_s))
         self.log(f"drafter group of {len(self.drafters)} ready at step {steps[0]}"
                  + (f" (resumed from {resume_from})" if resume_from else ""))
         self.monitor.last_progress = self.monitor.clock()
@@ -166,11 +167,10 @@ class Supervisor:
     def _check_targets(self, stats) -> None:
         for failure in stats.target_failures[self.seen_failures:]:
             self.seen_failures += 1
-            tid = int(failure.split()[1])
-            self._handle_target_crash(tid, failure)
+            self._handle_target_crash(failure.target_id, str(failure))
         alive = [t for t in self.targets if t not in self.given_up]
         if not alive:
-            raise RunFailed(f"no target left: {'; '.join(stats.target_failures[-3:])}; raise "
+            raise RunFailed(f"no target left: {'; '.join(map(str, stats.target_failures[-3:]))}; raise "
                             f"supervision.max_restarts_target (now {self.sup.max_restarts_target})")
 
     def _handle_target_crash(self, tid: int, failure: str) -> None:

@@ -104,7 +104,7 @@ def test_five_producers_three_consumers_move_every_job_once_despite_a_killed_pro
     assert ray.get(pool.ledger.remote()) == list(range(n))
     assert st.acked_twice == 0 and st.done
     assert st.eos_drafters == [0, 1, 2]
-    assert 2 not in st.targets and any(f.startswith("target 2 ") for f in st.target_failures)
+    assert 2 not in st.targets and any(f.target_id == 2 for f in st.target_failures)
     # items the killed producer made before dying were read by the consumers (the pool owns them)
     assert any(2 in r["producers"] for r in results)
     assert st.done_by_target[2] >= 3
