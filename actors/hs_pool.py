@@ -206,6 +206,11 @@ class HSPoolActor:
         if self._metrics is not None:
             self._metrics.step(rec)
 
+    async def report_restart(self, kind: str) -> None:
+        """The driver restarted a target (`target`) or rebuilt the drafters (`drafter_group`)."""
+        if self._metrics is not None:
+            self._metrics.restart(kind)
+
     async def drain_step_records(self) -> list[StepRecord]:
         """Step records reported since the previous drain (for the driver's logging)."""
         out, self._undrained = self._undrained, []

@@ -46,13 +46,12 @@ class PoolMetrics:
         self.data_wait = Gauge(
             mn.DRAFTER_DATA_WAIT_RATIO, "Data wait / (wait + compute) per drafter", run + ("drafter",)
         )
+        self.restarts = Counter(mn.RESTARTS_TOTAL, "Target restarts and drafter-group rebuilds", run + ("kind",))
         self._last_served: list[int] = []
         self._last_tokens: dict[int, int] = {}
         self._last_forward: dict[int, tuple[float, float]] = {}  # target -> (forward_s, wall time)
         self._busy: dict[int, float] = {}
         self._wait_ratio: dict[int, float] = {}
-        self._step_loss: dict[int, dict[int, float]] = {}  # step -> rank -> loss
-        self._ranks: set[int] = set()
         self._step = -1
         self._loss: float | None = None
 
@@ -102,18 +101,15 @@ class PoolMetrics:
                 self._busy[t] = min(1.0, max(0.0, (fwd - prev[0]) / (now - prev[1])))
 
     def step(self, rec: StepRecord) -> None:
-        """Fold one rank's step record in: tokens now; loss once every known rank reported."""
+        """Fold one rank's step record in: tokens, data-wait ratio, the newest step and its loss."""
         if rec.tokens > 0:
             self.train_tokens.inc(rec.tokens, self._t())
         total = rec.compute_s + rec.data_wait_s
         if total > 0:
             self._wait_ratio[rec.rank] = rec.data_wait_s / total
-        self._ranks.add(rec.rank)
-        self._step = max(self._step, rec.step)
-        self._step_loss.setdefault(rec.step, {})[rec.rank] = rec.loss
-        # The step loss is the sum of the ranks' shares: report the newest step all ranks sent.
-        complete = [s for s, by_rank in self._step_loss.items() if len(by_rank) >= len(self._ranks)]
-        if complete:
-            self._loss = sum(self._step_loss[max(complete)].values())
-        for s in [s for s in self._step_loss if s < self._step - 16]:
-            del self._step_loss[s]
+        if rec.step >= self._step:  # every rank carries the step's global loss; keep the newest
+            self._step, self._loss = rec.step, rec.loss
+
+    def restart(self, kind: str) -> None:
+        """A target restart or a drafter-group rebuild (the driver reports them)."""
+        self.restarts.inc(1, self._t(kind=kind))

@@ -91,9 +91,9 @@ class StepRecord:
     rank: int
     step: int
     epoch: int
-    loss: float  # this rank's weighted CE / global weight sum (sum over ranks = step loss)
-    weight_sum: float  # this rank's share of the step's loss weights
-    correct: float  # weighted top-1 correct on this rank
+    loss: float  # the step's global loss (all ranks' weighted CE / global weight sum; same on every rank)
+    weight_sum: float  # the step's global loss-weight sum
+    correct: float  # the step's global top-1 accuracy over predicted positions
     tokens: int  # real tokens trained on this rank during the step
     accept_len: float  # mean expected acceptance length per block on this rank
     per_pos_acc: list[float] = field(default_factory=list)  # block positions 1..B-1

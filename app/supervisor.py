@@ -189,6 +189,7 @@ class Supervisor:
             return
         self.target_restarts[tid] = used + 1
         self.outcome.restarts["target"] += 1
+        self.pool.report_restart.remote("target")
         self._start_targets([tid])
         self.monitor.note(f"{failure} -> job re-queued, target {tid} restarted ({used + 1}/{budget})")
         self.log(f"target {tid} crashed ({failure}); its job went back to the queue; restarted ({used + 1}/{budget})")
@@ -227,6 +228,7 @@ class Supervisor:
         acked_now = set(ray.get(self.pool.ledger.remote())) - set(ledger)
         requeued = ray.get(self.pool.rollback.remote(ledger, [j for j in self.plan.jobs if j.job_id in acked_now]))
         self.outcome.restarts["drafter_group"] += 1
+        self.pool.report_restart.remote("drafter_group")
         self.monitor.note(f"{reason} -> group rebuilt from {ckpt.name if ckpt else 'scratch'}, "
                           f"{requeued} jobs re-issued ({used + 1}/{budget})")
         self.log(f"{reason}; rebuilding the drafter group from {ckpt or 'scratch'}; {requeued} jobs re-issued "

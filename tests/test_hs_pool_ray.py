@@ -181,7 +181,7 @@ def test_prometheus_endpoint_shows_live_per_bucket_counts(ray_cluster):
         time.sleep(0.05)
     q_hsb = ray.get(pool.stats.remote()).q_hsb
     for rank in range(2):
-        rec = StepRecord(rank, 3, 0, 0.25, 1.0, 0.5, 100, 1.5, compute_s=0.3, data_wait_s=0.1)
+        rec = StepRecord(rank, 3, 0, 0.5, 1.0, 0.5, 100, 1.5, compute_s=0.3, data_wait_s=0.1)
         ray.get(pool.report_step.remote(rec))
     want = {str(b): float(n) for b, n in enumerate(q_hsb)}
     port = ray._private.worker.global_worker.node.metrics_export_port
@@ -199,4 +199,4 @@ def test_prometheus_endpoint_shows_live_per_bucket_counts(ray_cluster):
                  mn.TARGET_TOKENS_TOTAL, mn.TARGET_BUSY_RATIO, mn.DRAFTER_DATA_WAIT_RATIO):
         assert any(n in (name, "ray_" + name) for n in names), (name, names)
     loss = [line for line in text.splitlines() if re.match(rf"^(?:ray_)?{mn.TRAIN_LOSS}\{{", line) and run in line]
-    assert loss and float(loss[0].rsplit(" ", 1)[1]) == pytest.approx(0.5)  # two ranks' 0.25 shares
+    assert loss and float(loss[0].rsplit(" ", 1)[1]) == pytest.approx(0.5)  # the step's global loss
