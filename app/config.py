@@ -39,6 +39,11 @@ class TinyConfig:
     num_eval_prompts: int = 8
     prompt_length: int = 12  # words per synthetic prompt
     response_length: int = 96  # tokens generated greedily per response
+    chain_top_prob: float = 0.8  # the target is trained on a Markov chain: P(likely successor), rest = one other word
+    lm_steps: int = 200  # AdamW steps that teach the target the chain before it generates the data (0 = random target)
+    lm_batch_size: int = 8  # conversations per target training step
+    lm_response_length: int = 48  # longest assistant turn (words) in the target's training conversations
+    lm_lr: float = 1.0e-2  # target training peak learning rate
 
 
 @dataclass(frozen=True)

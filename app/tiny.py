@@ -25,7 +25,7 @@ import numpy as np
 from app.config import TINY_TARGET, Config, TinyConfig
 
 # Bump when the builder changes what it writes, so old caches are not reused.
-BUILD_VERSION = 1
+BUILD_VERSION = 2  # 2: the target is trained on a Markov chain before it generates the data
 # Weight init std of the random target. HF's 0.02 makes a tiny model's greedy output collapse into
 # one repeated token; 0.3 makes it near-random. 0.1 gives context-dependent, partly repetitive text.
 INIT_STD = 0.1
@@ -127,7 +127,7 @@ def _artifacts(root: Path) -> TinyArtifacts:
 
 
 def _check_tiny(tiny: TinyConfig) -> None:
-    words = tiny.vocab_size - len(SPECIAL_TOKENS) - len(ROLE_WORDS)
+    words = tiny.vocab_size - word_offset()
     if words < 16:
         raise ValueError(f"tiny.vocab_size={tiny.vocab_size} is too small; use at least 64")
     if tiny.hidden_size % tiny.num_heads:
@@ -136,6 +136,10 @@ def _check_tiny(tiny: TinyConfig) -> None:
         raise ValueError(f"tiny.num_heads={tiny.num_heads} must be a multiple of tiny.num_kv_heads={tiny.num_kv_heads}")
     if tiny.prompt_length < 1 or tiny.response_length < 4:
         raise ValueError("tiny.prompt_length must be >= 1 and tiny.response_length >= 4")
+    if not 0.5 < tiny.chain_top_prob <= 1.0:
+        raise ValueError(f"tiny.chain_top_prob={tiny.chain_top_prob} must be in (0.5, 1] so greedy follows the chain")
+    if tiny.lm_steps < 0 or tiny.lm_batch_size < 1:
+        raise ValueError(f"tiny.lm_steps={tiny.lm_steps} must be >= 0 and tiny.lm_batch_size={tiny.lm_batch_size} >= 1")
 
 
 def synthetic_words(count: int) -> list[str]:
@@ -214,21 +218,43 @@ def response_lengths(rng: np.random.Generator, count: int, length: int) -> list[
     return [int(x) for x in rng.integers(max(4, length // 4), length * 7 // 4 + 1, count)]
 
 
+def word_offset() -> int:
+    """Token id of the first synthetic word (words follow the special and role tokens)."""
+    return len(SPECIAL_TOKENS) + len(ROLE_WORDS)
+
+
 def _build(tiny: TinyConfig, root: Path) -> None:
     import torch
 
+    root.mkdir(parents=True)
+    # One thread: the steps are tiny, and on a shared 2-core machine two threads run ~20x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tokenizer = build_tokenizer(tiny.vocab_size)
+        model = build_model(tiny, tokenizer)
+        if tiny.lm_steps:
+            from app.tiny_train import markov_chain, train_on_chain
+
+            chain = markov_chain(tiny, tiny.vocab_size - word_offset())
+            losses = train_on_chain(model, tokenizer, chain, tiny, word_offset())
+            (root / "lm_losses.json").write_text(json.dumps([round(x, 4) for x in losses]) + "\n")
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.save_pretrained(root / "model")
+        tokenizer.save_pretrained(root / "model")
+        _write_data(tiny, root, model, tokenizer)
+    finally:
+        torch.set_num_threads(threads)
+    (root / "settings.json").write_text(json.dumps(asdict(tiny), sort_keys=True, indent=1) + "\n")
+
+
+def _write_data(tiny: TinyConfig, root: Path, model, tokenizer) -> None:
+    """train.jsonl (random prompts + the target's greedy responses) and eval_prompts.jsonl."""
     from app.generate import greedy_generate
 
-    root.mkdir(parents=True)
-    tokenizer = build_tokenizer(tiny.vocab_size)
-    model = build_model(tiny, tokenizer)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-
     rng = np.random.default_rng([tiny.seed, 1])
-    words = synthetic_words(tiny.vocab_size - len(SPECIAL_TOKENS) - len(ROLE_WORDS))
+    words = synthetic_words(tiny.vocab_size - word_offset())
     train_prompts = _prompts(rng, words, tiny.num_train_prompts, tiny.prompt_length)
     eval_prompts = _prompts(rng, words, tiny.num_eval_prompts, tiny.prompt_length)
     lengths = response_lengths(rng, tiny.num_train_prompts, tiny.response_length)
@@ -240,15 +266,9 @@ def _build(tiny: TinyConfig, root: Path) -> None:
     prompt_ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in prompt_ids]
     # Special ids are suppressed so every response decodes to words and re-tokenizes identically.
     special = sorted(set(tokenizer.all_special_ids) | {tokenizer.convert_tokens_to_ids(IM_START)})
-    # One thread: the decode steps are tiny, and on a shared 2-core machine two threads run ~20x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        responses = greedy_generate(
-            model, prompt_ids, lengths, pad_id=tokenizer.pad_token_id, suppress_ids=special, batch_size=64
-        )
-    finally:
-        torch.set_num_threads(threads)
+    responses = greedy_generate(
+        model, prompt_ids, lengths, pad_id=tokenizer.pad_token_id, suppress_ids=special, batch_size=64
+    )
     with open(root / "train.jsonl", "w") as f:
         for prompt, resp in zip(train_prompts, responses):
             text = tokenizer.decode(resp, skip_special_tokens=True)
@@ -257,4 +277,3 @@ def _build(tiny: TinyConfig, root: Path) -> None:
     with open(root / "eval_prompts.jsonl", "w") as f:
         for prompt in eval_prompts:
             f.write(json.dumps({"messages": [{"role": "user", "content": prompt}]}) + "\n")
-    (root / "settings.json").write_text(json.dumps(asdict(tiny), sort_keys=True, indent=1) + "\n")
