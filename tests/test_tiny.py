@@ -13,7 +13,8 @@ import pytest
 from app.config import Config, DataConfig, ModelConfig, TinyConfig
 from app.tiny import ensure_tiny_target, resolve_target, settings_hash
 
-SMALL = dict(num_layers=2, num_train_prompts=12, num_eval_prompts=3, prompt_length=6, response_length=16)
+SMALL = dict(num_layers=2, num_train_prompts=12, num_eval_prompts=3, prompt_length=6, response_length=16,
+             lm_steps=120, lm_response_length=24)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -89,6 +90,52 @@ def test_responses_are_the_targets_greedy_continuations(small, loaded):
                 ids = torch.cat([ids, torch.tensor([[t]])], dim=1)
 
 
+def _chain_agreements(tiny, art):
+    """Per response: share of words that are the chain's likely successor of the word before."""
+    from transformers import AutoTokenizer
+
+    from app.tiny import word_offset
+    from app.tiny_train import chain_agreement, markov_chain
+
+    tok = AutoTokenizer.from_pretrained(art.model_dir)
+    chain = markov_chain(tiny, tiny.vocab_size - word_offset())
+    out = []
+    for rec in _train_records(art):
+        prompt, resp = ([i - word_offset() for i in tok(m["content"], add_special_tokens=False)["input_ids"]]
+                        for m in rec["messages"])
+        out.append(chain_agreement(chain, prompt, resp))
+    return out
+
+
+def test_trained_target_follows_its_chain(small, tmp_path):
+    tiny, art = small
+    trained = _chain_agreements(tiny, art)
+    # Chance is 1/503; a 2-layer target after 120 steps follows the likely successor almost always.
+    assert sum(trained) / len(trained) > 0.85 and min(trained) > 0.6, trained
+    losses = json.loads((Path(art.model_dir).parent / "lm_losses.json").read_text())
+    assert len(losses) == tiny.lm_steps and losses[-1] < losses[0] / 3
+    random_tiny = replace(tiny, cache_dir=str(tmp_path), num_train_prompts=4, lm_steps=0)
+    untrained = _chain_agreements(random_tiny, ensure_tiny_target(random_tiny))
+    assert max(untrained) < 0.1, untrained
+
+
+def test_chain_is_one_cycle_through_every_word():
+    import numpy as np
+
+    from app.tiny_train import markov_chain
+
+    chain = markov_chain(TinyConfig(), 500)
+    seen, w = set(), 0
+    for _ in range(500):  # greedy text never loops before it has visited every word
+        seen.add(w)
+        w = int(chain.succ[w])
+    assert w == 0 and len(seen) == 500
+    assert not np.any(chain.alt == chain.succ) and chain.alt.min() >= 0 and chain.alt.max() < 500
+    words = chain.sample(np.random.default_rng(0), 7, 4000)
+    prev = np.concatenate([[7], words[:-1]])
+    assert abs(np.mean(words == chain.succ[prev]) - 0.8) < 0.03  # chain_top_prob
+
+
 def test_batched_greedy_with_left_padding_matches_one_by_one(loaded):
     from app.generate import greedy_generate
 
@@ -118,7 +165,7 @@ def test_reuses_the_cache_and_keys_it_by_settings(small):
 def test_losing_a_concurrent_build_race_uses_the_winner(tmp_path, monkeypatch):
     import app.tiny as tiny_mod
 
-    tiny = replace(TinyConfig(), cache_dir=str(tmp_path), **{**SMALL, "num_train_prompts": 2})
+    tiny = replace(TinyConfig(), cache_dir=str(tmp_path), **{**SMALL, "num_train_prompts": 2, "lm_steps": 0})
     real_build = tiny_mod._build
     final = tmp_path / settings_hash(tiny)
 
@@ -154,6 +201,8 @@ def test_resolve_tiny_target(small):
 def test_bad_tiny_settings_name_the_fix(tmp_path):
     with pytest.raises(ValueError, match="tiny.hidden_size=66"):
         ensure_tiny_target(replace(TinyConfig(), cache_dir=str(tmp_path), hidden_size=66))
+    with pytest.raises(ValueError, match="tiny.chain_top_prob=0.5"):
+        ensure_tiny_target(replace(TinyConfig(), cache_dir=str(tmp_path), chain_top_prob=0.5))
 
 
 @pytest.mark.slow
