@@ -19,8 +19,7 @@ from app.checkpoint import TrainState, load_checkpoint, restore_rng, rng_state, 
 from app.config import CheckpointConfig, DrafterConfig, FaultsConfig, TrainConfig
 from app.devices import compute_dtype, limit_threads, pick_device
 from app.faults import fire_once
-from app.messages import EndOfStream, StepRecord, split_job_id
-from app.pool import Drained
+from app.messages import Drained, EndOfStream, StepRecord, split_job_id
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,15 @@ class EndOfStream:
 
 
 @dataclass(frozen=True)
+class Drained:
+    """Nothing to hand out now: every job is produced and none is buffered, but leases are
+    still unacked. The drafter should finish its step with what it holds (zero gradients if
+    nothing), ack, and pull again; end-of-stream follows once every lease is acked."""
+
+    reason: str = "all produced, nothing buffered, leases outstanding"
+
+
+@dataclass(frozen=True)
 class StepRecord:
     """One optimizer step as seen by one drafter rank; sent to the pool (the telemetry hub)."""
 

@@ -29,19 +29,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from app.config import PoolConfig
-from app.messages import EndOfStream, ItemMeta, JobSpec, PulledItem
+from app.messages import Drained, EndOfStream, ItemMeta, JobSpec, PulledItem
 from app.pool_stats import PoolStats, WaitStats
 
 PULL_POLICIES = ("fair", "random")
-
-
-@dataclass(frozen=True)
-class Drained:
-    """Nothing to hand out now: every job is produced and none is buffered, but leases are
-    still unacked. The drafter should finish its step with what it holds (zero gradients if
-    nothing), ack, and pull again; end-of-stream follows once every lease is acked."""
-
-    reason: str = "all produced, nothing buffered, leases outstanding"
 
 
 class LeaseRevoked(RuntimeError):
