@@ -40,6 +40,7 @@ class TinyConfig:
     prompt_length: int = 12  # words per synthetic prompt
     response_length: int = 96  # tokens generated greedily per response
     chain_top_prob: float = 0.8  # the target is trained on a Markov chain: P(likely successor), rest = one other word
+    chain_words: int = 128  # words on the chain's cycle that greedy text walks (0 = all); fewer = easier drafting
     lm_steps: int = 200  # AdamW steps that teach the target the chain before it generates the data (0 = random target)
     lm_batch_size: int = 8  # conversations per target training step
     lm_response_length: int = 48  # longest assistant turn (words) in the target's training conversations

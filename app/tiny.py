@@ -25,7 +25,7 @@ import numpy as np
 from app.config import TINY_TARGET, Config, TinyConfig
 
 # Bump when the builder changes what it writes, so old caches are not reused.
-BUILD_VERSION = 2  # 2: the target is trained on a Markov chain before it generates the data
+BUILD_VERSION = 3  # 3: the target is trained on a Markov chain before it generates the data
 # Weight init std of the random target. HF's 0.02 makes a tiny model's greedy output collapse into
 # one repeated token; 0.3 makes it near-random. 0.1 gives context-dependent, partly repetitive text.
 INIT_STD = 0.1
@@ -138,6 +138,8 @@ def _check_tiny(tiny: TinyConfig) -> None:
         raise ValueError("tiny.prompt_length must be >= 1 and tiny.response_length >= 4")
     if not 0.5 < tiny.chain_top_prob <= 1.0:
         raise ValueError(f"tiny.chain_top_prob={tiny.chain_top_prob} must be in (0.5, 1] so greedy follows the chain")
+    if not 0 <= tiny.chain_words <= words or tiny.chain_words == 1:
+        raise ValueError(f"tiny.chain_words={tiny.chain_words} must be 0 (all) or in [2, {words}]")
     if tiny.lm_steps < 0 or tiny.lm_batch_size < 1:
         raise ValueError(f"tiny.lm_steps={tiny.lm_steps} must be >= 0 and tiny.lm_batch_size={tiny.lm_batch_size} >= 1")
 

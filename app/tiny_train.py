@@ -7,8 +7,10 @@ a sparse Markov chain over the word vocabulary:
 
     after word w comes succ[w] with probability `tiny.chain_top_prob`, else alt[w]
 
-`succ` is one random cycle through all words, so greedy text (which follows `succ`) never falls into
-a short loop: it visits every word, and held-out prompts start at words the drafter has seen. The
+`succ` is one random cycle through `tiny.chain_words` words (the rest lead onto it), so greedy text
+(which follows `succ`) never falls into a short loop: it walks the whole cycle, and held-out prompts
+land on words the drafter has seen. A drafter must learn succ^k for k = 1..block_size-1: 128 cycle
+words give tau 3.4-5.8 after the 6-epoch demo (tiny.seed 0-2); all ~500 words give 1.5-2.4. The
 `alt` branch keeps the sampled text from being a pure copy of the cycle (the target learns a real
 distribution whose argmax is `succ`). The assistant turn continues the chain from the last user word.
 
@@ -49,11 +51,16 @@ class MarkovChain:
 
 
 def markov_chain(tiny: TinyConfig, num_words: int) -> MarkovChain:
-    """The build's chain: deterministic from `tiny.seed`."""
+    """The build's chain: deterministic from `tiny.seed`.
+
+    `succ` runs one cycle through `tiny.chain_words` random words (0 = all words); every other word's
+    likely successor is a random word on the cycle, so greedy text enters the cycle after one word.
+    """
     rng = np.random.default_rng([tiny.seed, 2])
     order = rng.permutation(num_words)
-    succ = np.empty(num_words, dtype=np.int64)
-    succ[order] = np.roll(order, -1)  # one cycle through every word
+    cycle = order[: tiny.chain_words or num_words]
+    succ = cycle[rng.integers(0, len(cycle), num_words)]
+    succ[cycle] = np.roll(cycle, -1)
     alt = rng.integers(0, num_words - 1, num_words)
     alt = alt + (alt >= succ)  # uniform over the words other than succ
     return MarkovChain(succ=succ, alt=alt, top_prob=tiny.chain_top_prob)

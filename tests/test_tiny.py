@@ -119,21 +119,25 @@ def test_trained_target_follows_its_chain(small, tmp_path):
     assert max(untrained) < 0.1, untrained
 
 
-def test_chain_is_one_cycle_through_every_word():
+def test_chain_is_one_long_cycle():
     import numpy as np
 
     from app.tiny_train import markov_chain
 
-    chain = markov_chain(TinyConfig(), 500)
-    seen, w = set(), 0
-    for _ in range(500):  # greedy text never loops before it has visited every word
-        seen.add(w)
-        w = int(chain.succ[w])
-    assert w == 0 and len(seen) == 500
-    assert not np.any(chain.alt == chain.succ) and chain.alt.min() >= 0 and chain.alt.max() < 500
-    words = chain.sample(np.random.default_rng(0), 7, 4000)
-    prev = np.concatenate([[7], words[:-1]])
-    assert abs(np.mean(words == chain.succ[prev]) - 0.8) < 0.03  # chain_top_prob
+    for words in (0, 128):  # 0 = every word on the cycle
+        chain = markov_chain(replace(TinyConfig(), chain_words=words), 500)
+        on_cycle = set(chain.succ.tolist())
+        assert len(on_cycle) == (words or 500)
+        w = int(chain.succ[0])  # any word leads onto the cycle in one step ...
+        seen = set()
+        for _ in range(len(on_cycle)):  # ... and greedy text then never loops before visiting it all
+            seen.add(w)
+            w = int(chain.succ[w])
+        assert w == int(chain.succ[0]) and seen == on_cycle
+        assert not np.any(chain.alt == chain.succ) and chain.alt.min() >= 0 and chain.alt.max() < 500
+        sample = chain.sample(np.random.default_rng(0), 7, 4000)
+        prev = np.concatenate([[7], sample[:-1]])
+        assert abs(np.mean(sample == chain.succ[prev]) - 0.8) < 0.03  # chain_top_prob
 
 
 def test_batched_greedy_with_left_padding_matches_one_by_one(loaded):
@@ -201,6 +205,8 @@ def test_resolve_tiny_target(small):
 def test_bad_tiny_settings_name_the_fix(tmp_path):
     with pytest.raises(ValueError, match="tiny.hidden_size=66"):
         ensure_tiny_target(replace(TinyConfig(), cache_dir=str(tmp_path), hidden_size=66))
+    with pytest.raises(ValueError, match="tiny.chain_words=9999"):
+        ensure_tiny_target(replace(TinyConfig(), cache_dir=str(tmp_path), chain_words=9999))
     with pytest.raises(ValueError, match="tiny.chain_top_prob=0.5"):
         ensure_tiny_target(replace(TinyConfig(), cache_dir=str(tmp_path), chain_top_prob=0.5))
 
