@@ -40,7 +40,7 @@ def test_every_design_metric_is_exported_with_sane_values(ray_cluster, tmp_path:
     port = ray._private.worker.global_worker.node.metrics_export_port
     run_dir = tmp_path / "metrics-run"
     result: dict[str, int] = {}
-    worker = threading.Thread(target=lambda: result.update(code=run_in_process(run_dir, "train.epochs=4")))
+    worker = threading.Thread(target=lambda: result.update(code=run_in_process(run_dir, "train.epochs=8")))
     worker.start()
     scrapes = []
     while worker.is_alive():
