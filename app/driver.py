@@ -46,8 +46,9 @@ def connect(cfg: Config) -> bool:
     from app.topology import uses_gpu
 
     if not ray.is_initialized():
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local runs only; a cluster sets its own mode
         address = os.environ.get("RAY_ADDRESS") or None
+        if address is None:  # our own throwaway local cluster; a real cluster keeps its auth mode
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(address=address, include_dashboard=None if address else False, log_to_driver=True,
                  configure_logging=False)
     resources = ray.cluster_resources()
