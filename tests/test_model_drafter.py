@@ -9,15 +9,6 @@ from app.model.toy import tiny_arch, tiny_qwen3_config
 
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny tensors: torch's intra-op threads only add contention on a shared 2-core machine
-    # (a 15 ms step took 400 ms under load with 2 threads).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 def _drafter(seed=0, **kw):
     torch.manual_seed(seed)
     arch = tiny_arch(tiny_qwen3_config(), num_layers=2, block_size=4, target_layer_ids=(0, 2), **kw)

@@ -17,15 +17,6 @@ from app.model.toy import tiny_arch, tiny_qwen3_config
 
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny tensors: torch's intra-op threads only add contention on a shared 2-core machine
-    # (a 15 ms step took 400 ms under load with 2 threads).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 def _batch(N=2, S=24, H=32, k=2, V=128, seed=0, lengths=(24, 17)):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, V, (N, S), generator=g)

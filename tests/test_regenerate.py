@@ -20,16 +20,6 @@ CONVS = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny forwards are overhead-bound; two threads on a busy 2-core box run them ~20x slower."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def tiny_cfg(tmp_path_factory):

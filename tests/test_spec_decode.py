@@ -18,14 +18,6 @@ LAYERS = (0, 2)
 PROMPTS = [[5, 9, 17, 2], [100, 3], [7, 7, 7, 7, 7, 7, 40]]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny tensors: torch's intra-op threads only add contention on a shared 2-core machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):

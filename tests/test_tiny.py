@@ -17,16 +17,6 @@ SMALL = dict(num_layers=2, num_train_prompts=12, num_eval_prompts=3, prompt_leng
              lm_steps=150, lm_response_length=24)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny forwards are overhead-bound; two threads on a busy 2-core box run them ~20x slower."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
