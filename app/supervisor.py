@@ -61,10 +61,10 @@ class Supervisor:
 
         self.dataset_ref = ray.put(self.plan.dataset)
         self.pool = self.topo.make_pool(len(self.cfg.data.bucket_boundaries))
-        ray.get(self.pool.restore_ledger.remote(self.plan.resume_ledger))
+        self._pool_call(self.pool.restore_ledger, self.plan.resume_ledger)
         for i in range(0, len(self.plan.jobs), 4096):  # chunks keep each call's message small
-            ray.get(self.pool.add_jobs.remote(self.plan.jobs[i:i + 4096]))
-        ray.get(self.pool.finish_adding.remote())
+            self._pool_call(self.pool.add_jobs, self.plan.jobs[i:i + 4096])
+        self._pool_call(self.pool.finish_adding)
         self._start_targets(list(range(self.cfg.topology.num_targets)))
         self._start_drafters(self.plan.resume_from)
 
@@ -77,7 +77,7 @@ class Supervisor:
         ray.get([h.ping.remote() for h in handles.values()])  # surface load errors here, not inside the pool
         for i, handle in handles.items():
             self.targets[i] = handle
-            ray.get(self.pool.add_target.remote(i, handle))
+            self._pool_call(self.pool.add_target, i, handle)
 
     def _start_drafters(self, resume_from: str | None) -> None:
         import ray
@@ -123,17 +123,20 @@ class Supervisor:
         self._status(force=True)
         return self.outcome
 
-    def _pool_call(self, method) -> Any:
+    def _pool_call(self, method, *args) -> Any:
+        """Every call to the pool goes through here: a dead pool ends the run with one clear line."""
         import ray
         from ray.exceptions import RayActorError
 
         try:
-            return ray.get(method.remote(), timeout=60)
+            return ray.get(method.remote(*args), timeout=60)
         except (RayActorError, ray.exceptions.GetTimeoutError) as exc:
-            ckpt = self.monitor.step
+            from app.checkpoint import latest_checkpoint
+
+            ckpt = latest_checkpoint(self.cfg.checkpoint.dir)
             raise RunFailed(
                 f"pool actor HSPoolActor died ({type(exc).__name__}); the run stops here. Resubmit the same "
-                f"command to resume from the latest checkpoint in {self.cfg.checkpoint.dir} (step <= {ckpt})"
+                f"command to resume from {ckpt or 'the start (no checkpoint yet)'}"
             ) from None
 
     def _drafters_done(self, ready: list[Any]) -> bool:
@@ -157,7 +160,7 @@ class Supervisor:
     def _request_stop(self) -> None:
         import ray
 
-        ray.get(self.pool.request_stop.remote())
+        self._pool_call(self.pool.request_stop)
         self.stop_sent = True
         self.stop_deadline = time.monotonic() + self.sup.stop_timeout_s
         self.log(f"stop requested: checkpointing at the next step boundary (within {self.sup.stop_timeout_s:g} s)")
@@ -225,8 +228,8 @@ class Supervisor:
                             "raise supervision.max_restarts_drafter_group")
         ckpt = latest_checkpoint(self.cfg.checkpoint.dir)
         ledger = read_ledger(ckpt)[2] if ckpt else list(self.plan.resume_ledger)
-        acked_now = set(ray.get(self.pool.ledger.remote())) - set(ledger)
-        requeued = ray.get(self.pool.rollback.remote(ledger, [j for j in self.plan.jobs if j.job_id in acked_now]))
+        acked_now = set(self._pool_call(self.pool.ledger)) - set(ledger)
+        requeued = self._pool_call(self.pool.rollback, ledger, [j for j in self.plan.jobs if j.job_id in acked_now])
         self.outcome.restarts["drafter_group"] += 1
         self.pool.report_restart.remote("drafter_group")
         self.monitor.note(f"{reason} -> group rebuilt from {ckpt.name if ckpt else 'scratch'}, "

@@ -50,3 +50,26 @@ def test_no_restart_budget_fails_with_one_line(ray_cluster, tmp_path: Path, caps
     lines = [l for l in err.splitlines() if l.startswith("run failed:")]
     assert len(lines) == 1
     assert "TargetActor" in lines[0] and "supervision.max_restarts_target" in lines[0]
+
+
+def test_pool_crash_stops_the_run_and_the_next_start_resumes(ray_cluster, tmp_path: Path, capsys) -> None:
+    import threading
+
+    import ray
+
+    from tests.e2e_helpers import wait_for
+
+    code: dict[str, int] = {}
+    worker = threading.Thread(target=lambda: code.update(first=run_in_process(tmp_path, "checkpoint.every_steps=2")))
+    worker.start()
+    wait_for(lambda: latest_checkpoint(tmp_path) is not None, 240, "a first checkpoint")
+    ray.kill(ray.get_actor(f"dflash-pool-{tmp_path.name}"), no_restart=True)
+    worker.join(timeout=180)
+    assert code["first"] == 1
+    lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("run failed:")]
+    assert len(lines) == 1 and "pool actor HSPoolActor died" in lines[0] and "ckpt-" in lines[0]
+    step, _, ledger = read_ledger(latest_checkpoint(tmp_path))
+
+    assert run_in_process(tmp_path) == 0
+    s = _assert_complete(tmp_path)
+    assert s["resumed_from_step"] >= step and s["jobs_trained_this_run"] <= s["jobs_scheduled"] - len(ledger)
