@@ -199,7 +199,7 @@ class DrafterActor:
         rec = StepRecord(
             rank=self.rank, step=self.trainer.step, epoch=self.epoch, loss=stats.loss, weight_sum=stats.weight_sum,
             correct=stats.accuracy, tokens=stats.local_tokens, accept_len=stats.accept_len,
-            per_pos_acc=stats.per_pos_acc, compute_s=max(0.0, step_s - wait_s), data_wait_s=wait_s,
+            per_pos_acc=stats.per_pos_acc, topk_acc=stats.topk_acc, compute_s=max(0.0, step_s - wait_s), data_wait_s=wait_s,
             lr=stats.lr, grad_norm=stats.grad_norm, job_ids=tuple(job_ids),
         )
         self.pool.report_step.remote(rec)  # fire and forget: telemetry must not slow the step

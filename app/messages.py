@@ -106,6 +106,7 @@ class StepRecord:
     tokens: int  # real tokens trained on this rank during the step
     accept_len: float  # mean expected acceptance length per block on this rank
     per_pos_acc: list[float] = field(default_factory=list)  # block positions 1..B-1
+    topk_acc: float = -1.0  # top-5 accuracy over the vocabulary on sampling steps, else -1
     compute_s: float = 0.0
     data_wait_s: float = 0.0
     lr: float = 0.0

@@ -59,6 +59,7 @@ class RunMonitor:
         self.accuracy = 0.0
         self.accept_len = 0.0
         self.per_pos_acc: list[float] = []
+        self.top5_acc = 0.0
         self.train_tokens = 0
         self.compute_s: dict[int, float] = {}
         self.wait_s: dict[int, float] = {}
@@ -87,6 +88,8 @@ class RunMonitor:
             self.loss_first = rec.loss
         self.loss_last, self.accuracy, self.accept_len = rec.loss, rec.correct, rec.accept_len
         self.per_pos_acc = list(rec.per_pos_acc)
+        if rec.topk_acc >= 0:
+            self.top5_acc = rec.topk_acc
 
     def add_pool(self, stats: PoolStats) -> None:
         now = self.clock()
@@ -118,7 +121,8 @@ class RunMonitor:
         q = stats.q_hsb if stats else []
         return {
             "step": self.step, "epoch": self.epoch, "loss": self.loss_last or 0.0, "accuracy": self.accuracy,
-            "accept_len": self.accept_len, "target_tok_s": self._target_rate.rate(),
+            "accept_len": self.accept_len, "top5_acc": self.top5_acc,
+            **{f"acc_pos{k + 1}": a for k, a in enumerate(self.per_pos_acc)}, "target_tok_s": self._target_rate.rate(),
             "train_tok_s": self._train_rate.rate(), "data_wait": self.data_wait_share(),
             "q_hsb": str(q), "buffered": stats.buffered if stats else 0,
             "acked": stats.acked if stats else 0, "total_jobs": stats.total_jobs if stats else 0,

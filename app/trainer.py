@@ -18,7 +18,9 @@ import torch
 from app.config import DrafterConfig, TrainConfig, default_gamma
 
 # Layout of the statistics that ride along with the gradients in the step's all-reduce.
-_STATS = ("weight_sum", "loss_sum", "correct_sum", "tokens", "accept_len_sum", "num_blocks", "active", "stop", "eos")
+_STATS = ("weight_sum", "loss_sum", "correct_sum", "topk_correct_sum", "tokens", "accept_len_sum", "num_blocks",
+          "active", "stop", "eos")
+TOPK = 5  # the expensive metric: top-5 accuracy over the full vocabulary, every train.sample_every steps
 
 
 class Reducer(Protocol):
@@ -60,6 +62,7 @@ class StepStats:
     grad_norm: float
     lr: float
     per_pos_acc: list[float] = field(default_factory=list)
+    topk_acc: float = -1.0  # weighted top-5 accuracy; -1 when this step did not sample it
     local_tokens: int = 0
     local_loss: float = 0.0
     compute_s: float = 0.0
@@ -78,6 +81,7 @@ class StepAccumulator:
         self.sums["weight_sum"] += float(out.weight_sum)
         self.sums["loss_sum"] += float(out.loss_sum.detach())
         self.sums["correct_sum"] += float(out.correct_sum)
+        self.sums["topk_correct_sum"] += float(out.topk_correct_sum)
         self.sums["tokens"] += float(out.tokens)
         self.sums["accept_len_sum"] += float(out.accept_len_sum)
         self.sums["num_blocks"] += float(out.num_blocks)
@@ -106,7 +110,7 @@ class DrafterTrainer:
         from app.model.loss import dflash_loss
 
         gen = torch.Generator(device="cpu").manual_seed(self.tcfg.seed * 1_000_003 + job_id)
-        topk = 5 if self.tcfg.sample_every > 0 and (self.step + 1) % self.tcfg.sample_every == 0 else 0
+        topk = TOPK if self.sampling_step() else 0
         self.drafter.train()
         out = dflash_loss(
             self.drafter, self.head, batch, block_size=self.dcfg.block_size, num_anchors=self.dcfg.num_anchors,
@@ -115,6 +119,10 @@ class DrafterTrainer:
         if out.loss_sum.requires_grad:
             out.loss_sum.backward()
         self.acc.add(out, job_id)
+
+    def sampling_step(self) -> bool:
+        """Whether the step being accumulated computes the expensive metrics."""
+        return self.tcfg.sample_every > 0 and (self.step + 1) % self.tcfg.sample_every == 0
 
     def finish_step(self, stop_requested: bool = False, eos: bool = False) -> StepStats:
         """All-reduce grads + stats, normalise by the global weight sum, clip, step, schedule."""
@@ -132,6 +140,8 @@ class DrafterTrainer:
         g_pos = flat[n_grad + len(_STATS):].cpu()
         weight = g_stats["weight_sum"]
         grad_norm, lr = 0.0, self.scheduler.get_last_lr()[0]
+        # Weighted top-5 accuracy on sampling steps (weights as the loss); -1 on other steps.
+        topk_acc = g_stats["topk_correct_sum"] / weight if self.sampling_step() and weight > 0 else -1.0
         if weight > 0:
             grad_norm = self._apply(params, flat[:n_grad] / weight)
         half = g_pos.numel() // 2
@@ -141,7 +151,7 @@ class DrafterTrainer:
             step=self.step, loss=g_stats["loss_sum"] / max(weight, 1e-12), accuracy=accuracy,
             accept_len=g_stats["accept_len_sum"] / max(g_stats["num_blocks"], 1.0), weight_sum=weight,
             tokens=int(g_stats["tokens"]), active_ranks=int(g_stats["active"]), eos_ranks=int(g_stats["eos"]), stop=g_stats["stop"] > 0,
-            grad_norm=grad_norm, lr=lr, per_pos_acc=per_pos, local_tokens=int(self.acc.sums["tokens"]),
+            grad_norm=grad_norm, lr=lr, per_pos_acc=per_pos, topk_acc=topk_acc, local_tokens=int(self.acc.sums["tokens"]),
             local_loss=self.acc.sums["loss_sum"] / max(weight, 1e-12), compute_s=time.perf_counter() - t0,
         )
         self.acc = StepAccumulator(self.dcfg.block_size)

@@ -124,3 +124,15 @@ def test_a_step_with_no_weight_does_not_move_the_weights(parts) -> None:
     stats = t.finish_step(eos=True)
     assert stats.active_ranks == 0 and t.step == 0
     assert all(torch.equal(a, b) for a, b in zip(before, t.drafter.parameters()))
+
+
+def test_top5_accuracy_only_on_sampling_steps(parts) -> None:
+    arch, head, (small, _) = parts
+    t = _trainer(arch, head)
+    t.tcfg = TrainConfig(lr=1e-2, warmup_ratio=0.0, grad_accum=1, sample_every=2)
+    seen = []
+    for step in range(4):
+        t.micro_step(small, job_id=step)
+        seen.append(t.finish_step().topk_acc)
+    assert seen[0] == -1.0 and seen[2] == -1.0
+    assert 0.0 <= seen[1] <= 1.0 and 0.0 <= seen[3] <= 1.0
