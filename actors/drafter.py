@@ -113,9 +113,10 @@ class DrafterActor:
                                 rank=self.rank, world_size=self.s.world_size)
         drafter, head, self.arch = build_or_load_drafter(
             self.s.model_dir, None, self.s.drafter, self.s.layer_ids, self.s.mask_token_id,
-            self.device, self.dtype, self.s.train.seed)
+            self.device, self.dtype, self.s.train.seed, param_dtype=torch.float32)
         self.trainer = DrafterTrainer(drafter, head, self.s.drafter, self.s.train, self.s.total_steps,
-                                      self.device, reducer=lambda flat: dist.all_reduce(flat))
+                                      self.device, reducer=lambda flat: dist.all_reduce(flat),
+                                      autocast=self.dtype if self.dtype != torch.float32 else None)
         self.ledger: set[int] = set()
         self.epoch = 0
         if self.s.resume_from:
@@ -216,7 +217,7 @@ class DrafterActor:
         from app.export import export_drafter
 
         out = os.path.join(self.s.checkpoint.dir, "drafter")
-        export_drafter(self.trainer.drafter, self.arch, out)
+        export_drafter(self.trainer.drafter, self.arch, out, dtype=self.dtype)  # engines load bf16 on GPU
         return out
 
     def weights_checksum(self) -> float:

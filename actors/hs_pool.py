@@ -184,9 +184,9 @@ class HSPoolActor:
     async def reset_drafters(self) -> list[int]:
         return self._pool.reset_drafters()
 
-    async def rollback(self, keep_ids: list[int], requeue: list[JobSpec]) -> int:
+    async def rollback(self, keep_ids: list[int]) -> int:
         """Drafter group rebuilt from a checkpoint: see HSPool.rollback."""
-        return self._pool.rollback(keep_ids, requeue)
+        return self._pool.rollback(keep_ids)
 
     async def request_stop(self) -> None:
         """The driver got SIGTERM: drafter rank 0 sees this and the group checkpoints and returns."""

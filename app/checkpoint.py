@@ -59,9 +59,12 @@ def save_checkpoint(root: str | Path, state: TrainState, keep: int) -> Path:
     torch.save({"optimizer": state.optimizer, "scheduler": state.scheduler, "rng": state.rng}, tmp / "trainer.pt")
     meta = {"step": state.step, "epoch": state.epoch, "ledger": sorted(state.ledger), "extra": state.extra}
     (tmp / "state.json").write_text(json.dumps(meta))
+    old = root / f".old-{final.name}"
     if final.exists():  # same step written twice (e.g. a stop right after a periodic save)
-        shutil.rmtree(final)
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)  # set aside, not deleted, until the new one is in place
     tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
     _prune(root, keep)
     return final
 

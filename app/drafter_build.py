@@ -9,8 +9,12 @@ from app.config import DrafterConfig
 
 
 def build_or_load_drafter(model_dir: str, drafter_dir: str | None, drafter_cfg: DrafterConfig, layer_ids: list[int],
-                          mask_token_id: int, device: torch.device, dtype: torch.dtype, seed: int):
-    """(drafter, target head, arch): a fresh drafter seeded by `seed`, or one exported to `drafter_dir`."""
+                          mask_token_id: int, device: torch.device, dtype: torch.dtype, seed: int,
+                          param_dtype: torch.dtype | None = None):
+    """(drafter, target head, arch): a fresh drafter seeded by `seed`, or one exported to `drafter_dir`.
+
+    The frozen head is in `dtype`; the drafter's parameters in `param_dtype` (default `dtype`).
+    Training passes float32: AdamW updates of ~lr vanish against bf16 weights near 1 (norms)."""
     from transformers import AutoConfig
 
     from app.export import load_drafter
@@ -28,4 +32,4 @@ def build_or_load_drafter(model_dir: str, drafter_dir: str | None, drafter_cfg: 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # every replica builds the same initial weights
             drafter = DFlashDrafter(arch)
-    return drafter.to(device=device, dtype=dtype), head, arch
+    return drafter.to(device=device, dtype=param_dtype or dtype), head, arch

@@ -77,9 +77,10 @@ def install_stop_handler():
     previous: dict[int, object] = {}
 
     def handler(signum, _frame):
-        if stop.is_set():  # a second signal: give up waiting
-            raise KeyboardInterrupt
-        log(f"received {signal.Signals(signum).name}: stopping at the next step boundary")
+        # Only flags here (printing from a handler can re-enter a print in progress); the
+        # supervisor logs the stop. A second signal exits at once: Ray reaps the job's actors.
+        if stop.is_set():
+            os._exit(128 + signum)
         stop.set()
 
     if threading.current_thread() is threading.main_thread():

@@ -95,6 +95,9 @@ class HSPool:
         self._adding_finished = False
         self._cursor: dict[int, int] = {}  # drafter -> last bucket served (fair policy)
         self._generation: dict[int, int] = {}  # drafter -> bumped on release (fences old pulls)
+        # Bumped on every group reset: fences waiting pulls of drafters that held no lease too.
+        self._group_generation = 0
+        self._specs: dict[int, JobSpec] = {}  # every job added, for re-queueing on rollback
         self._eos_drafters: set[int] = set()
         self._max_seen_bytes = [0] * num_buckets
         self._buffered_bytes = 0
@@ -125,6 +128,7 @@ class HSPool:
                 continue
             self._check_job(job)
             self._known.add(job.job_id)
+            self._specs[job.job_id] = job
             self._queue.append(job)
             added += 1
         self._wake()
@@ -203,7 +207,9 @@ class HSPool:
             return EndOfStream()
         buffered = self.buffered_count
         if buffered == 0:
-            return Drained() if self.producing_finished else None
+            # Also drain when leases hold the byte budget and nothing is in flight: the rank must
+            # step with what it has and ack, or its own leases would block the next job forever.
+            return Drained() if (self.producing_finished or self._stalled()) else None
         if buffered < self.cfg.min_ready and not (self.producing_finished or self._stalled()):
             return None
         if self.pull_trace is not None:
@@ -277,17 +283,19 @@ class HSPool:
         ids: list[int] = []
         for d in sorted({ls.drafter_id for ls in self._leases.values()} | set(self._generation)):
             ids += self.release(d)
+        self._group_generation += 1
         self._eos_drafters.clear()
         self._cursor.clear()
+        self._wake()
         return ids
 
-    def rollback(self, keep_ids: Iterable[int], requeue: Iterable[JobSpec]) -> int:
+    def rollback(self, keep_ids: Iterable[int]) -> int:
         """A drafter group rebuilt from a checkpoint whose ledger is `keep_ids`: every lease and every
-        job acked after that checkpoint (given in `requeue`, schedule order) goes back to the front
-        of the queue, since the restored weights never saw them. Returns how many were re-queued."""
+        job acked after that checkpoint goes back to the front of the queue (in schedule order),
+        since the restored weights never saw them. Returns how many were re-queued."""
         n = len(self.reset_drafters())
         keep = set(keep_ids)
-        undo = [job for job in requeue if job.job_id in self._acked and job.job_id not in keep]
+        undo = sorted((self._specs[j] for j in self._acked - keep if j in self._specs), key=lambda job: job.job_id)
         for job in reversed(undo):  # appendleft in reverse keeps schedule order at the front
             self._acked.discard(job.job_id)
             self._queue.appendleft(job)
@@ -416,8 +424,8 @@ class HSPool:
             self._queue.appendleft(fl.job)
         self._wake()
 
-    def _fence(self, drafter_id: int) -> int:
-        return self._generation.get(drafter_id, 0)
+    def _fence(self, drafter_id: int) -> tuple[int, int]:
+        return self._group_generation, self._generation.get(drafter_id, 0)
 
     def _check_job(self, job: JobSpec) -> None:
         if job.job_id in self._known:

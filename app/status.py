@@ -80,10 +80,16 @@ class RunMonitor:
             if rec.rank == 0:  # every rank carries the global step numbers; count them once
                 self._rank0(rec)
 
+    def restart_at(self, step: int) -> None:
+        """A (re)built drafter group starts at `step`: progress counts from there, not from the
+        highest step an earlier group reached before it was rolled back."""
+        self.step = step
+        self.last_progress = self.clock()
+
     def _rank0(self, rec: StepRecord) -> None:
         if rec.step > self.step:
             self.last_progress = self.clock()
-        self.step, self.epoch = max(self.step, rec.step), max(self.epoch, rec.epoch)
+        self.step, self.epoch = rec.step, max(self.epoch, rec.epoch)
         if self.loss_first is None:
             self.loss_first = rec.loss
         self.loss_last, self.accuracy, self.accept_len = rec.loss, rec.correct, rec.accept_len

@@ -22,6 +22,9 @@ from app.status import RunMonitor
 from app.topology import Topology
 
 
+START_TIMEOUT_S = 600.0  # loading a large target or building the drafter group; beyond it something is wrong
+
+
 class RunFailed(RuntimeError):
     """The run cannot go on; the message is one line naming the actor, the error and the setting."""
 
@@ -72,9 +75,15 @@ class Supervisor:
         """Create the targets together (model loading overlaps), then hand them to the pool."""
         import ray
 
+        from ray.exceptions import GetTimeoutError, RayError
+
         handles = {i: self.topo.make_target(i, self.plan.model_dir, self.plan.layer_ids, self.dataset_ref,
                                             self.cfg.faults) for i in ids}
-        ray.get([h.ping.remote() for h in handles.values()])  # surface load errors here, not inside the pool
+        try:  # surface load errors here, not inside the pool
+            ray.get([h.ping.remote() for h in handles.values()], timeout=START_TIMEOUT_S)
+        except (RayError, GetTimeoutError) as exc:
+            raise RunFailed(f"TargetActor {ids} failed to start ({_first_line(exc)}); check model.target="
+                            f"{self.cfg.model.target!r} and the topology's resources") from None
         for i, handle in handles.items():
             self.targets[i] = handle
             self._pool_call(self.pool.add_target, i, handle)
@@ -93,13 +102,18 @@ class Supervisor:
             num_cpus=self.cfg.topology.cpus_per_drafter, dtype=self.cfg.model.dtype,
             total_steps=p.total_steps, resume_from=resume_from,
         )
+        from ray.exceptions import GetTimeoutError, RayError
+
         self.drafters = self.topo.make_drafters(setup, self.pool)
-        addr, port = ray.get(self.drafters[0].address.remote())
-        # Setup builds the model and joins the process group: slow on a loaded box, so it gets at least 2 min.
-        steps = ray.get([d.setup.remote(addr, port) for d in self.drafters], timeout=max(120.0, self.sup.stall_timeout_s))
+        try:  # setup builds the model and joins the process group: slow on a loaded box
+            addr, port = ray.get(self.drafters[0].address.remote(), timeout=START_TIMEOUT_S)
+            steps = ray.get([d.setup.remote(addr, port) for d in self.drafters], timeout=START_TIMEOUT_S)
+        except (RayError, GetTimeoutError) as exc:
+            raise RunFailed(f"DrafterActor group failed to start ({_first_line(exc)})"
+                            + (f" while resuming from {resume_from}" if resume_from else "")) from None
+        self.monitor.restart_at(steps[0])
         self.log(f"drafter group of {len(self.drafters)} ready at step {steps[0]}"
                  + (f" (resumed from {resume_from})" if resume_from else ""))
-        self.monitor.last_progress = self.monitor.clock()
         self.run_refs = [d.run.remote() for d in self.drafters]
 
     # ---- loop ------------------------------------------------------------------------------
@@ -162,6 +176,7 @@ class Supervisor:
 
         self._pool_call(self.pool.request_stop)
         self.stop_sent = True
+        self.log("received a stop signal (SIGTERM/SIGINT)")
         self.stop_deadline = time.monotonic() + self.sup.stop_timeout_s
         self.log(f"stop requested: checkpointing at the next step boundary (within {self.sup.stop_timeout_s:g} s)")
 
@@ -207,7 +222,9 @@ class Supervisor:
                 self.monitor.note(f"target {tid} stalled {age:.0f} s -> killed by the watchdog")
                 ray.kill(self.targets[tid], no_restart=True)  # the pool sees the error and re-queues the job
         idle = self.monitor.clock() - self.monitor.last_progress
-        if idle > self.sup.stall_timeout_s and (stats.buffered > 0 or stats.leased > 0):
+        # Stalled only if a pull could be served now; prefetched leases alone are not "data waiting".
+        servable = stats.buffered >= self.cfg.pool.min_ready or (stats.producing_finished and stats.buffered > 0)
+        if idle > self.sup.stall_timeout_s and servable:
             self._restart_drafters(f"drafters made no step for {idle:.0f} s with data waiting (watchdog)")
         if self.stop_sent and time.monotonic() > self.stop_deadline:
             raise RunFailed(f"drafters did not checkpoint within supervision.stop_timeout_s={self.sup.stop_timeout_s:g}; "
@@ -223,13 +240,15 @@ class Supervisor:
         used, budget = self.outcome.restarts["drafter_group"], self.sup.max_restarts_drafter_group
         for d in self.drafters:
             ray.kill(d, no_restart=True)
+        # ray.kill is asynchronous: wait until the old ranks are gone, so no late ack or checkpoint
+        # lands between reading the checkpoint and rolling the pool back to it.
+        ray.wait(self.run_refs, num_returns=len(self.run_refs), timeout=60)
         if used >= budget:
             raise RunFailed(f"DrafterActor group failed ({reason}) and its restart budget is spent ({used}/{budget}); "
                             "raise supervision.max_restarts_drafter_group")
         ckpt = latest_checkpoint(self.cfg.checkpoint.dir)
         ledger = read_ledger(ckpt)[2] if ckpt else list(self.plan.resume_ledger)
-        acked_now = set(self._pool_call(self.pool.ledger)) - set(ledger)
-        requeued = self._pool_call(self.pool.rollback, ledger, [j for j in self.plan.jobs if j.job_id in acked_now])
+        requeued = self._pool_call(self.pool.rollback, ledger)
         self.outcome.restarts["drafter_group"] += 1
         self.pool.report_restart.remote("drafter_group")
         self.monitor.note(f"{reason} -> group rebuilt from {ckpt.name if ckpt else 'scratch'}, "

@@ -83,7 +83,7 @@ class Topology:
 
         topo, bundle = self.cfg.topology, self.plan.bundles[self.plan.target_bundle(i)]
         return ray.remote(TargetActor).options(
-            num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0, max_concurrency=2,
+            num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0, max_concurrency=1,
             scheduling_strategy=self._strategy(self.plan.target_bundle(i)),
         ).remote(i, model_dir, layer_ids, self.cfg.model, topo.device if self.plan.use_gpu else "cpu",
                  bundle["CPU"], dataset_ref, faults, self.cfg.checkpoint.dir)

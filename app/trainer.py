@@ -95,8 +95,12 @@ class DrafterTrainer:
     """Drafter, frozen target head, AdamW and the warmup-cosine schedule of one replica."""
 
     def __init__(self, drafter: torch.nn.Module, head: torch.nn.Module, dcfg: DrafterConfig,
-                 tcfg: TrainConfig, total_steps: int, device: torch.device, reducer: Reducer = local_reducer):
+                 tcfg: TrainConfig, total_steps: int, device: torch.device, reducer: Reducer = local_reducer,
+                 autocast: torch.dtype | None = None):
+        """`drafter` holds float32 master weights; `autocast` (bf16 on GPU) is the compute dtype."""
         self.drafter, self.head, self.dcfg, self.tcfg = drafter, head, dcfg, tcfg
+        # fp16 has no loss scaling here: the drafter computes in bf16 whenever a half dtype is asked.
+        self.autocast = torch.bfloat16 if autocast is not None else None
         self.device, self.reducer = device, reducer
         self.gamma = dcfg.loss_gamma or default_gamma(dcfg.block_size)
         params = [p for p in drafter.parameters() if p.requires_grad]
@@ -112,10 +116,11 @@ class DrafterTrainer:
         gen = torch.Generator(device="cpu").manual_seed(self.tcfg.seed * 1_000_003 + job_id)
         topk = TOPK if self.sampling_step() else 0
         self.drafter.train()
-        out = dflash_loss(
-            self.drafter, self.head, batch, block_size=self.dcfg.block_size, num_anchors=self.dcfg.num_anchors,
-            gamma=self.gamma, ce_chunk_rows=self.dcfg.ce_chunk_rows, generator=gen, topk=topk,
-        )
+        with torch.autocast(self.device.type, dtype=self.autocast or torch.float32, enabled=self.autocast is not None):
+            out = dflash_loss(
+                self.drafter, self.head, batch, block_size=self.dcfg.block_size, num_anchors=self.dcfg.num_anchors,
+                gamma=self.gamma, ce_chunk_rows=self.dcfg.ce_chunk_rows, generator=gen, topk=topk,
+            )
         if out.loss_sum.requires_grad:
             out.loss_sum.backward()
         self.acc.add(out, job_id)
@@ -144,6 +149,8 @@ class DrafterTrainer:
         topk_acc = g_stats["topk_correct_sum"] / weight if self.sampling_step() and weight > 0 else -1.0
         if weight > 0:
             grad_norm = self._apply(params, flat[:n_grad] / weight)
+        else:  # nothing to learn this step; do not carry stale gradients into the next one
+            self.optimizer.zero_grad(set_to_none=True)
         half = g_pos.numel() // 2
         per_pos = (g_pos[:half] / g_pos[half:].clamp(min=1)).tolist()
         accuracy = float(g_pos[:half].sum() / g_pos[half:].sum().clamp(min=1))  # top-1 over predicted positions

@@ -385,7 +385,7 @@ def test_rollback_requeues_leases_and_jobs_acked_after_the_checkpoint():
     got = [pool.try_pull(0).meta.job_id for _ in range(6)]
     pool.ack(0, got[:2])  # checkpoint ledger
     pool.ack(0, got[2:4])  # acked after the checkpoint
-    n = pool.rollback(got[:2], all_jobs)
+    n = pool.rollback(got[:2])
     assert n == 4  # two leases + two post-checkpoint acks
     assert pool.ledger() == sorted(got[:2])
     s = pool.stats()
@@ -395,3 +395,38 @@ def test_rollback_requeues_leases_and_jobs_acked_after_the_checkpoint():
         g = pool.try_pull(1)
         pool.ack(1, [g.meta.job_id])
     assert pool.ledger() == list(range(8)) and pool.acked_twice == 0
+
+
+def test_rollback_fences_a_waiting_pull_of_a_drafter_that_held_no_lease():
+    import asyncio
+
+    async def scenario():
+        pool = make_pool(capacity=20, min_ready=2, jobs_in_flight_per_target=20)
+        pool.add_jobs([job(i, 0) for i in range(4)])
+        pool.finish_adding()
+        waiting = asyncio.create_task(pool.pull(1))  # drafter 1 waits for the reservoir, holds nothing
+        await asyncio.sleep(0)
+        pool.rollback([])
+        produce_all(pool, targets=1)
+        with pytest.raises(LeaseRevoked):
+            await waiting
+        assert pool.stats().leased == 0  # nothing leased to the dead drafter
+
+    asyncio.run(scenario())
+
+
+def test_pull_drains_when_its_own_leases_hold_the_byte_budget():
+    # Three items fit the byte cap; a rank accumulating four would otherwise wait forever.
+    pool = make_pool(capacity=20, min_ready=1, jobs_in_flight_per_target=20, capacity_bytes=3 * 100)
+    pool.add_jobs([job(i, 0, est=100) for i in range(8)])
+    pool.finish_adding()
+    got = []
+    for _ in range(3):
+        j = pool.next_job(0)
+        assert pool.job_done(0, meta_for(j, 0), payload=f"ref{j.job_id}")
+        got.append(pool.try_pull(0))
+    assert pool.next_job(0) is None  # the three leases hold the whole byte budget
+    assert all(isinstance(g, PulledItem) for g in got)
+    assert isinstance(pool.try_pull(0), Drained)  # step with three, ack, then production resumes
+    pool.ack(0, [g.meta.job_id for g in got])
+    assert pool.next_job(0) is not None

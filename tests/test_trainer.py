@@ -136,3 +136,16 @@ def test_top5_accuracy_only_on_sampling_steps(parts) -> None:
         seen.append(t.finish_step().topk_acc)
     assert seen[0] == -1.0 and seen[2] == -1.0
     assert 0.0 <= seen[1] <= 1.0 and 0.0 <= seen[3] <= 1.0
+
+
+def test_bf16_autocast_keeps_fp32_master_weights_that_move(parts) -> None:
+    """Norm weights sit at 1.0, where a bf16 weight cannot take a ~lr-sized AdamW step."""
+    arch, head, (small, _) = parts
+    t = _trainer(arch, head)
+    t.autocast = torch.bfloat16
+    norm = t.drafter.norm.weight
+    before = norm.detach().clone()
+    t.micro_step(TrainBatch(small.input_ids_BS, small.loss_mask_BS, small.hidden_BSD.bfloat16(), small.lengths_B),
+                 job_id=1)
+    t.finish_step()
+    assert norm.dtype == torch.float32 and not torch.equal(norm, before)
