@@ -39,6 +39,7 @@ class DrafterSetup:
     dtype: str
     total_steps: int
     resume_from: str | None  # checkpoint folder, or None for a fresh start
+    data_fingerprint: str = ""  # saved with each checkpoint; resume refuses other data
 
 
 @dataclass(frozen=True)
@@ -210,7 +211,8 @@ class DrafterActor:
         t = self.trainer
         state = TrainState(step=t.step, epoch=self.epoch, ledger=sorted(self.ledger),
                            drafter=t.drafter.state_dict(), optimizer=t.optimizer.state_dict(),
-                           scheduler=t.scheduler.state_dict(), rng=rng_state())
+                           scheduler=t.scheduler.state_dict(), rng=rng_state(),
+                           extra={"data_fingerprint": self.s.data_fingerprint})
         return str(save_checkpoint(self.s.checkpoint.dir, state, self.s.checkpoint.keep))
 
     def export(self) -> str:

@@ -88,6 +88,11 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
+def read_extra(path: str | Path) -> dict[str, Any]:
+    """The `extra` entries saved with a checkpoint (e.g. the data fingerprint)."""
+    return json.loads((Path(path) / "state.json").read_text()).get("extra", {})
+
+
 def read_ledger(path: str | Path) -> tuple[int, int, list[int]]:
     """(step, epoch, ledger) of a checkpoint, without loading tensors (the driver needs only these)."""
     meta = json.loads((Path(path) / "state.json").read_text())

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from app.checkpoint import latest_checkpoint, read_ledger
+from app.checkpoint import latest_checkpoint, read_extra, read_ledger
 from app.config import Config
 from app.config_checks import (TargetInfo, check_target, read_target_info, resolved_layer_ids,
                                resolved_mask_token_id)
@@ -37,6 +37,7 @@ class RunPlan:
     resume_ledger: list[int]
     total_steps: int
     bytes_per_token: int
+    data_fingerprint: str = ""
 
     @property
     def jobs_remaining(self) -> int:
@@ -74,7 +75,10 @@ def plan_run(cfg: Config, on_gpu: bool) -> RunPlan:
     _check_job_fits(cfg, jobs)
     prompts = (load_eval_prompts(target.eval_prompts_file, tokenizer, cfg.data.enable_thinking)
                if target.eval_prompts_file else [])
+    fingerprint = data_fingerprint(dataset, cfg)
     ckpt = latest_checkpoint(cfg.checkpoint.dir)
+    if ckpt:
+        _check_same_data(cfg, ckpt, fingerprint)
     step, _, ledger = read_ledger(ckpt) if ckpt else (0, 0, [])
     per_step = cfg.topology.num_drafters * cfg.train.grad_accum
     return RunPlan(
@@ -83,7 +87,32 @@ def plan_run(cfg: Config, on_gpu: bool) -> RunPlan:
         resume_from=str(ckpt) if ckpt else None, resume_step=step, resume_ledger=ledger,
         # Partial steps at drains add a few; the schedule must not hit zero LR before the end.
         total_steps=math.ceil(len(jobs) / per_step) + cfg.topology.num_drafters, bytes_per_token=bpt,
+        data_fingerprint=fingerprint,
     )
+
+
+def data_fingerprint(dataset, cfg: Config) -> str:
+    """Hash of the tokenized data and the settings that turn it into jobs. A ledger of job ids only
+    means something for the same data and schedule; train.epochs is left out, so a run may be extended."""
+    import hashlib
+    import json
+
+    h = hashlib.sha256()
+    for arr in (dataset.tokens, dataset.loss_mask, dataset.offsets):
+        h.update(np.ascontiguousarray(arr).tobytes())
+    d = cfg.data
+    h.update(json.dumps([d.seed, d.tokens_per_job, list(d.bucket_boundaries), d.max_length]).encode())
+    return h.hexdigest()[:16]
+
+
+def _check_same_data(cfg: Config, ckpt: Path, fingerprint: str) -> None:
+    saved = read_extra(ckpt).get("data_fingerprint")
+    if saved and saved != fingerprint:
+        raise ConfigError(
+            f"checkpoint.dir={cfg.checkpoint.dir!r} holds a run on different data or a different schedule "
+            f"(fingerprint {saved} != {fingerprint}: data files, data.seed, data.tokens_per_job, "
+            "data.bucket_boundaries or data.max_length changed); restore them or use a new checkpoint.dir"
+        )
 
 
 def _check_job_fits(cfg: Config, jobs: list[JobSpec]) -> None:

@@ -100,7 +100,7 @@ class Supervisor:
             checkpoint=self.cfg.checkpoint, faults=self.cfg.faults,
             device=self.cfg.topology.device if self.topo.plan.use_gpu else "cpu",
             num_cpus=self.cfg.topology.cpus_per_drafter, dtype=self.cfg.model.dtype,
-            total_steps=p.total_steps, resume_from=resume_from,
+            total_steps=p.total_steps, resume_from=resume_from, data_fingerprint=p.data_fingerprint,
         )
         from ray.exceptions import GetTimeoutError, RayError
 

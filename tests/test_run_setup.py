@@ -1,0 +1,45 @@
+"""Planning a run before Ray: the tiny config's plan, and resume refusing other data."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.checkpoint import TrainState, save_checkpoint
+from app.config_load import ConfigError, load_config
+from app.run_setup import plan_run
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # builds (or reuses) the tiny target
+
+
+def _cfg(run_dir: Path, *extra: str):
+    return load_config(ROOT / "conf/tiny.yaml", [f"checkpoint.dir={run_dir}", f"tiny.cache_dir={ROOT / '.cache/tiny'}",
+                                                 *extra])
+
+
+def _checkpoint(run_dir: Path, fingerprint: str, ledger: list[int]) -> None:
+    save_checkpoint(run_dir, TrainState(step=4, epoch=0, ledger=ledger, drafter={"w": torch.zeros(1)},
+                                        extra={"data_fingerprint": fingerprint}), keep=1)
+
+
+def test_plan_of_the_tiny_config(tmp_path: Path) -> None:
+    plan = plan_run(_cfg(tmp_path), on_gpu=False)
+    assert len(plan.jobs) == len({j.job_id for j in plan.jobs}) > 0
+    assert {j.epoch for j in plan.jobs} == set(range(6))
+    assert plan.mask_token_id == 3 and plan.layer_ids == [1, 3]
+    assert plan.resume_from is None and len(plan.data_fingerprint) == 16
+
+
+def test_resume_takes_the_ledger_of_a_matching_checkpoint(tmp_path: Path) -> None:
+    fingerprint = plan_run(_cfg(tmp_path), on_gpu=False).data_fingerprint
+    _checkpoint(tmp_path, fingerprint, [1, 2])
+    plan = plan_run(_cfg(tmp_path, "train.epochs=8"), on_gpu=False)  # extending a run is allowed
+    assert plan.resume_step == 4 and plan.resume_ledger == [1, 2]
+
+
+def test_resume_refuses_a_checkpoint_of_other_data(tmp_path: Path) -> None:
+    _checkpoint(tmp_path, "0123456789abcdef", [1, 2])
+    with pytest.raises(ConfigError, match=r"holds a run on different data .* use a new checkpoint.dir"):
+        plan_run(_cfg(tmp_path), on_gpu=False)
