@@ -66,6 +66,9 @@ def make_plan(cfg: Config, use_gpu: bool):
         if plan.resume_from else ""
     log(f"target {plan.model_dir} layers {plan.layer_ids}; {len(plan.dataset)} sequences, {len(plan.jobs)} jobs over "
         f"{cfg.train.epochs} epochs, ~{plan.total_steps} steps{resumed} ({time.monotonic() - t0:.1f} s)")
+    if plan.jobs_remaining == 0:
+        log(f"every scheduled job is already in the ledger of {plan.resume_from}: nothing left to train; the run "
+            "re-exports and measures tau. Raise train.epochs to train on, or use a new checkpoint.dir")
     return plan
 
 
