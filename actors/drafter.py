@@ -64,11 +64,16 @@ class _Prefetcher:
 
     def _fetch(self):
         import ray
+        from ray.exceptions import ObjectLostError
 
-        pulled = ray.get(self.pool.pull.remote(self.rank))
-        if isinstance(pulled, (EndOfStream, Drained)):
-            return pulled, None
-        return pulled, ray.get(pulled.payload_ref)
+        while True:
+            pulled = ray.get(self.pool.pull.remote(self.rank))
+            if isinstance(pulled, (EndOfStream, Drained)):
+                return pulled, None
+            try:
+                return pulled, ray.get(pulled.payload_ref)
+            except ObjectLostError:  # the node holding it died: recompute that job, pull another
+                ray.get(self.pool.payload_lost.remote(self.rank, pulled.meta.job_id))
 
     def next(self):
         """(item, payload, seconds waited); item is EndOfStream when the stream is over."""

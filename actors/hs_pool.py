@@ -178,6 +178,10 @@ class HSPoolActor:
     async def ack(self, drafter_id: int, job_ids: list[int]) -> int:
         return self._pool.ack(drafter_id, job_ids)
 
+    async def payload_lost(self, drafter_id: int, job_id: int) -> bool:
+        """See HSPool.payload_lost: re-issue one job whose hidden states were lost with a node."""
+        return self._pool.payload_lost(drafter_id, job_id)
+
     async def release(self, drafter_id: int) -> list[int]:
         return self._pool.release(drafter_id)
 

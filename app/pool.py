@@ -110,6 +110,7 @@ class HSPool:
         self.acked_twice = 0
         self.stale_results = 0
         self.stale_acks = 0
+        self.lost_payloads = 0
         self.bytes_overshoot = 0
         self._event = asyncio.Event()
         # (drafter, bucket, bitmask of non-empty buckets before the pull) per pull; for benches.
@@ -263,6 +264,19 @@ class HSPool:
         self._wake()
         return n
 
+    def payload_lost(self, drafter_id: int, job_id: int) -> bool:
+        """The drafter could not read a leased payload (its node died with the object): the job goes
+        back to the front of the queue to be recomputed, without rebuilding the drafter group."""
+        lease = self._leases.get(job_id)
+        if lease is None or lease.drafter_id != drafter_id:
+            return False
+        del self._leases[job_id]
+        self._leased_bytes -= lease.item.meta.nbytes
+        self._queue.appendleft(lease.item.job)
+        self.lost_payloads += 1
+        self._wake()
+        return True
+
     def release(self, drafter_id: int) -> list[int]:
         """Return all the drafter's unacked jobs to the front of the queue (payloads dropped,
         recomputed later) and fence its waiting pulls."""
@@ -364,6 +378,7 @@ class HSPool:
             acked_twice=self.acked_twice,
             stale_results=self.stale_results,
             stale_acks=self.stale_acks,
+            lost_payloads=self.lost_payloads,
             bytes_overshoot=self.bytes_overshoot,
             producing_finished=self.producing_finished,
             done=self.done,

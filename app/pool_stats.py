@@ -72,6 +72,7 @@ class PoolStats:
     acked_twice: int
     stale_results: int
     stale_acks: int
+    lost_payloads: int
     bytes_overshoot: int
     producing_finished: bool
     done: bool

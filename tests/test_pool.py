@@ -430,3 +430,21 @@ def test_pull_drains_when_its_own_leases_hold_the_byte_budget():
     assert isinstance(pool.try_pull(0), Drained)  # step with three, ack, then production resumes
     pool.ack(0, [g.meta.job_id for g in got])
     assert pool.next_job(0) is not None
+
+
+def test_a_lost_payload_requeues_only_that_job():
+    pool = make_pool(capacity=20, min_ready=1, jobs_in_flight_per_target=20)
+    pool.add_jobs([job(i, i % 2) for i in range(4)])
+    pool.finish_adding()
+    produce_all(pool, targets=1)
+    a, b = pool.try_pull(0), pool.try_pull(1)
+    assert not pool.payload_lost(1, a.meta.job_id)  # not drafter 1's lease: ignored
+    assert pool.payload_lost(0, a.meta.job_id)
+    s = pool.stats()
+    assert (s.pending, s.leased, s.lost_payloads) == (1, 1, 1) and pool.pool_bytes == s.pool_bytes
+    produce_all(pool, targets=1)
+    pool.ack(1, [b.meta.job_id])
+    while not pool.done:
+        g = pool.try_pull(0)
+        pool.ack(0, [g.meta.job_id])
+    assert pool.ledger() == [0, 1, 2, 3] and pool.acked_twice == 0
