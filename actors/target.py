@@ -9,9 +9,8 @@ from __future__ import annotations
 import os
 import time
 
-import torch
 
-from app.batching import pack_hidden, pad_sequences
+from app.batching import job_hidden_batch
 from app.config import DrafterConfig, EvalConfig, FaultsConfig, ModelConfig
 from app.devices import compute_dtype, limit_threads, pick_device
 from app.faults import fire_once
@@ -43,18 +42,11 @@ class TargetActor:
         self._maybe_inject_fault(job)
         t0 = time.perf_counter()
         seqs = [self.dataset.sequence(i) for i in job.seq_indices]
-        ids_BS, mask_BS, lengths_B = pad_sequences(seqs)
-        from app.model.features import target_features
-
-        with torch.inference_mode():
-            ids = torch.from_numpy(ids_BS).to(self.device)
-            attn = (torch.arange(ids.shape[1])[None, :] < torch.from_numpy(lengths_B)[:, None]).to(self.device)
-            feats_BSD = target_features(self.model, ids, attn.long(), self.layer_ids)
-        batch = pack_hidden(job.job_id, feats_BSD, ids_BS, mask_BS, lengths_B)
+        batch = job_hidden_batch(self.model, seqs, job.job_id, self.layer_ids, self.device)
         self.jobs_done += 1
         meta = ItemMeta(
-            job_id=job.job_id, bucket=job.bucket, num_seqs=len(seqs), num_tokens=int(lengths_B.sum()),
-            loss_tokens=int(mask_BS.sum()), nbytes=batch_nbytes(batch), target_id=self.target_id,
+            job_id=job.job_id, bucket=job.bucket, num_seqs=len(seqs), num_tokens=int(batch.lengths_B.sum()),
+            loss_tokens=int(batch.loss_mask_BS.sum()), nbytes=batch_nbytes(batch), target_id=self.target_id,
             forward_s=time.perf_counter() - t0,
         )
         return meta, batch

@@ -36,3 +36,16 @@ def pack_hidden(job_id: int, feats_BSD: torch.Tensor, ids_BS: np.ndarray, mask_B
     return HiddenBatch(job_id=job_id, hidden_BSD=hidden, hidden_dtype=dtype, input_ids_BS=ids_BS,
                        loss_mask_BS=mask_BS, lengths_B=lengths_B)
 
+
+
+def job_hidden_batch(model, seqs: list[tuple[np.ndarray, np.ndarray]], job_id: int, layer_ids: list[int],
+                     device: torch.device) -> HiddenBatch:
+    """One target job: pad its sequences, run the frozen target once, pack the features."""
+    from app.model.features import target_features
+
+    ids_BS, mask_BS, lengths_B = pad_sequences(seqs)
+    with torch.inference_mode():
+        ids = torch.from_numpy(ids_BS).to(device)
+        attn_BS = (torch.arange(ids.shape[1])[None, :] < torch.from_numpy(lengths_B)[:, None]).long().to(device)
+        feats_BSD = target_features(model, ids, attn_BS, layer_ids)
+    return pack_hidden(job_id, feats_BSD, ids_BS, mask_BS, lengths_B)

@@ -33,9 +33,8 @@ def standalone(cfg, num_jobs: int = 24, threads: int = 1) -> float:
     """Tokens/s of one drafter replica stepping alone on precomputed batches of epoch 0."""
     from transformers import AutoModelForCausalLM
 
-    from app.batching import pack_hidden, pad_sequences
+    from app.batching import job_hidden_batch
     from app.drafter_build import build_or_load_drafter
-    from app.model.features import target_features
     from app.model.loss import TrainBatch
     from app.run_setup import plan_run
     from app.trainer import DrafterTrainer
@@ -45,11 +44,8 @@ def standalone(cfg, num_jobs: int = 24, threads: int = 1) -> float:
     target = AutoModelForCausalLM.from_pretrained(plan.model_dir, dtype=torch.float32).eval()
     batches = []
     for job in plan.jobs[:num_jobs]:
-        ids, mask, lengths = pad_sequences([plan.dataset.sequence(i) for i in job.seq_indices])
-        attn = torch.arange(ids.shape[1])[None, :] < torch.from_numpy(lengths)[:, None]
-        with torch.inference_mode():
-            feats = target_features(target, torch.from_numpy(ids), attn.long(), plan.layer_ids)
-        hb = pack_hidden(job.job_id, feats, ids, mask, lengths)
+        seqs = [plan.dataset.sequence(i) for i in job.seq_indices]
+        hb = job_hidden_batch(target, seqs, job.job_id, plan.layer_ids, torch.device("cpu"))
         batches.append((job.job_id, TrainBatch.from_hidden_batch(hb, "cpu", torch.float32)))
     drafter, head, _ = build_or_load_drafter(plan.model_dir, None, cfg.drafter, plan.layer_ids, plan.mask_token_id,
                                             torch.device("cpu"), torch.float32, cfg.train.seed)
