@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import time
 
-
 from app.batching import job_hidden_batch
 from app.config import DrafterConfig, EvalConfig, FaultsConfig, ModelConfig
 from app.devices import compute_dtype, limit_threads, pick_device

@@ -67,11 +67,14 @@ class RunMonitor:
         self._train_rate = _Window()
         self._target_rate = _Window()
         self.last_progress = clock()
+        self.first_record_t: float | None = None  # when the first and latest step reports arrived
+        self.last_record_t = 0.0
+        self.last_pool: PoolStats | None = None
 
     def add_records(self, records: list[StepRecord]) -> None:
         if records:
             now = self.clock()
-            self.first_record_t = getattr(self, "first_record_t", now)
+            self.first_record_t = self.first_record_t if self.first_record_t is not None else now
             self.last_record_t = now
         for rec in records:
             self.train_tokens += rec.tokens
@@ -105,7 +108,9 @@ class RunMonitor:
 
     def train_tok_s(self) -> float:
         """All replicas' tokens per second over the training phase (first to last step report)."""
-        span = getattr(self, "last_record_t", 0.0) - getattr(self, "first_record_t", 0.0)
+        if self.first_record_t is None:
+            return 0.0
+        span = self.last_record_t - self.first_record_t
         return self.train_tokens / span if span > 0 else 0.0
 
     def replica_tok_s(self) -> float:
@@ -123,7 +128,7 @@ class RunMonitor:
 
     def values(self) -> dict[str, float | int | str]:
         """The numbers of the status line, for wandb."""
-        stats = getattr(self, "last_pool", None)
+        stats = self.last_pool
         q = stats.q_hsb if stats else []
         return {
             "step": self.step, "epoch": self.epoch, "loss": self.loss_last or 0.0, "accuracy": self.accuracy,

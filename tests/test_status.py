@@ -1,0 +1,51 @@
+"""The driver's status line and monitor, fed by hand (no Ray)."""
+from __future__ import annotations
+
+from app.config import PoolConfig
+from app.messages import StepRecord
+from app.pool import HSPool
+from app.status import RunMonitor, bottleneck
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _rec(rank: int, step: int, tokens: int = 100, wait: float = 0.0) -> StepRecord:
+    return StepRecord(rank, step, 0, loss=2.0 / step, weight_sum=1.0, correct=0.5, tokens=tokens, accept_len=2.5,
+                      compute_s=1.0, data_wait_s=wait)
+
+
+def test_bottleneck_names_the_side_that_holds_the_run_back() -> None:
+    assert bottleneck(0.3, buffered=0, capacity=16) == "targets"
+    assert bottleneck(0.0, buffered=12, capacity=16) == "drafters"
+    assert bottleneck(0.05, buffered=4, capacity=16) == "balanced"
+
+
+def test_rates_losses_and_the_line() -> None:
+    clock = Clock()
+    mon = RunMonitor(clock=clock)
+    mon.add_pool(HSPool(PoolConfig(capacity=16, min_ready=4), 6).stats())
+    mon.add_records([_rec(0, 1), _rec(1, 1, wait=1.0)])
+    clock.t += 10
+    mon.add_records([_rec(0, 2), _rec(1, 2)])
+    assert (mon.loss_first, mon.loss_last, mon.step) == (2.0, 1.0, 2)
+    assert mon.train_tok_s() == 400 / 10 and mon.replica_tok_s() == 400 / 5
+    assert mon.data_wait_share() == 1.0 / 5
+    line = mon.line()
+    assert "step 2" in line and "q_hsb=[0, 0, 0, 0, 0, 0]" in line and "bottleneck: targets" in line
+
+
+def test_progress_restarts_at_the_restored_step() -> None:
+    clock = Clock()
+    mon = RunMonitor(clock=clock)
+    mon.add_records([_rec(0, 1199)])
+    clock.t += 500
+    mon.restart_at(1000)  # a rebuilt group redoes steps 1001..1199
+    clock.t += 50
+    mon.add_records([_rec(0, 1001)])
+    assert mon.step == 1001 and clock() - mon.last_progress == 0
