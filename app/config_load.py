@@ -187,6 +187,7 @@ _MINIMUMS = (
     ("pool.capacity", 1, "the pool must hold at least one item"),
     ("pool.capacity_bytes", 1, "the pool needs a positive byte budget"),
     ("pool.min_ready", 1, "pulls wait for at least one buffered item"),
+    ("pool.jobs_in_flight_per_target", 1, "a target with no job slot never works"),
     ("supervision.max_restarts_target", 0, "a budget cannot be negative"),
     ("supervision.max_restarts_drafter_group", 0, "a budget cannot be negative"),
 )
@@ -197,11 +198,6 @@ def _check_ranges(cfg: Config) -> None:
         value = _get(cfg, key)
         if value < minimum:
             raise ConfigError(f"{key}={value!r} must be >= {minimum} ({why}); set {key}={minimum} or more")
-    if cfg.pool.jobs_in_flight_per_target < 1:
-        raise ConfigError(
-            f"pool.jobs_in_flight_per_target={cfg.pool.jobs_in_flight_per_target} must be >= 1 "
-            "(a target with no job slot never works); set it to 2"
-        )
     if not 0.0 <= cfg.train.warmup_ratio < 1.0:
         raise ConfigError(f"train.warmup_ratio={cfg.train.warmup_ratio} must be in [0, 1); the default is 0.04")
     if cfg.train.lr <= 0:

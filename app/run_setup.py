@@ -83,7 +83,7 @@ def plan_run(cfg: Config, on_gpu: bool) -> RunPlan:
     per_step = cfg.topology.num_drafters * cfg.train.grad_accum
     return RunPlan(
         cfg=cfg, model_dir=target.model_dir, info=info, layer_ids=layer_ids, mask_token_id=mask_id,
-        dataset=dataset, data_summary=_summary_dict(dataset), jobs=jobs, eval_prompts=prompts,
+        dataset=dataset, data_summary=dataset.summary.to_dict(), jobs=jobs, eval_prompts=prompts,
         resume_from=str(ckpt) if ckpt else None, resume_step=step, resume_ledger=ledger,
         # Partial steps at drains add a few; the schedule must not hit zero LR before the end.
         total_steps=math.ceil(len(jobs) / per_step) + cfg.topology.num_drafters, bytes_per_token=bpt,
@@ -122,17 +122,6 @@ def _check_job_fits(cfg: Config, jobs: list[JobSpec]) -> None:
             f"pool.capacity_bytes={cfg.pool.capacity_bytes} is smaller than one job's hidden states ({biggest} bytes "
             f"at data.tokens_per_job={cfg.data.tokens_per_job}); raise pool.capacity_bytes or lower data.tokens_per_job"
         )
-
-
-def _summary_dict(dataset) -> dict:
-    summary = getattr(dataset, "summary", None)
-    if summary is None:
-        return {"sequences": len(dataset)}
-    if hasattr(summary, "to_dict"):
-        return summary.to_dict()
-    from dataclasses import asdict, is_dataclass
-
-    return asdict(summary) if is_dataclass(summary) else dict(summary)
 
 
 def run_name(cfg: Config) -> str:
