@@ -97,11 +97,6 @@ class HSPoolActor:
         self._targets[target_id] = handle
         self._pool.notify()
 
-    async def remove_target(self, target_id: int) -> list[int]:
-        """Stop using a target; its in-flight jobs go back to the front (late results dropped)."""
-        self._targets.pop(target_id, None)
-        return self._pool.target_lost(target_id)
-
     async def target_failures(self) -> list[TargetFailure]:
         """One line per target failure seen (target, job, error), oldest first."""
         return list(self._failures)
@@ -219,9 +214,6 @@ class HSPoolActor:
         """Step records reported since the previous drain (for the driver's logging)."""
         out, self._undrained = self._undrained, []
         return out
-
-    async def recent_step_records(self, n: int = 100) -> list[StepRecord]:
-        return list(self._steps)[-n:]
 
     async def pull_trace(self) -> list[tuple[int, int, int]]:
         """(drafter, bucket, bitmask of non-empty buckets before the pull) per pull; trace_pulls=True."""

@@ -20,8 +20,3 @@ def fire_once(run_dir: str | Path, name: str) -> bool:
     os.close(fd)
     return True
 
-
-def fired(run_dir: str | Path) -> list[str]:
-    """Names of the faults that have fired in this run directory."""
-    marks = Path(run_dir) / "faults_fired"
-    return sorted(p.name for p in marks.iterdir()) if marks.is_dir() else []
