@@ -185,18 +185,19 @@ def test_prometheus_endpoint_shows_live_per_bucket_counts(ray_cluster):
         ray.get(pool.report_step.remote(rec))
     want = {str(b): float(n) for b, n in enumerate(q_hsb)}
     port = ray._private.worker.global_worker.node.metrics_export_port
-    deadline, text, got = time.time() + 30, "", {}
-    while time.time() < deadline:
+    expected = (mn.POOL_BYTES, mn.POOL_CAPACITY_BYTES, mn.JOBS, mn.TRAIN_STEP, mn.TRAIN_LOSS, mn.TRAIN_TOKENS_TOTAL,
+                mn.TARGET_TOKENS_TOTAL, mn.TARGET_BUSY_RATIO, mn.DRAFTER_DATA_WAIT_RATIO)
+    deadline, text, got, names = time.time() + 30, "", {}, []
+    while time.time() < deadline:  # gauges land in different export rounds: wait for all of them
         text = _scrape(port)
         got = _metric_values(text, mn.POOL_ITEMS, run)
-        if got == want:
+        names = sorted({line.split("{")[0] for line in text.splitlines() if "dflash_" in line and not line.startswith("#")})
+        if got == want and all(any(n in (name, "ray_" + name) for n in names) for name in expected):
             break
         time.sleep(1)
     assert got == want, f"scraped {got}, pool says {want}"
-    names = sorted({line.split("{")[0] for line in text.splitlines() if "dflash_" in line and not line.startswith("#")})
     print("scraped dflash names:", names)
-    for name in (mn.POOL_BYTES, mn.POOL_CAPACITY_BYTES, mn.JOBS, mn.TRAIN_STEP, mn.TRAIN_LOSS, mn.TRAIN_TOKENS_TOTAL,
-                 mn.TARGET_TOKENS_TOTAL, mn.TARGET_BUSY_RATIO, mn.DRAFTER_DATA_WAIT_RATIO):
+    for name in expected:
         assert any(n in (name, "ray_" + name) for n in names), (name, names)
     loss = [line for line in text.splitlines() if re.match(rf"^(?:ray_)?{mn.TRAIN_LOSS}\{{", line) and run in line]
     assert loss and float(loss[0].rsplit(" ", 1)[1]) == pytest.approx(0.5)  # the step's global loss
