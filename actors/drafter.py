@@ -57,8 +57,8 @@ class DrafterResult:
 class _Prefetcher:
     """Keeps one pull (and its payload fetch) in flight while the replica computes."""
 
-    def __init__(self, pool, rank: int) -> None:
-        self.pool, self.rank = pool, rank
+    def __init__(self, pool, rank: int, generation: int) -> None:
+        self.pool, self.rank, self.generation = pool, rank, generation
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
         self.pending: Future | None = None
 
@@ -67,7 +67,7 @@ class _Prefetcher:
         from ray.exceptions import ObjectLostError
 
         while True:
-            pulled = ray.get(self.pool.pull.remote(self.rank))
+            pulled = ray.get(self.pool.pull.remote(self.rank, self.generation))
             if isinstance(pulled, (EndOfStream, Drained)):
                 return pulled, None
             try:
@@ -145,7 +145,8 @@ class DrafterActor:
         import ray
         import torch.distributed as dist
 
-        fetch = _Prefetcher(self.pool, self.rank)
+        # This incarnation's generation: pulls a dead predecessor sent are refused, not served.
+        fetch = _Prefetcher(self.pool, self.rank, ray.get(self.pool.generation.remote(self.rank)))
         eos, stopped, last_ckpt = False, False, None
         while True:
             t_step = time.perf_counter()

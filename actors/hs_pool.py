@@ -150,11 +150,11 @@ class HSPoolActor:
 
     # ---- drafters -------------------------------------------------------------------------
 
-    async def pull(self, drafter_id: int) -> PulledItem | EndOfStream | Drained:
+    async def pull(self, drafter_id: int, generation: int = 0) -> PulledItem | EndOfStream | Drained:
         """Lease the next item (bucket-fair), waiting for the reservoir; see app.pool.HSPool.pull."""
         self._ensure_started()
         t0 = time.monotonic()
-        got = await self._pool.pull(drafter_id)
+        got = await self._pool.pull(drafter_id, generation)
         if isinstance(got, PulledItem):
             self._waits.append(time.monotonic() - t0)
         return got
@@ -176,6 +176,9 @@ class HSPoolActor:
     async def payload_lost(self, drafter_id: int, job_id: int) -> bool:
         """See HSPool.payload_lost: re-issue one job whose hidden states were lost with a node."""
         return self._pool.payload_lost(drafter_id, job_id)
+
+    async def generation(self, drafter_id: int) -> int:
+        return self._pool.generation(drafter_id)
 
     async def release(self, drafter_id: int) -> list[int]:
         return self._pool.release(drafter_id)

@@ -99,6 +99,7 @@ class HSPool:
         self._group_generation = 0
         self._specs: dict[int, JobSpec] = {}  # every job added, for re-queueing on rollback
         self._eos_drafters: set[int] = set()
+        self._seen_drafters: set[int] = set()  # every drafter id that ever pulled
         self._max_seen_bytes = [0] * num_buckets
         self._buffered_bytes = 0
         self._leased_bytes = 0
@@ -230,9 +231,14 @@ class HSPool:
         self._wake()  # a freed item slot may let a job be issued
         return PulledItem(meta=item.meta, payload_ref=item.payload)
 
-    async def pull(self, drafter_id: int) -> PulledItem | EndOfStream | Drained:
+    async def pull(self, drafter_id: int, generation: int = 0) -> PulledItem | EndOfStream | Drained:
         """Wait until `try_pull` gives something. Raises LeaseRevoked if this drafter's leases
-        are released while it waits (its caller is presumed dead)."""
+        are released while it waits (its caller is presumed dead), or if the call comes from an
+        incarnation older than the drafter's current `generation(drafter_id)`: Ray still runs a
+        call that a dead caller sent, and it must not lease an item to nobody."""
+        self._seen_drafters.add(drafter_id)
+        if generation < self._generation.get(drafter_id, 0):
+            raise LeaseRevoked(f"drafter {drafter_id} generation {generation} was released")
         fence = self._fence(drafter_id)
         t0 = self._clock()
         while True:
@@ -295,7 +301,7 @@ class HSPool:
         """For a drafter-group rebuild: release every drafter and forget who got end-of-stream,
         so the new group's drafters get it too. Returns the requeued job ids."""
         ids: list[int] = []
-        for d in sorted({ls.drafter_id for ls in self._leases.values()} | set(self._generation)):
+        for d in sorted({ls.drafter_id for ls in self._leases.values()} | set(self._generation) | self._seen_drafters):
             ids += self.release(d)
         self._group_generation += 1
         self._eos_drafters.clear()
@@ -438,6 +444,10 @@ class HSPool:
             self._reserved_bytes -= fl.reserved_bytes
             self._queue.appendleft(fl.job)
         self._wake()
+
+    def generation(self, drafter_id: int) -> int:
+        """The incarnation a (re)started drafter passes to `pull`; bumped by each release."""
+        return self._generation.get(drafter_id, 0)
 
     def _fence(self, drafter_id: int) -> tuple[int, int]:
         return self._group_generation, self._generation.get(drafter_id, 0)

@@ -334,7 +334,7 @@ def test_a_waiting_pull_is_fenced_by_release():
         with pytest.raises(LeaseRevoked):
             await waiting
         assert pool.stats().buffered == 1  # the item was not leased to the dead drafter
-        got = await pool.pull(7)  # a new pull (the restarted drafter) works
+        got = await pool.pull(7, pool.generation(7))  # the restarted drafter, at its new generation, pulls
         assert isinstance(got, PulledItem)
         assert pool.stats().pull_waits.count == 1
 
@@ -448,3 +448,20 @@ def test_a_lost_payload_requeues_only_that_job():
         g = pool.try_pull(0)
         pool.ack(0, [g.meta.job_id])
     assert pool.ledger() == [0, 1, 2, 3] and pool.acked_twice == 0
+
+
+def test_a_pull_sent_by_a_released_incarnation_is_refused():
+    async def scenario():
+        pool = make_pool(capacity=20, min_ready=1, jobs_in_flight_per_target=20)
+        pool.add_jobs([job(i, 0) for i in range(4)])
+        pool.finish_adding()
+        produce_all(pool, targets=1)
+        await pool.pull(0)  # the old incarnation of drafter 0 leased one item...
+        pool.release(0)  # ...died, and was released
+        with pytest.raises(LeaseRevoked):
+            await pool.pull(0)  # a call it sent before dying runs late: it takes nothing
+        assert pool.stats().leased == 0
+        got = await pool.pull(0, pool.generation(0))  # the restarted drafter 0 pulls normally
+        assert isinstance(got, PulledItem)
+
+    asyncio.run(scenario())
