@@ -1,7 +1,7 @@
 """DrafterActor: one replica of the data-parallel drafter group.
 
 Each replica pulls its own micro-batches from the pool (prefetching the next pull while it computes),
-and every `train.grad_accum` micro-batches joins the step's single all-reduce (`app/trainer.py`).
+and every `train.grad_accum` micro-batches joins the step's single all-reduce (`app/training/trainer.py`).
 Rank 0 then acks the step's jobs of every rank to the pool, so the ledger it checkpoints is exactly
 the set of jobs inside the weights it saves. A rank that runs dry joins with zeros until all are dry.
 """
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from app.checkpoint import TrainState, load_checkpoint, restore_rng, rng_state, save_checkpoint
-from app.config import CheckpointConfig, DrafterConfig, FaultsConfig, TrainConfig
+from app.training.checkpoint import TrainState, load_checkpoint, restore_rng, rng_state, save_checkpoint
+from app.config.schema import CheckpointConfig, DrafterConfig, FaultsConfig, TrainConfig
 from app.devices import compute_dtype, limit_threads, pick_device
 from app.faults import fire_once
 from app.messages import Drained, EndOfStream, StepRecord, split_job_id
@@ -109,8 +109,8 @@ class DrafterActor:
         """Join the process group, build the drafter, restore the checkpoint; returns the start step."""
         import torch.distributed as dist
 
-        from app.drafter_build import build_or_load_drafter
-        from app.trainer import DrafterTrainer
+        from app.model.build import build_or_load_drafter
+        from app.training.trainer import DrafterTrainer
 
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if self.device.type == "cuda":
@@ -222,7 +222,7 @@ class DrafterActor:
         return str(save_checkpoint(self.s.checkpoint.dir, state, self.s.checkpoint.keep))
 
     def export(self) -> str:
-        from app.export import export_drafter
+        from app.model.export import export_drafter
 
         out = os.path.join(self.s.checkpoint.dir, "drafter")
         export_drafter(self.trainer.drafter, self.arch, out, dtype=self.dtype)  # engines load bf16 on GPU

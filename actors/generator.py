@@ -1,4 +1,4 @@
-"""Generator: a thin actor holding the target model for `app.regenerate` (logic in app/regenerate.py)."""
+"""Generator: a thin actor holding the target model for `app.regenerate` (logic in app/data/regenerate.py)."""
 from __future__ import annotations
 
 
@@ -20,7 +20,7 @@ class Generator:
     def regenerate(self, chunk: list[tuple[int, list[dict]]], *, max_new_tokens: int, max_length: int,
                    batch_size: int, enable_thinking: bool) -> list[tuple[int, list[dict]]]:
         """(id, regenerated messages) for each (id, messages) of the chunk."""
-        from app.regenerate import regenerate_conversations
+        from app.data.regenerate import regenerate_conversations
 
         convs = regenerate_conversations(
             self.model, self.tokenizer, [m for _, m in chunk], max_new_tokens=max_new_tokens,

@@ -1,4 +1,4 @@
-"""HSPoolActor: the async Ray actor around the pure pool policy (app/pool.py).
+"""HSPoolActor: the async Ray actor around the pure pool policy (app/pool/policy.py).
 
 Launch it with `ray.remote(HSPoolActor).options(max_concurrency=pool_max_concurrency(...))`.
 
@@ -24,10 +24,10 @@ import time
 from collections import deque
 from typing import Any
 
-from app.config import PoolConfig
+from app.config.schema import PoolConfig
 from app.messages import EndOfStream, ItemMeta, JobSpec, PulledItem, StepRecord, TargetFailure
-from app.pool import Drained, HSPool
-from app.pool_stats import PoolStats
+from app.pool.policy import Drained, HSPool
+from app.pool.stats import PoolStats
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ class HSPoolActor:
     # ---- drafters -------------------------------------------------------------------------
 
     async def pull(self, drafter_id: int, generation: int = 0) -> PulledItem | EndOfStream | Drained:
-        """Lease the next item (bucket-fair), waiting for the reservoir; see app.pool.HSPool.pull."""
+        """Lease the next item (bucket-fair), waiting for the reservoir; see app.pool.policy.HSPool.pull."""
         self._ensure_started()
         t0 = time.monotonic()
         got = await self._pool.pull(drafter_id, generation)

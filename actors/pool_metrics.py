@@ -1,4 +1,4 @@
-"""Ray metrics of the pool actor (names in app/metric_names.py; DESIGN section 4).
+"""Ray metrics of the pool actor (names in app/pool/metric_names.py; DESIGN section 4).
 
 Every metric carries the tag `run`. Gauges are re-set on every tick (the pool calls `tick` every
 pool.metrics_every_s seconds) because Ray drops gauges that are not refreshed. Counters are fed
@@ -14,9 +14,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from app import metric_names as mn
+from app.pool import metric_names as mn
 from app.messages import StepRecord
-from app.pool_stats import PoolStats
+from app.pool.stats import PoolStats
 
 JOB_STATES = ("pending", "in_flight", "buffered", "leased", "acked")
 WAIT_BOUNDARIES_S = [0.001, 0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0]

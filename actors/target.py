@@ -1,6 +1,6 @@
 """TargetActor: a frozen target LM that turns a job's sequences into drafter features.
 
-A thin shell: batching lives in `app/batching.py`, features in `app/model/features.py`. The pool calls
+A thin shell: batching lives in `app/data/batching.py`, features in `app/model/features.py`. The pool calls
 `forward` with `num_returns=2`, so the small `ItemMeta` and the large `HiddenBatch` become two
 objects owned by the pool, and the payload outlives this process.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 import time
 
-from app.batching import job_hidden_batch
-from app.config import DrafterConfig, EvalConfig, FaultsConfig, ModelConfig
+from app.data.batching import job_hidden_batch
+from app.config.schema import DrafterConfig, EvalConfig, FaultsConfig, ModelConfig
 from app.devices import compute_dtype, limit_threads, pick_device
 from app.faults import fire_once
 from app.messages import HiddenBatch, ItemMeta, JobSpec
@@ -59,8 +59,8 @@ class TargetActor:
     def evaluate(self, drafter_dir: str | None, prompts: list[list[int]], drafter_cfg: DrafterConfig,
                  eval_cfg: EvalConfig, mask_token_id: int, seed: int = 0) -> dict:
         """Acceptance length (tau) of an exported drafter, or of a fresh one when `drafter_dir` is None."""
-        from app.drafter_build import build_or_load_drafter
-        from app.spec_decode import measure_tau
+        from app.model.build import build_or_load_drafter
+        from app.model.spec_decode import measure_tau
 
         drafter, head, arch = build_or_load_drafter(
             self.model_dir, drafter_dir, drafter_cfg, self.layer_ids, mask_token_id, self.device, self.dtype, seed

@@ -25,12 +25,12 @@ def run(cfg, drafter_dir: str | None = None, prompts_file: str | None = None):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from app.config_checks import read_target_info, resolved_layer_ids, resolved_mask_token_id
-    from app.data import load_eval_prompts
+    from app.config.checks import read_target_info, resolved_layer_ids, resolved_mask_token_id
+    from app.data.dataset import load_eval_prompts
     from app.devices import compute_dtype, pick_device
-    from app.drafter_build import build_or_load_drafter
-    from app.spec_decode import measure_tau
-    from app.tiny import resolve_target
+    from app.model.build import build_or_load_drafter
+    from app.model.spec_decode import measure_tau
+    from app.tiny.build import resolve_target
 
     target = resolve_target(cfg)
     info = read_target_info(target.model_dir)
@@ -57,7 +57,7 @@ def run(cfg, drafter_dir: str | None = None, prompts_file: str | None = None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from app.config_load import load_config
+    from app.config.load import load_config
 
     args = _parse(list(sys.argv[1:] if argv is None else argv))
     try:

@@ -15,16 +15,16 @@ import sys
 import time
 from pathlib import Path
 
-from app.config import Config
+from app.config.schema import Config
 
 
 def run_prepare(cfg: Config, out_dir: str | Path) -> dict:
     """Tokenize and schedule per `cfg`; write summary.json and schedule.jsonl; return the summary."""
     from transformers import AutoTokenizer
 
-    from app.data import load_dataset
-    from app.schedule import build_schedule, schedule_summary
-    from app.tiny import resolve_target
+    from app.data.dataset import load_dataset
+    from app.data.schedule import build_schedule, schedule_summary
+    from app.tiny.build import resolve_target
 
     target = resolve_target(cfg)
     tokenizer = AutoTokenizer.from_pretrained(target.model_dir)
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. data.max_length=2048")
     args = parser.parse_args(argv)
 
-    from app.config_load import load_config
+    from app.config.load import load_config
 
     t0 = time.perf_counter()
     cfg = load_config(args.config, args.overrides)

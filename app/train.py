@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from app.config_load import ConfigError, load_config
+from app.config.load import ConfigError, load_config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    from app.driver import run  # heavy imports (ray, torch) only once the config is known good
+    from app.run.driver import run  # heavy imports (ray, torch) only once the config is known good
 
     return run(cfg)
 

@@ -23,8 +23,8 @@ def tiny_overrides(run_dir: Path, *extra: str) -> list[str]:
 
 def run_in_process(run_dir: Path, *extra: str) -> int:
     """The driver in this process, on the session's Ray cluster (already initialised)."""
-    from app.config_load import load_config
-    from app.driver import run
+    from app.config.load import load_config
+    from app.run.driver import run
 
     cfg = load_config(ROOT / "conf/tiny.yaml", tiny_overrides(run_dir, *extra))
     return run(cfg)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from app.checkpoint import TrainState, latest_checkpoint, list_checkpoints, load_checkpoint, read_ledger, save_checkpoint
+from app.training.checkpoint import TrainState, latest_checkpoint, list_checkpoints, load_checkpoint, read_ledger, save_checkpoint
 
 
 def _state(step: int) -> TrainState:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from app.config import Config, ModelConfig, default_gamma, default_target_layer_ids
-from app.config_checks import TargetInfo, check_resources, check_target, read_target_info
-from app.config_load import ConfigError, load_config
+from app.config.schema import Config, ModelConfig, default_gamma, default_target_layer_ids
+from app.config.checks import TargetInfo, check_resources, check_target, read_target_info
+from app.config.load import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF_FILES = sorted((ROOT / "conf").glob("*.yaml"))

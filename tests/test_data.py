@@ -1,4 +1,4 @@
-"""Readers, chat-template loss masks, filters and counts of app/data.py (no Ray, no model)."""
+"""Readers, chat-template loss masks, filters and counts of app/data/dataset.py (no Ray, no model)."""
 from __future__ import annotations
 
 import json
@@ -7,9 +7,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from app.config import DataConfig
-from app.data import load_dataset, load_eval_prompts
-from app.chat_mask import tokenize_conversation
+from app.config.schema import DataConfig
+from app.data.dataset import load_dataset, load_eval_prompts
+from app.data.chat_mask import tokenize_conversation
 
 # Qwen2.5-style ChatML: a default system turn, no {% generation %} markers (like the real one).
 QWEN_TEMPLATE = (

@@ -1,5 +1,5 @@
 """The shipping files in docker/: they parse, agree with pyproject.toml, and the dashboard's queries
-name exactly the metrics the application exports (app/metric_names.py). Fast, no Ray."""
+name exactly the metrics the application exports (app/pool/metric_names.py). Fast, no Ray."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from app import metric_names
+from app.pool import metric_names
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
@@ -125,7 +125,7 @@ def test_every_panel_query_names_a_known_metric():
         used = _metrics_in(expr)
         assert used, f"panel {title!r}: {expr!r} names no dflash metric"
         unknown = used - set(metric_names.ALL)
-        assert not unknown, f"panel {title!r} queries {unknown}, not in app/metric_names.ALL"
+        assert not unknown, f"panel {title!r} queries {unknown}, not in app/pool/metric_names.ALL"
 
 
 def test_every_exported_metric_has_a_panel():

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from app.checkpoint import latest_checkpoint, read_ledger
+from app.training.checkpoint import latest_checkpoint, read_ledger
 from tests.e2e_helpers import run_in_process, sigterm_and_wait, start_driver, summary, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from app.export import export_drafter, load_drafter
+from app.model.export import export_drafter, load_drafter
 from app.model.drafter import DFlashDrafter
 from app.model.toy import tiny_arch, tiny_qwen3_config
 

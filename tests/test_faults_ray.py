@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from app.checkpoint import latest_checkpoint, read_ledger
+from app.training.checkpoint import latest_checkpoint, read_ledger
 from tests.e2e_helpers import final_weights_finite, run_in_process, summary
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

@@ -8,10 +8,10 @@ import urllib.request
 import numpy as np
 import pytest
 
-from app import metric_names as mn
-from app.config import PoolConfig
+from app.pool import metric_names as mn
+from app.config.schema import PoolConfig
 from app.messages import EndOfStream, HiddenBatch, ItemMeta, JobSpec, PulledItem, StepRecord
-from app.pool import Drained
+from app.pool.policy import Drained
 
 pytestmark = pytest.mark.ray
 

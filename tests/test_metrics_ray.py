@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from app import metric_names as mn
+from app.pool import metric_names as mn
 from tests.e2e_helpers import run_in_process
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.config import PoolConfig
+from app.config.schema import PoolConfig
 from app.messages import EndOfStream, ItemMeta, JobSpec, PulledItem
-from app.pool import Drained, HSPool, LeaseRevoked
+from app.pool.policy import Drained, HSPool, LeaseRevoked
 
 
 def job(i: int, bucket: int, est: int = 100) -> JobSpec:

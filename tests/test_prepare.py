@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from app.config import Config, DataConfig, DrafterConfig, ModelConfig, TinyConfig, TrainConfig
+from app.config.schema import Config, DataConfig, DrafterConfig, ModelConfig, TinyConfig, TrainConfig
 from app.prepare import run_prepare
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +26,7 @@ def _small_cfg(cache_dir: str, extra_files: list[str] = ()) -> Config:
 
 @pytest.mark.slow
 def test_prepare_twice_gives_identical_files_that_account_for_every_record(tmp_path):
-    from app.tiny import ensure_tiny_target
+    from app.tiny.build import ensure_tiny_target
 
     cfg = _small_cfg(str(tmp_path / "cache"))
     art = ensure_tiny_target(cfg.tiny)

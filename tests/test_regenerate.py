@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from app.config import Config, DataConfig, ModelConfig, TinyConfig, TopologyConfig
-from app.regenerate import read_done_ids, regenerate_conversations
+from app.config.schema import Config, DataConfig, ModelConfig, TinyConfig, TopologyConfig
+from app.data.regenerate import read_done_ids, regenerate_conversations
 
 SMALL = dict(num_layers=2, num_train_prompts=4, num_eval_prompts=1, prompt_length=4, response_length=8)
 
@@ -33,7 +33,7 @@ def tiny_cfg(tmp_path_factory):
 def model_tok(tiny_cfg):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from app.tiny import ensure_tiny_target
+    from app.tiny.build import ensure_tiny_target
 
     art = ensure_tiny_target(tiny_cfg.tiny)
     return AutoModelForCausalLM.from_pretrained(art.model_dir).eval(), AutoTokenizer.from_pretrained(art.model_dir)
@@ -41,7 +41,7 @@ def model_tok(tiny_cfg):
 
 @pytest.mark.slow
 def test_every_assistant_turn_is_the_targets_greedy_reply(model_tok):
-    from app.generate import greedy_generate
+    from app.data.generate import greedy_generate
 
     model, tok = model_tok
     out = regenerate_conversations(model, tok, CONVS, max_new_tokens=6, max_length=40)

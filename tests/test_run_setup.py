@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.checkpoint import TrainState, save_checkpoint
-from app.config_load import ConfigError, load_config
-from app.run_setup import plan_run
+from app.training.checkpoint import TrainState, save_checkpoint
+from app.config.load import ConfigError, load_config
+from app.run.plan import plan_run
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # builds (or reuses) the tiny target

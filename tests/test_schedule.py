@@ -1,4 +1,4 @@
-"""Buckets, job packing and the linear interleaved schedule of app/schedule.py."""
+"""Buckets, job packing and the linear interleaved schedule of app/data/schedule.py."""
 from __future__ import annotations
 
 import math
@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.config import DataConfig
+from app.config.schema import DataConfig
 from app.messages import make_job_id
-from app.schedule import assign_bucket, assign_buckets, build_schedule, interleave, schedule_summary
+from app.data.schedule import assign_bucket, assign_buckets, build_schedule, interleave, schedule_summary
 
 BOUNDS = [32, 64, 96, 128, 160, 192]
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import app.spec_decode as sd
+import app.model.spec_decode as sd
 from app.model.drafter import DFlashDrafter
 from app.model.features import target_features
 from app.model.loss import TrainBatch, dflash_loss

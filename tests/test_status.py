@@ -1,10 +1,10 @@
 """The driver's status line and monitor, fed by hand (no Ray)."""
 from __future__ import annotations
 
-from app.config import PoolConfig
+from app.config.schema import PoolConfig
 from app.messages import StepRecord
-from app.pool import HSPool
-from app.status import RunMonitor, bottleneck
+from app.pool.policy import HSPool
+from app.run.monitor import RunMonitor, bottleneck
 
 
 class Clock:

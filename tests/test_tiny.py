@@ -1,4 +1,4 @@
-"""The tiny embedded target (app/tiny.py) and batched greedy generation (app/generate.py)."""
+"""The tiny embedded target (app/tiny/build.py) and batched greedy generation (app/data/generate.py)."""
 from __future__ import annotations
 
 import json
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from app.config import Config, DataConfig, ModelConfig, TinyConfig
-from app.tiny import ensure_tiny_target, resolve_target, settings_hash
+from app.config.schema import Config, DataConfig, ModelConfig, TinyConfig
+from app.tiny.build import ensure_tiny_target, resolve_target, settings_hash
 
 SMALL = dict(num_layers=2, num_train_prompts=12, num_eval_prompts=3, prompt_length=6, response_length=16,
              lm_steps=150, lm_response_length=24)
@@ -84,8 +84,8 @@ def _chain_agreements(tiny, art):
     """Per response: share of words that are the chain's likely successor of the word before."""
     from transformers import AutoTokenizer
 
-    from app.tiny import word_offset
-    from app.tiny_train import chain_agreement, markov_chain
+    from app.tiny.build import word_offset
+    from app.tiny.train import chain_agreement, markov_chain
 
     tok = AutoTokenizer.from_pretrained(art.model_dir)
     chain = markov_chain(tiny, tiny.vocab_size - word_offset())
@@ -112,7 +112,7 @@ def test_trained_target_follows_its_chain(small, tmp_path):
 def test_chain_is_one_long_cycle():
     import numpy as np
 
-    from app.tiny_train import markov_chain
+    from app.tiny.train import markov_chain
 
     for words in (0, 128):  # 0 = every word on the cycle
         chain = markov_chain(replace(TinyConfig(), chain_words=words), 500)
@@ -131,7 +131,7 @@ def test_chain_is_one_long_cycle():
 
 
 def test_batched_greedy_with_left_padding_matches_one_by_one(loaded):
-    from app.generate import greedy_generate
+    from app.data.generate import greedy_generate
 
     tok, model = loaded
     prompts = [[1, 7, 20 + i] + list(range(30, 30 + 2 * i)) + [2, 1, 8] for i in range(5)]
@@ -157,7 +157,7 @@ def test_reuses_the_cache_and_keys_it_by_settings(small):
 
 
 def test_losing_a_concurrent_build_race_uses_the_winner(tmp_path, monkeypatch):
-    import app.tiny as tiny_mod
+    import app.tiny.build as tiny_mod
 
     tiny = replace(TinyConfig(), cache_dir=str(tmp_path), **{**SMALL, "num_train_prompts": 2, "lm_steps": 0})
     real_build = tiny_mod._build

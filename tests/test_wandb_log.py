@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from app.config import CheckpointConfig, Config, LoggingConfig, ModelConfig
-from app.wandb_log import WandbLogger
+from app.config.schema import CheckpointConfig, Config, LoggingConfig, ModelConfig
+from app.run.wandb_log import WandbLogger
 
 
 def _cfg(tmp_path: Path, mode: str) -> Config:

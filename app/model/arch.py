@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from app.config import DrafterConfig, default_target_layer_ids
+from app.config.schema import DrafterConfig, default_target_layer_ids
 
 
 @dataclass(frozen=True)

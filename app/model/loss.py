@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from app.config import default_gamma
+from app.config.schema import default_gamma
 from app.model.chunked_ce import chunked_cross_entropy
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from app.config import Config, TopologyConfig
+from app.config.schema import Config, TopologyConfig
 
 
 @dataclass(frozen=True)

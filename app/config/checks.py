@@ -9,8 +9,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.config import Config, default_target_layer_ids
-from app.config_load import ConfigError
+from app.config.schema import Config, default_target_layer_ids
+from app.config.load import ConfigError
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """Typed configuration: one frozen dataclass per section.
 
-The YAML files in `conf/` are merged onto this schema (see `app/config_load.py`), CLI
+The YAML files in `conf/` are merged onto this schema (see `app/config/load.py`), CLI
 `key=value` overrides go on top, and the result is converted to these dataclasses. Each actor
 receives only its own section. Checks that need no cluster live in `validate()` here; checks
-against the target model and the cluster's resources live in `app/config_checks.py`.
+against the target model and the cluster's resources live in `app/config/checks.py`.
 """
 from __future__ import annotations
 

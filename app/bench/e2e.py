@@ -20,8 +20,8 @@ DEFAULTS = ["train.epochs=2", "eval.num_prompts=2", "eval.max_new_tokens=16", "l
 
 
 def pipeline(overrides: list[str], run_dir: Path) -> dict:
-    from app.config_load import load_config
-    from app.driver import run
+    from app.config.load import load_config
+    from app.run.driver import run
 
     cfg = load_config(ROOT / "conf/tiny.yaml", [*DEFAULTS, f"checkpoint.dir={run_dir}", *overrides])
     code = run(cfg)
@@ -33,11 +33,11 @@ def standalone(cfg, num_jobs: int = 24, threads: int = 1) -> float:
     """Tokens/s of one drafter replica stepping alone on precomputed batches of epoch 0."""
     from transformers import AutoModelForCausalLM
 
-    from app.batching import job_hidden_batch
-    from app.drafter_build import build_or_load_drafter
+    from app.data.batching import job_hidden_batch
+    from app.model.build import build_or_load_drafter
     from app.model.loss import TrainBatch
-    from app.run_setup import plan_run
-    from app.trainer import DrafterTrainer
+    from app.run.plan import plan_run
+    from app.training.trainer import DrafterTrainer
 
     torch.set_num_threads(threads)
     plan = plan_run(cfg, on_gpu=False)

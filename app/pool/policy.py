@@ -28,9 +28,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from app.config import PoolConfig
+from app.config.schema import PoolConfig
 from app.messages import Drained, EndOfStream, ItemMeta, JobSpec, PulledItem
-from app.pool_stats import PoolStats, WaitStats
+from app.pool.stats import PoolStats, WaitStats
 
 PULL_POLICIES = ("fair", "random")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from app.config import Config, LoggingConfig
+from app.config.schema import Config, LoggingConfig
 
 
 class WandbLogger:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from app.config import TINY_TARGET, Config, TinyConfig
+from app.config.schema import TINY_TARGET, Config, TinyConfig
 
 # Bump when the builder changes what it writes, so old caches are not reused.
 BUILD_VERSION = 3  # 3: the target is trained on a Markov chain before it generates the data
@@ -236,7 +236,7 @@ def _build(tiny: TinyConfig, root: Path) -> None:
         tokenizer = build_tokenizer(tiny.vocab_size)
         model = build_model(tiny, tokenizer)
         if tiny.lm_steps:
-            from app.tiny_train import markov_chain, train_on_chain
+            from app.tiny.train import markov_chain, train_on_chain
 
             chain = markov_chain(tiny, tiny.vocab_size - word_offset())
             losses = train_on_chain(model, tokenizer, chain, tiny, word_offset())
@@ -253,7 +253,7 @@ def _build(tiny: TinyConfig, root: Path) -> None:
 
 def _write_data(tiny: TinyConfig, root: Path, model, tokenizer) -> None:
     """train.jsonl (random prompts + the target's greedy responses) and eval_prompts.jsonl."""
-    from app.generate import greedy_generate
+    from app.data.generate import greedy_generate
 
     rng = np.random.default_rng([tiny.seed, 1])
     words = synthetic_words(tiny.vocab_size - word_offset())

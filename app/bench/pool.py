@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from app.config import PoolConfig
+from app.config.schema import PoolConfig
 from app.messages import EndOfStream, HiddenBatch, ItemMeta, JobSpec, PulledItem
 
 

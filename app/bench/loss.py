@@ -46,7 +46,7 @@ def _worker(mode: str, rows: int, vocab: int, hidden: int, chunk: int) -> dict:
 
 
 def _run(mode: str, args) -> dict:
-    cmd = [sys.executable, "-m", "app.bench_loss", "--worker", mode, "--rows", str(args.rows), "--vocab",
+    cmd = [sys.executable, "-m", "app.bench.loss", "--worker", mode, "--rows", str(args.rows), "--vocab",
            str(args.vocab), "--hidden", str(args.hidden), "--chunk", str(args.chunk)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode != 0:

@@ -9,10 +9,10 @@ import threading
 import time
 from pathlib import Path
 
-from app.config import Config
-from app.config_checks import check_resources
-from app.config_load import ConfigError
-from app.status import RunMonitor
+from app.config.schema import Config
+from app.config.checks import check_resources
+from app.config.load import ConfigError
+from app.run.monitor import RunMonitor
 
 
 def log(msg: str) -> None:
@@ -21,7 +21,7 @@ def log(msg: str) -> None:
 
 def run(cfg: Config) -> int:
     """Run (or resume) training; returns the process exit code."""
-    from app.supervisor import RunFailed
+    from app.run.supervisor import RunFailed
 
     try:
         use_gpu = connect(cfg)
@@ -43,7 +43,7 @@ def connect(cfg: Config) -> bool:
     """Join the cluster in RAY_ADDRESS (what `ray job submit` sets) or start a local one; check resources."""
     import ray
 
-    from app.topology import uses_gpu
+    from app.run.topology import uses_gpu
 
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS") or None
@@ -58,7 +58,7 @@ def connect(cfg: Config) -> bool:
 
 
 def make_plan(cfg: Config, use_gpu: bool):
-    from app.run_setup import plan_run
+    from app.run.plan import plan_run
 
     t0 = time.monotonic()
     plan = plan_run(cfg, use_gpu)
@@ -98,10 +98,10 @@ def install_stop_handler():
 
 
 def supervise(plan, use_gpu: bool, stop: threading.Event) -> int:
-    from app.run_setup import run_name
-    from app.supervisor import Supervisor
-    from app.topology import Topology, plan_bundles
-    from app.wandb_log import WandbLogger
+    from app.run.plan import run_name
+    from app.run.supervisor import Supervisor
+    from app.run.topology import Topology, plan_bundles
+    from app.run.wandb_log import WandbLogger
 
     cfg = plan.cfg
     name = run_name(cfg)

@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from app.config import PoolConfig
+from app.config.schema import PoolConfig
 from app.messages import EndOfStream, HiddenBatch, ItemMeta, JobSpec, PulledItem
 
 TOKENS = [256, 512, 1024, 1536, 2048, 3072]  # per job, by bucket

@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import torch
 
-from app.config import DrafterConfig
+from app.config.schema import DrafterConfig
 
 
 def build_or_load_drafter(model_dir: str, drafter_dir: str | None, drafter_cfg: DrafterConfig, layer_ids: list[int],
@@ -17,7 +17,7 @@ def build_or_load_drafter(model_dir: str, drafter_dir: str | None, drafter_cfg: 
     Training passes float32: AdamW updates of ~lr vanish against bf16 weights near 1 (norms)."""
     from transformers import AutoConfig
 
-    from app.export import load_drafter
+    from app.model.export import load_drafter
     from app.model.arch import DrafterArch
     from app.model.drafter import DFlashDrafter
     from app.model.target_head import TargetHead

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
-from app.checkpoint import latest_checkpoint, read_extra, read_ledger
-from app.config import Config
-from app.config_checks import (TargetInfo, check_target, read_target_info, resolved_layer_ids,
+from app.training.checkpoint import latest_checkpoint, read_extra, read_ledger
+from app.config.schema import Config
+from app.config.checks import (TargetInfo, check_target, read_target_info, resolved_layer_ids,
                                resolved_mask_token_id)
-from app.config_load import ConfigError
+from app.config.load import ConfigError
 from app.messages import JobSpec
 
 
@@ -28,7 +28,7 @@ class RunPlan:
     info: TargetInfo
     layer_ids: list[int]
     mask_token_id: int
-    dataset: object  # app.data.TokenizedDataset
+    dataset: object  # app.data.dataset.TokenizedDataset
     data_summary: dict
     jobs: list[JobSpec]  # every epoch, in schedule order
     eval_prompts: list[list[int]]
@@ -54,9 +54,9 @@ def plan_run(cfg: Config, on_gpu: bool) -> RunPlan:
     """Resolve the target, check the config against it, tokenize, schedule and find the resume point."""
     from transformers import AutoTokenizer
 
-    from app.data import load_dataset, load_eval_prompts
-    from app.schedule import build_schedule
-    from app.tiny import resolve_target
+    from app.data.dataset import load_dataset, load_eval_prompts
+    from app.data.schedule import build_schedule
+    from app.tiny.build import resolve_target
 
     target = resolve_target(cfg)
     info = read_target_info(target.model_dir)

@@ -16,12 +16,12 @@ import re
 
 import numpy as np
 
+from app.data.records import MalformedRecord
+
 _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 def _malformed(msg: str) -> Exception:
-    from app.data import MalformedRecord
-
     return MalformedRecord(msg)
 
 

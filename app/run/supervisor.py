@@ -17,9 +17,9 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from app.run_setup import RunPlan
-from app.status import RunMonitor
-from app.topology import Topology
+from app.run.plan import RunPlan
+from app.run.monitor import RunMonitor
+from app.run.topology import Topology
 
 
 START_TIMEOUT_S = 600.0  # loading a large target or building the drafter group; beyond it something is wrong
@@ -145,7 +145,7 @@ class Supervisor:
         try:
             return ray.get(method.remote(*args), timeout=60)
         except (RayActorError, ray.exceptions.GetTimeoutError) as exc:
-            from app.checkpoint import latest_checkpoint
+            from app.training.checkpoint import latest_checkpoint
 
             ckpt = latest_checkpoint(self.cfg.checkpoint.dir)
             raise RunFailed(
@@ -235,7 +235,7 @@ class Supervisor:
     def _restart_drafters(self, reason: str) -> None:
         import ray
 
-        from app.checkpoint import latest_checkpoint, read_ledger
+        from app.training.checkpoint import latest_checkpoint, read_ledger
 
         used, budget = self.outcome.restarts["drafter_group"], self.sup.max_restarts_drafter_group
         for d in self.drafters:

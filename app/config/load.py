@@ -15,7 +15,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from app.config import TINY_TARGET, Config
+from app.config.schema import TINY_TARGET, Config
 
 CHOICES = {
     "model.dtype": ("bfloat16", "float16", "float32"),

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from app.config import DataConfig
+from app.config.schema import DataConfig
 from app.messages import JobSpec, make_job_id
 
 # Sequences sorted together before packing, in units of one job's worth of sequences.

@@ -9,10 +9,10 @@ import importlib
 import sys
 
 BENCHES = {
-    "pool": ("app.bench_pool", "put+pull pairs/s: pool actor vs ray.util.queue.Queue"),
-    "sched": ("app.bench_sched", "fair pool vs per-drafter queues vs random pulls (busy, mixing)"),
-    "e2e": ("app.bench_e2e", "end-to-end training throughput"),
-    "loss": ("app.bench_loss", "DFlash loss kernels"),
+    "pool": ("app.bench.pool", "put+pull pairs/s: pool actor vs ray.util.queue.Queue"),
+    "sched": ("app.bench.sched", "fair pool vs per-drafter queues vs random pulls (busy, mixing)"),
+    "e2e": ("app.bench.e2e", "end-to-end training throughput"),
+    "loss": ("app.bench.loss", "DFlash loss kernels"),
 }
 
 

@@ -15,7 +15,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from app.config import DrafterConfig, TrainConfig, default_gamma
+from app.config.schema import DrafterConfig, TrainConfig, default_gamma
 
 # Layout of the statistics that ride along with the gradients in the step's all-reduce.
 _STATS = ("weight_sum", "loss_sum", "correct_sum", "topk_correct_sum", "tokens", "accept_len_sum", "num_blocks",

@@ -8,7 +8,7 @@ Formats (per record with `data.format: auto`):
 
 The loss mask covers the tokens of every assistant turn (content and end-of-turn token), nothing
 else. Templates with `{% generation %}` markers use HF's assistant mask; others derive the spans by
-rendering conversation prefixes (see `app/chat_mask.py`).
+rendering conversation prefixes (see `app/data/chat_mask.py`).
 """
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from app.chat_mask import tokenize_conversation
-from app.config import DataConfig
+from app.data.chat_mask import tokenize_conversation
+from app.data.records import MalformedRecord
+from app.config.schema import DataConfig
 
 DROP_REASONS = ("too_few_loss_tokens", "overlong", "malformed")
 
@@ -39,10 +40,6 @@ SHAREGPT_ROLES = {
     "observation": "tool",
 }
 FORMATS = ("auto", "openai", "sharegpt", "tokenized")
-
-
-class MalformedRecord(Exception):
-    """A record that cannot be turned into tokens; the reader names file and line."""
 
 
 @dataclass
@@ -284,7 +281,7 @@ def load_eval_prompts(path: str, tokenizer, enable_thinking: bool = False) -> li
     Lines are `{"messages": [...]}` (trailing assistant turns are dropped: the prompt ends where the
     response would start), `{"conversations": [...]}` (ShareGPT) or `{"prompt": "text"}` (one user turn).
     """
-    from app.chat_mask import render
+    from app.data.chat_mask import render
 
     prompts = []
     for line_no, rec in iter_records(path):

@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m app.bench NAME`; each ends with one RESULT line."""

@@ -1,0 +1,1 @@
+"""Configuration: the typed schema (schema.py), the YAML/CLI loader (load.py), checks against the target and cluster (checks.py)."""

@@ -1,0 +1,1 @@
+"""One drafter replica's training step and its checkpoints."""
