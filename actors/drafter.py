@@ -2,8 +2,9 @@
 
 Each replica pulls its own micro-batches from the pool (prefetching the next pull while it computes),
 and every `train.grad_accum` micro-batches joins the step's single all-reduce (`app/training/trainer.py`).
-Rank 0 then acks the step's jobs of every rank to the pool, so the ledger it checkpoints is exactly
-the set of jobs inside the weights it saves. A rank that runs dry joins with zeros until all are dry.
+After the optimizer step every rank acks its own jobs to the pool, and the ranks all-gather the step's
+job ids into the ledger rank 0 checkpoints, so that ledger is exactly the set of jobs inside the saved
+weights. A rank that runs dry joins with zeros until all are dry.
 """
 from __future__ import annotations
 
@@ -92,7 +93,7 @@ class DrafterActor:
 
     def __init__(self, rank: int, setup: DrafterSetup, pool) -> None:
         limit_threads(setup.num_cpus)
-        self.rank, self.s, self.pool = rank, setup, pool
+        self.rank, self.cfg, self.pool = rank, setup, pool
         self.device = pick_device(setup.device)
         self.dtype = compute_dtype(setup.dtype, self.device)
 
@@ -116,17 +117,17 @@ class DrafterActor:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
-                                rank=self.rank, world_size=self.s.world_size)
+                                rank=self.rank, world_size=self.cfg.world_size)
         drafter, head, self.arch = build_or_load_drafter(
-            self.s.model_dir, None, self.s.drafter, self.s.layer_ids, self.s.mask_token_id,
-            self.device, self.dtype, self.s.train.seed, param_dtype=torch.float32)
-        self.trainer = DrafterTrainer(drafter, head, self.s.drafter, self.s.train, self.s.total_steps,
+            self.cfg.model_dir, None, self.cfg.drafter, self.cfg.layer_ids, self.cfg.mask_token_id,
+            self.device, self.dtype, self.cfg.train.seed, param_dtype=torch.float32)
+        self.trainer = DrafterTrainer(drafter, head, self.cfg.drafter, self.cfg.train, self.cfg.total_steps,
                                       self.device, reducer=lambda flat: dist.all_reduce(flat),
                                       autocast=self.dtype if self.dtype != torch.float32 else None)
         self.ledger: set[int] = set()
         self.epoch = 0
-        if self.s.resume_from:
-            self._restore(self.s.resume_from)
+        if self.cfg.resume_from:
+            self._restore(self.cfg.resume_from)
         for p in drafter.parameters():  # start identical on every rank, whatever the init did
             dist.broadcast(p.data, src=0)
         return self.trainer.step
@@ -153,7 +154,7 @@ class DrafterActor:
             job_ids, wait_s, eos = self._accumulate(fetch, eos)
             stop = self.rank == 0 and bool(ray.get(self.pool.stop_requested.remote()))
             stats = self.trainer.finish_step(stop_requested=stop, eos=eos)
-            if stats.eos_ranks == self.s.world_size:
+            if stats.eos_ranks == self.cfg.world_size:
                 break  # every rank's stream is over
             if stats.active_ranks == 0 and not stats.stop:
                 time.sleep(0.05)  # all ranks drained while leases elsewhere await acks: pull again
@@ -161,14 +162,14 @@ class DrafterActor:
             self._maybe_crash(stats.step)
             if job_ids:  # after the optimizer step: a crash before this re-issues the jobs
                 ray.get(self.pool.ack.remote(self.rank, job_ids))
-            gathered: list[list[int]] = [[] for _ in range(self.s.world_size)]
+            gathered: list[list[int]] = [[] for _ in range(self.cfg.world_size)]
             dist.all_gather_object(gathered, job_ids)
             self.ledger.update(j for ids in gathered for j in ids)
             self._report(stats, job_ids, wait_s, time.perf_counter() - t_step)
             if stats.stop:
                 stopped = True
                 break
-            if self.rank == 0 and self.trainer.step % self.s.checkpoint.every_steps == 0:
+            if self.rank == 0 and self.trainer.step % self.cfg.checkpoint.every_steps == 0:
                 last_ckpt = self.save()
         if self.rank == 0:
             last_ckpt = self.save()
@@ -181,7 +182,7 @@ class DrafterActor:
 
         job_ids: list[int] = []
         wait_s = 0.0
-        for _ in range(self.s.train.grad_accum):
+        for _ in range(self.cfg.train.grad_accum):
             if eos:
                 break
             item, payload, waited = fetch.next()
@@ -199,8 +200,8 @@ class DrafterActor:
 
     def _maybe_crash(self, step: int) -> None:
         # After the step's update but before its ack: the jobs are trained and not yet in the ledger.
-        if self.rank == 0 and step == self.s.faults.kill_drafter_at_step and fire_once(
-                self.s.checkpoint.dir, "kill_drafter"):
+        if self.rank == 0 and step == self.cfg.faults.kill_drafter_at_step and fire_once(
+                self.cfg.checkpoint.dir, "kill_drafter"):
             os._exit(1)
 
     def _report(self, stats, job_ids: list[int], wait_s: float, step_s: float) -> None:
@@ -218,13 +219,13 @@ class DrafterActor:
         state = TrainState(step=t.step, epoch=self.epoch, ledger=sorted(self.ledger),
                            drafter=t.drafter.state_dict(), optimizer=t.optimizer.state_dict(),
                            scheduler=t.scheduler.state_dict(), rng=rng_state(),
-                           extra={"data_fingerprint": self.s.data_fingerprint})
-        return str(save_checkpoint(self.s.checkpoint.dir, state, self.s.checkpoint.keep))
+                           extra={"data_fingerprint": self.cfg.data_fingerprint})
+        return str(save_checkpoint(self.cfg.checkpoint.dir, state, self.cfg.checkpoint.keep))
 
     def export(self) -> str:
         from app.model.export import export_drafter
 
-        out = os.path.join(self.s.checkpoint.dir, "drafter")
+        out = os.path.join(self.cfg.checkpoint.dir, "drafter")
         export_drafter(self.trainer.drafter, self.arch, out, dtype=self.dtype)  # engines load bf16 on GPU
         return out
 

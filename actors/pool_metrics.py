@@ -1,4 +1,4 @@
-"""Ray metrics of the pool actor (names in app/pool/metric_names.py; DESIGN section 4).
+"""Ray metrics of the pool actor (names in app/pool/metric_names.py).
 
 Every metric carries the tag `run`. Gauges are re-set on every tick (the pool calls `tick` every
 pool.metrics_every_s seconds) because Ray drops gauges that are not refreshed. Counters are fed

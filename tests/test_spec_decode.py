@@ -48,7 +48,7 @@ def _oracle(model, correct: int):
         # context holds the features of every position before the anchor: recover the ids.
         ids = draft.ids[: context.shape[0] + 1]
         assert ids[-1] == anchor_token
-        cont = sd.greedy_generate(model, ids, block_size - 1, use_cache=False)
+        cont = sd.greedy_reference(model, ids, block_size - 1, use_cache=False)
         return cont[:correct] + [(t + 1) % 128 for t in cont[correct:]]
 
     return draft
@@ -58,8 +58,8 @@ def _oracle(model, correct: int):
 def test_forced_drafts_are_accepted_exactly(target, monkeypatch, correct, tau):
     model, head, _ = target
     prompt = PROMPTS[0]
-    ref = sd.greedy_generate(model, prompt, 21)
-    assert ref == sd.greedy_generate(model, prompt, 21, use_cache=False)
+    ref = sd.greedy_reference(model, prompt, 21)
+    assert ref == sd.greedy_reference(model, prompt, 21, use_cache=False)
     oracle = _oracle(model, correct)
     oracle.ids = prompt + ref
     monkeypatch.setattr(sd, "draft_block", oracle)
@@ -70,10 +70,10 @@ def test_forced_drafts_are_accepted_exactly(target, monkeypatch, correct, tau):
 
 def test_stops_at_eos(target):
     model, head, _ = target
-    ref = sd.greedy_generate(model, PROMPTS[0], 30)
+    ref = sd.greedy_reference(model, PROMPTS[0], 30)
     eos = ref[5]
     want = ref[: ref.index(eos) + 1]
-    assert sd.greedy_generate(model, PROMPTS[0], 30, eos) == want
+    assert sd.greedy_reference(model, PROMPTS[0], 30, eos) == want
     assert sd.spec_generate(model, _drafter(model), head, PROMPTS[0], 30, LAYERS, B, eos).tokens == want
 
 
@@ -86,7 +86,7 @@ def test_trained_drafter_is_accepted_and_still_matches_greedy(target):
     other cues; the mask tests catch it.)
     """
     model, head, _ = target
-    seqs = [p + sd.greedy_generate(model, p, 40) for p in PROMPTS]
+    seqs = [p + sd.greedy_reference(model, p, 40) for p in PROMPTS]
     S = max(map(len, seqs))
     ids = torch.zeros(len(seqs), S, dtype=torch.long)
     mask = torch.zeros(len(seqs), S)

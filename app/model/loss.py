@@ -148,7 +148,7 @@ def dflash_loss(
     generator: torch.Generator | None = None,
     topk: int = 0,
 ) -> LossOutput:
-    """Weighted CE of the drafter's block predictions (DESIGN section 3), as sums."""
+    """Weighted CE of the drafter's block predictions, as sums."""
     arch = getattr(drafter, "module", drafter).arch  # DDP wraps the module
     B = block_size
     gamma = gamma or default_gamma(B)

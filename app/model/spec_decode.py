@@ -88,9 +88,10 @@ class _TargetRunner:
 
 
 @torch.no_grad()
-def greedy_generate(target_model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None,
+def greedy_reference(target_model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None,
                     use_cache: bool = True) -> list[int]:
-    """Plain greedy decoding, one target forward per token (the reference for spec_generate)."""
+    """Plain greedy decoding of one prompt, one target forward per token: the reference spec_generate
+    must equal (batched generation for data regeneration is app/data/generate.py)."""
     runner = _TargetRunner(target_model, None, use_cache)
     ids = list(prompt_ids)
     new: list[int] = []
@@ -131,7 +132,7 @@ def spec_generate(
     eos_token_id: int | None = None,
     use_cache: bool = True,
 ) -> SpecResult:
-    """Greedy speculative decoding; the tokens equal `greedy_generate`'s."""
+    """Greedy speculative decoding; the tokens equal `greedy_reference`'s."""
     if not prompt_ids:
         raise ValueError("prompt_ids is empty; speculative decoding needs at least one prompt token")
     runner = _TargetRunner(target_model, list(layer_ids), use_cache)
@@ -186,7 +187,7 @@ def measure_tau(
                             use_cache)
         t1 = time.perf_counter()
         if baseline:
-            same &= res.tokens == greedy_generate(target_model, prompt, max_new_tokens, eos_token_id, use_cache)
+            same &= res.tokens == greedy_reference(target_model, prompt, max_new_tokens, eos_token_id, use_cache)
         spec_s += t1 - t0
         greedy_s += time.perf_counter() - t1
         new_tokens += len(res.tokens)

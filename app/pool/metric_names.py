@@ -1,4 +1,4 @@
-"""The Ray metric names this application exports (DESIGN section 4), in one place.
+"""The Ray metric names this application exports, in one place.
 
 Ray's Prometheus exporter prefixes each with `ray_`; histograms add `_bucket`/`_sum`/`_count`.
 The Grafana dashboard test checks its queries against this list.

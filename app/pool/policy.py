@@ -1,4 +1,4 @@
-"""The hidden-state pool's policy: a plain class, no Ray (DESIGN sections 1 and 2).
+"""The hidden-state pool's policy: a plain class, no Ray.
 
 `HSPool` holds the job queue shared by all targets, the produced items per length bucket, the
 leases of pulled items and the ledger of acked jobs. `actors/hs_pool.py` wraps it in an async

@@ -82,7 +82,7 @@ class Supervisor:
         try:  # surface load errors here, not inside the pool
             ray.get([h.ping.remote() for h in handles.values()], timeout=START_TIMEOUT_S)
         except (RayError, GetTimeoutError) as exc:
-            raise RunFailed(f"TargetActor {ids} failed to start ({_first_line(exc)}); check model.target="
+            raise RunFailed(f"TargetActor {ids} failed to start ({_last_line(exc)}); check model.target="
                             f"{self.cfg.model.target!r} and the topology's resources") from None
         for i, handle in handles.items():
             self.targets[i] = handle
@@ -109,7 +109,7 @@ class Supervisor:
             addr, port = ray.get(self.drafters[0].address.remote(), timeout=START_TIMEOUT_S)
             steps = ray.get([d.setup.remote(addr, port) for d in self.drafters], timeout=START_TIMEOUT_S)
         except (RayError, GetTimeoutError) as exc:
-            raise RunFailed(f"DrafterActor group failed to start ({_first_line(exc)})"
+            raise RunFailed(f"DrafterActor group failed to start ({_last_line(exc)})"
                             + (f" while resuming from {resume_from}" if resume_from else "")) from None
         self.monitor.restart_at(steps[0])
         self.log(f"drafter group of {len(self.drafters)} ready at step {steps[0]}"
@@ -162,7 +162,7 @@ class Supervisor:
         try:
             results = ray.get(ready)
         except RayError as exc:
-            self._restart_drafters(f"drafter crashed: {_first_line(exc)}")
+            self._restart_drafters(f"drafter crashed: {_last_line(exc)}")
             return False
         if len(results) < len(self.run_refs):
             return False
@@ -291,6 +291,8 @@ class Supervisor:
             ray.kill(h, no_restart=True)
 
 
-def _first_line(exc: BaseException) -> str:
+def _last_line(exc: BaseException) -> str:
+    """The last non-empty line of an error: for a Ray task error that is the remote exception itself,
+    below the traceback Ray prepends."""
     lines = [l for l in str(exc).splitlines() if l.strip()]
     return lines[-1][:300] if lines else type(exc).__name__

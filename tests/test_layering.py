@@ -1,0 +1,113 @@
+"""The import graph keeps the layout's layering: walks every import, including function-level ones.
+
+Layers, top to bottom:
+- entry points (`app/train.py`, `prepare`, `regenerate`, `evaluate`), `app/run/`, `app/bench/`: may import
+  anything;
+- `actors/`: thin Ray shells over the layer below; never import `app/run/`, `app/bench/` or entry points;
+- everything else in `app/` (config, data, pool, model, training, tiny and the shared leaves at the top:
+  messages, devices, faults): never imports `actors/` or anything above it.
+No import cycles anywhere.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ENTRY_POINTS = {"app.train", "app.prepare", "app.regenerate", "app.evaluate"}
+TOP_LEVEL_LEAVES = {"app", "app.messages", "app.devices", "app.faults"}
+UPPER_PACKAGES = ("app.run", "app.bench")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def all_modules() -> dict[str, Path]:
+    files = [*sorted((ROOT / "app").rglob("*.py")), *sorted((ROOT / "actors").rglob("*.py"))]
+    return {module_name(p): p for p in files}
+
+
+def resolve(name: str, modules: dict[str, Path]) -> str | None:
+    """The longest project module that `name` (a module or `module.attribute`) refers to."""
+    while name:
+        if name in modules:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        for n in names:
+            if n.split(".")[0] in ("app", "actors") and (target := resolve(n, modules)):
+                found.add(target)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    modules = all_modules()
+    return {m: imports_of(p, modules) - {m} for m, p in modules.items()}
+
+
+def layer(mod: str) -> int:
+    """2 = entry/run/bench, 1 = actors, 0 = the rest."""
+    if mod in ENTRY_POINTS or mod.startswith(UPPER_PACKAGES):
+        return 2
+    return 1 if mod.startswith("actors") else 0
+
+
+def test_no_module_imports_a_higher_layer():
+    bad = [f"{m} -> {t}" for m, targets in graph().items() for t in targets if layer(t) > layer(m)]
+    assert bad == []
+
+
+def test_only_run_bench_and_entry_points_import_actors():
+    bad = [f"{m} -> {t}" for m, ts in graph().items() for t in ts
+           if t.startswith("actors") and not m.startswith("actors") and layer(m) != 2]
+    assert bad == []
+
+
+def test_no_import_cycles():
+    g = graph()
+    cycles = []
+    state: dict[str, int] = {}  # 1 = on the stack, 2 = done
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        for t in sorted(g[m]):
+            if state.get(t) == 1:
+                cycles.append(" -> ".join(stack[stack.index(t):] + [t]))
+            elif t not in state:
+                visit(t, stack + [t])
+        state[m] = 2
+
+    for m in sorted(g):
+        if m not in state:
+            visit(m, [m])
+    assert cycles == []
+
+
+def test_app_top_level_holds_only_entry_points_and_shared_leaves():
+    top = {module_name(p) for p in (ROOT / "app").glob("*.py")}
+    assert top <= ENTRY_POINTS | TOP_LEVEL_LEAVES, sorted(top - ENTRY_POINTS - TOP_LEVEL_LEAVES)
+    leaves = graph()
+    assert all(not leaves[m] for m in TOP_LEVEL_LEAVES if m in leaves), {m: leaves[m] for m in TOP_LEVEL_LEAVES}
+
+
+def test_the_walker_sees_function_level_imports_and_cycles(tmp_path):
+    """The checks above can fail: a function-level import is found and resolved to its module."""
+    p = tmp_path / "m.py"
+    p.write_text("def f():\n    from actors.drafter import DrafterActor\n    from app.pool import metric_names\n")
+    found = imports_of(p, all_modules())
+    assert found == {"actors.drafter", "app.pool.metric_names"}
