@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository root (app/bench/e2e.py)
 DEFAULTS = ["train.epochs=2", "eval.num_prompts=2", "eval.max_new_tokens=16", "logging.status_every_s=5"]
 
 
