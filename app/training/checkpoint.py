@@ -3,13 +3,14 @@
 Layout of `<dir>/ckpt-<step>/`: `drafter.safetensors` (weights), `trainer.pt` (optimizer, scheduler,
 RNG states), `state.json` (step, epoch, ledger of acked job ids, extra counters). A checkpoint is
 written into a temp folder and renamed into place, so a crash mid-write never leaves a half
-checkpoint that resume would pick up.
+checkpoint that resume would pick up. `<dir>` may also be a URI (`s3://...`): then the files go under
+a fresh prefix and a marker written last publishes them (`app/training/storage.py`); only marked
+checkpoints are listed, and a checkpoint's location is then a URI string instead of a `Path`.
 """
 from __future__ import annotations
 
 import json
 import random
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+
+from app.training.storage import fetch_dir, is_uri, open_storage, read_text
 
 PREFIX = "ckpt-"
 
@@ -46,61 +49,69 @@ def restore_rng(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def save_checkpoint(root: str | Path, state: TrainState, keep: int) -> Path:
+def save_checkpoint(root: str | Path, state: TrainState, keep: int) -> Path | str:
     """Write `state` atomically as `<root>/ckpt-<step>` and keep only the newest `keep`."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{PREFIX}{state.step:08d}"
-    tmp = root / f".tmp-{final.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    store = open_storage(root)
+    name = f"{PREFIX}{state.step:08d}"
+    tmp = store.stage(name)
     weights = {k: v.detach().contiguous().cpu() for k, v in state.drafter.items()}
     save_file(weights, str(tmp / "drafter.safetensors"))
     torch.save({"optimizer": state.optimizer, "scheduler": state.scheduler, "rng": state.rng}, tmp / "trainer.pt")
     meta = {"step": state.step, "epoch": state.epoch, "ledger": sorted(state.ledger), "extra": state.extra}
     (tmp / "state.json").write_text(json.dumps(meta))
-    old = root / f".old-{final.name}"
-    if final.exists():  # same step written twice (e.g. a stop right after a periodic save)
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)  # set aside, not deleted, until the new one is in place
-    tmp.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
+    final = store.publish(tmp, name)
     _prune(root, keep)
-    return final
+    return final if is_uri(root) else Path(final)
 
 
-def _prune(root: Path, keep: int) -> None:
+def _prune(root: str | Path, keep: int) -> None:
+    store = open_storage(root)
     for old in list_checkpoints(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        store.delete(old.name)
 
 
-def list_checkpoints(root: str | Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / "state.json").is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+class RemoteCheckpoint(str):
+    """A checkpoint's URI (`str`), with `.name` (`ckpt-<step>`) like a local checkpoint's `Path`."""
+
+    name: str
+
+    def __new__(cls, location: str, name: str) -> "RemoteCheckpoint":
+        obj = super().__new__(cls, location)
+        obj.name = name
+        return obj
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
+def list_checkpoints(root: str | Path) -> list[Path | RemoteCheckpoint]:
+    """Complete checkpoints, oldest first (local: folders holding state.json; URI: marked ones)."""
+    def step(name: str) -> int:
+        return int(name[len(PREFIX):])
+
+    entries = [e for e in open_storage(root).entries(PREFIX) if e.name[len(PREFIX):].isdigit()]
+    if is_uri(root):
+        return [RemoteCheckpoint(e.location, e.name) for e in sorted(entries, key=lambda e: step(e.name))]
+    found = [Path(e.location) for e in entries if (Path(e.location) / "state.json").is_file()]
+    return sorted(found, key=lambda p: step(p.name))
+
+
+def latest_checkpoint(root: str | Path) -> Path | RemoteCheckpoint | None:
     found = list_checkpoints(root)
     return found[-1] if found else None
 
 
 def read_extra(path: str | Path) -> dict[str, Any]:
     """The `extra` entries saved with a checkpoint (e.g. the data fingerprint)."""
-    return json.loads((Path(path) / "state.json").read_text()).get("extra", {})
+    return json.loads(read_text(path, "state.json")).get("extra", {})
 
 
 def read_ledger(path: str | Path) -> tuple[int, int, list[int]]:
     """(step, epoch, ledger) of a checkpoint, without loading tensors (the driver needs only these)."""
-    meta = json.loads((Path(path) / "state.json").read_text())
+    meta = json.loads(read_text(path, "state.json"))
     return int(meta["step"]), int(meta["epoch"]), [int(j) for j in meta["ledger"]]
 
 
 def load_checkpoint(path: str | Path, map_location: str = "cpu") -> TrainState:
-    path = Path(path)
+    """The full state of a checkpoint (a URI's files are downloaded to a local cache first)."""
+    path = fetch_dir(path)
     meta = json.loads((path / "state.json").read_text())
     trainer = torch.load(path / "trainer.pt", map_location=map_location, weights_only=False)
     return TrainState(

@@ -1,0 +1,264 @@
+"""Where checkpoints, the export and the summary go: a local folder or a URI that `pyarrow.fs` opens.
+
+`open_storage(root)` gives a `Storage` over `checkpoint.dir`. A plain path (no `://`) is a local
+folder and keeps the behaviour checkpoints always had: stage in `<root>/.tmp-<name>/`, rename into
+place. Anything else (`s3://bucket/run?endpoint_override=host:port&scheme=http`, `gs://...`,
+`file:///...`) goes through `pyarrow.fs.FileSystem.from_uri`. Object stores have no atomic rename, so
+there an entry is published with a marker instead:
+
+    <root>/<name>/v-<nonce>/...files...     written first, under a fresh prefix nobody reads yet
+    <root>/<name>/COMMITTED                  written last; its content names the live v-<nonce>
+
+A reader trusts only entries whose marker exists, and reads the version the marker names. A single
+object PUT is atomic, so the marker flips from the old version to the new in one step: a crash at any
+point leaves either the old entry, the new one, or (for a first write) nothing readers would pick.
+Deleting unpublishes first (marker, then data), so a half-deleted entry is never picked either.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+MARKER = "COMMITTED"
+
+
+def is_uri(root: str | Path) -> bool:
+    """True for `scheme://...` roots (object stores, `file://`); False for plain local paths."""
+    return "://" in str(root)
+
+
+def open_storage(root: str | Path) -> "Storage":
+    """The storage for a checkpoint root: `LocalStorage` for a path, `UriStorage` for a URI."""
+    return UriStorage(str(root)) if is_uri(root) else LocalStorage(Path(root))
+
+
+def root_name(root: str | Path) -> str:
+    """The last path component of a root (a run's default name), for paths and URIs alike."""
+    if is_uri(root):
+        path = urlsplit(str(root)).path.rstrip("/")
+        return path.rsplit("/", 1)[-1] or urlsplit(str(root)).hostname or "run"
+    return Path(root).resolve().name
+
+
+def local_cache_dir(root: str | Path) -> Path:
+    """A local folder tied to a root: the root itself when local, else one under the temp dir.
+
+    For what must stay on a local disk even when checkpoints go to object storage (wandb files,
+    fault markers, downloaded checkpoints)."""
+    if not is_uri(root):
+        return Path(root)
+    import hashlib
+
+    digest = hashlib.sha256(str(root).encode()).hexdigest()[:12]
+    path = Path(tempfile.gettempdir()) / f"dflash-{root_name(root)}-{digest}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A published entry: its name under the root and where its files are (a path or a URI)."""
+
+    name: str
+    location: str
+
+
+class Storage:
+    """A checkpoint root. Entries (checkpoints, the export) are folders published atomically."""
+
+    root: str
+
+    def stage(self, name: str) -> Path:
+        """A fresh, empty local folder to write entry `name` into before `publish`."""
+        raise NotImplementedError
+
+    def publish(self, staged: Path, name: str) -> str:
+        """Make the staged folder the entry `name`, atomically; returns its location. Consumes `staged`."""
+        raise NotImplementedError
+
+    def entries(self, prefix: str) -> list[Entry]:
+        """Published entries whose name starts with `prefix` (unordered)."""
+        raise NotImplementedError
+
+    def delete(self, name: str) -> None:
+        """Remove entry `name` (unpublished first, so a crash midway leaves nothing readers pick)."""
+        raise NotImplementedError
+
+    def write_file(self, rel: str, data: bytes) -> str:
+        """Write one file at `<root>/<rel>` (replacing it in one step); returns its location."""
+        raise NotImplementedError
+
+    def read_file(self, rel: str) -> bytes | None:
+        """The bytes of `<root>/<rel>`, or None when it does not exist."""
+        raise NotImplementedError
+
+
+class LocalStorage(Storage):
+    """A local folder: entries staged next to their final place and renamed into it."""
+
+    def __init__(self, root: Path) -> None:
+        self.path = Path(root)
+        self.root = str(root)
+
+    def stage(self, name: str) -> Path:
+        self.path.mkdir(parents=True, exist_ok=True)
+        tmp = self.path / f".tmp-{name}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        return tmp
+
+    def publish(self, staged: Path, name: str) -> str:
+        final, old = self.path / name, self.path / f".old-{name}"
+        if final.exists():  # same entry written twice (e.g. a stop right after a periodic save)
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)  # set aside, not deleted, until the new one is in place
+        staged.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+        return str(final)
+
+    def entries(self, prefix: str) -> list[Entry]:
+        if not self.path.is_dir():
+            return []
+        return [Entry(p.name, str(p)) for p in self.path.iterdir() if p.is_dir() and p.name.startswith(prefix)]
+
+    def delete(self, name: str) -> None:
+        shutil.rmtree(self.path / name, ignore_errors=True)
+
+    def write_file(self, rel: str, data: bytes) -> str:
+        path = self.path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+        return str(path)
+
+    def read_file(self, rel: str) -> bytes | None:
+        path = self.path / rel
+        return path.read_bytes() if path.is_file() else None
+
+
+class UriStorage(Storage):
+    """A `pyarrow.fs` URI (s3://, gs://, file://, ...): entries published by a marker written last."""
+
+    def __init__(self, root: str) -> None:
+        from pyarrow.fs import FileSystem
+
+        self.root = root.rstrip("/") if "?" not in root else root
+        self.fs, base = FileSystem.from_uri(root)
+        self.base = base.rstrip("/")
+
+    # ---- locations ---------------------------------------------------------------------------
+
+    def uri(self, rel: str) -> str:
+        """`<root>/<rel>` as a URI with the root's query (endpoint, scheme, ...) kept at the end."""
+        parts = urlsplit(self.root)
+        return urlunsplit(parts._replace(path=parts.path.rstrip("/") + "/" + rel.strip("/")))
+
+    def _path(self, rel: str) -> str:
+        return f"{self.base}/{rel.strip('/')}" if rel else self.base
+
+    # ---- files -------------------------------------------------------------------------------
+
+    def write_file(self, rel: str, data: bytes) -> str:
+        with self.fs.open_output_stream(self._path(rel)) as out:  # one PUT: readers see old or new
+            out.write(data)
+        return self.uri(rel)
+
+    def read_file(self, rel: str) -> bytes | None:
+        from pyarrow.fs import FileType
+
+        if self.fs.get_file_info(self._path(rel)).type != FileType.File:
+            return None
+        with self.fs.open_input_stream(self._path(rel)) as src:
+            return src.read()
+
+    # ---- entries -----------------------------------------------------------------------------
+
+    def stage(self, name: str) -> Path:
+        return Path(tempfile.mkdtemp(prefix=f"dflash-stage-{name}-"))
+
+    def publish(self, staged: Path, name: str) -> str:
+        version = f"v-{uuid.uuid4().hex[:12]}"
+        try:
+            for file in sorted(p for p in staged.rglob("*") if p.is_file()):
+                self.write_file(f"{name}/{version}/{file.relative_to(staged).as_posix()}", file.read_bytes())
+            self.write_file(f"{name}/{MARKER}", version.encode())  # the commit point
+        finally:
+            shutil.rmtree(staged, ignore_errors=True)
+        self._sweep_versions(name, keep=version)
+        return self.uri(f"{name}/{version}")
+
+    def _sweep_versions(self, name: str, keep: str) -> None:
+        """Drop versions of `name` other than the published one (a rewrite's old data, crashed uploads)."""
+        from pyarrow.fs import FileSelector, FileType
+
+        infos = self.fs.get_file_info(FileSelector(self._path(name), allow_not_found=True))
+        for info in infos:
+            if info.type == FileType.Directory and info.base_name.startswith("v-") and info.base_name != keep:
+                self.fs.delete_dir(info.path)
+
+    def entries(self, prefix: str) -> list[Entry]:
+        from pyarrow.fs import FileSelector, FileType
+
+        found = []
+        for info in self.fs.get_file_info(FileSelector(self.base, allow_not_found=True)):
+            if info.type != FileType.Directory or not info.base_name.startswith(prefix):
+                continue
+            version = self.read_file(f"{info.base_name}/{MARKER}")
+            if version:  # unmarked: still being written, or half deleted
+                found.append(Entry(info.base_name, self.uri(f"{info.base_name}/{version.decode().strip()}")))
+        return found
+
+    def delete(self, name: str) -> None:
+        from pyarrow.fs import FileType
+
+        marker = self._path(f"{name}/{MARKER}")
+        if self.fs.get_file_info(marker).type == FileType.File:
+            self.fs.delete_file(marker)  # unpublish first
+        if self.fs.get_file_info(self._path(name)).type == FileType.Directory:
+            self.fs.delete_dir(self._path(name))
+
+
+def fetch_dir(location: str | Path) -> Path:
+    """A local folder with the files at `location` (a path: itself; a URI: a cached download).
+
+    Published versions never change (a rewrite gets a new version), so a download is reused. Several
+    actors on one node may fetch the same version at once: each downloads into its own folder and
+    renames it into place; the loser of the race drops its copy."""
+    if not is_uri(location):
+        return Path(location)
+    from pyarrow.fs import FileSelector, FileSystem, FileType
+
+    local = local_cache_dir(str(location)) / "files"
+    if local.is_dir():
+        return local
+    fs, base = FileSystem.from_uri(str(location))
+    tmp = Path(tempfile.mkdtemp(prefix=".fetch-", dir=local.parent))
+    for info in fs.get_file_info(FileSelector(base, recursive=True)):
+        if info.type != FileType.File:
+            continue
+        dest = tmp / os.path.relpath(info.path, base)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with fs.open_input_stream(info.path) as src:
+            dest.write_bytes(src.read())
+    try:
+        tmp.rename(local)
+    except OSError:  # another fetch won the race; its copy is complete
+        shutil.rmtree(tmp, ignore_errors=True)
+    return local
+
+
+def read_text(location: str | Path, file: str) -> str:
+    """One text file of an entry (e.g. a checkpoint's state.json) without fetching the rest."""
+    if not is_uri(location):
+        return (Path(location) / file).read_text()
+    from pyarrow.fs import FileSystem
+
+    fs, base = FileSystem.from_uri(str(location))
+    with fs.open_input_stream(f"{base.rstrip('/')}/{file}") as src:
+        return src.read().decode()
