@@ -1,0 +1,42 @@
+"""`python -m app.advise RUN_DIR`: the target/drafter split advice for a finished (or running) run.
+
+RUN_DIR is the run's `checkpoint.dir`. The advice is recomputed from `RUN_DIR/timeline.jsonl` (the
+same numbers the status line used: tokens/s per target while computing, per drafter rank while
+computing); see `app/run/advice.py` for the model behind it.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from app.run.advice import advise_from_timeline
+    from app.run.timeline import FILE_NAME, read_timeline
+
+    p = argparse.ArgumentParser(prog="python -m app.advise", description=__doc__.splitlines()[0])
+    p.add_argument("run_dir", help="the run's checkpoint.dir")
+    args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    rows = read_timeline(args.run_dir)
+    if not rows:
+        print(f"error: no {FILE_NAME} in {args.run_dir}; give the checkpoint.dir of a run started by this "
+              "version of python -m app.train", file=sys.stderr)
+        return 2
+    advice = advise_from_timeline(rows)
+    if advice is None:
+        print(f"error: {args.run_dir}/{FILE_NAME} has no step records and target counters yet; let the run "
+              "train a few steps", file=sys.stderr)
+        return 2
+    print(advice.text() + ("" if advice.stable else " (few samples: a rough estimate)"))
+    print(f"measured: {advice.target_tok_s:.0f} tok/s per target, {advice.drafter_tok_s:.0f} tok/s per drafter rank "
+          f"(while computing); the current {advice.current_targets}/{advice.current_drafters} split is bound by "
+          f"its {advice.bound_now}")
+    print(f"predicted: {advice.current_predicted_tok_s:.0f} tok/s now, {advice.predicted_tok_s:.0f} tok/s advised")
+    print(f"RESULT targets={advice.targets} drafters={advice.drafters} gain={advice.gain:.3f} "
+          f"target_tok_s={advice.target_tok_s:.1f} drafter_tok_s={advice.drafter_tok_s:.1f} "
+          f"stable={int(advice.stable)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
