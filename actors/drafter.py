@@ -13,6 +13,7 @@ import socket
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -223,11 +224,20 @@ class DrafterActor:
         return str(save_checkpoint(self.cfg.checkpoint.dir, state, self.cfg.checkpoint.keep))
 
     def export(self) -> str:
-        from app.model.export import export_drafter
+        """Rank 0: the drafter as an HF folder at `<checkpoint.dir>/drafter` (uploaded when a URI)."""
+        import tempfile
 
-        out = os.path.join(self.cfg.checkpoint.dir, "drafter")
-        export_drafter(self.trainer.drafter, self.arch, out, dtype=self.dtype)  # engines load bf16 on GPU
-        return out
+        from app.model.export import export_drafter
+        from app.training.storage import is_uri, open_storage
+
+        root = self.cfg.checkpoint.dir
+        if not is_uri(root):
+            out = os.path.join(root, "drafter")
+            export_drafter(self.trainer.drafter, self.arch, out, dtype=self.dtype)  # engines load bf16 on GPU
+            return out
+        with tempfile.TemporaryDirectory() as tmp:
+            export_drafter(self.trainer.drafter, self.arch, tmp, dtype=self.dtype)
+            return open_storage(root).upload_dir(Path(tmp), "drafter", last="config.json")
 
     def weights_checksum(self) -> float:
         with torch.no_grad():

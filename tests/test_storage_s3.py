@@ -92,6 +92,21 @@ def test_files_and_names_through_storage(s3, tmp_path: Path) -> None:
     assert root_name(s3.uri("runs/qwen")) == "qwen" and root_name(tmp_path / "x") == "x"
 
 
+def test_export_folder_upload_is_plain_and_config_comes_last(s3, tmp_path: Path) -> None:
+    from app.training.storage import fetch_dir
+
+    local = tmp_path / "export"
+    local.mkdir()
+    (local / "config.json").write_text('{"v": 2}')
+    (local / "model.safetensors").write_bytes(b"weights-2")
+    store = open_storage(s3.uri("export"))
+    store.write_file("drafter/config.json", b'{"v": 1}')  # an older export being replaced
+    location = store.upload_dir(local, "drafter", last="config.json")
+    assert _objects(s3, "export") == ["drafter/config.json", "drafter/model.safetensors"]  # engines' layout
+    fetched = fetch_dir(location, cache=False)
+    assert (fetched / "config.json").read_text() == '{"v": 2}' and (fetched / "model.safetensors").read_bytes() == b"weights-2"
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.cluster
@@ -117,5 +132,5 @@ def test_tiny_run_checkpoints_to_s3_and_resumes_from_it(ray_cluster, s3, tmp_pat
     final = read_ledger(latest_checkpoint(root))[2]
     assert len(final) == len(set(final)) == summary["jobs_scheduled"] and set(ledger1) <= set(final)
     assert summary["tau_trained"] is not None
-    config = json.loads((fetch_dir(f"{root.split('?')[0]}/drafter?{root.split('?')[1]}") / "config.json").read_text())
+    config = json.loads((fetch_dir(open_storage(root).location("drafter"), cache=False) / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"]

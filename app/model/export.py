@@ -103,10 +103,14 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> DrafterArch:
 
 def load_drafter(path: str | Path, device: str | torch.device = "cpu",
                  dtype: torch.dtype | None = None) -> tuple[DFlashDrafter, DrafterArch]:
-    """Rebuild a drafter from an exported folder (strict: every tensor must match by name and shape)."""
+    """Rebuild a drafter from an exported folder (strict: every tensor must match by name and shape).
+
+    `path` may be a URI (`s3://...`, see app/training/storage.py): it is downloaded first."""
     from safetensors.torch import load_file
 
-    path = Path(path)
+    from app.training.storage import fetch_dir
+
+    path = fetch_dir(path, cache=False)  # the export is rewritten in place: never reuse an old copy
     if not (path / "config.json").exists():
         raise ValueError(f"{path} is not an exported drafter: no config.json (use export_drafter)")
     arch = arch_from_hf_config(json.loads((path / "config.json").read_text()))

@@ -159,13 +159,12 @@ def build_summary(plan, sup, monitor: RunMonitor, outcome, tau_u, tau_t, elapsed
     }
 
 
-def write_summary(cfg: Config, summary: dict) -> Path:
-    path = Path(cfg.checkpoint.dir) / "summary.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(summary, indent=2, default=str))
-    tmp.replace(path)
-    return path
+def write_summary(cfg: Config, summary: dict) -> str:
+    """`<checkpoint.dir>/summary.json`, replaced in one step (a local path or a URI)."""
+    from app.training.storage import open_storage
+
+    data = json.dumps(summary, indent=2, default=str).encode()
+    return open_storage(cfg.checkpoint.dir).write_file("summary.json", data)
 
 
 def _fmt(v) -> str:

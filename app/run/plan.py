@@ -126,4 +126,6 @@ def _check_job_fits(cfg: Config, jobs: list[JobSpec]) -> None:
 
 def run_name(cfg: Config) -> str:
     """`logging.run_name`, or the checkpoint folder's name: the `run` label of every metric."""
-    return cfg.logging.run_name or Path(cfg.checkpoint.dir).resolve().name
+    from app.training.storage import root_name
+
+    return cfg.logging.run_name or root_name(cfg.checkpoint.dir)

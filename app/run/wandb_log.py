@@ -16,8 +16,10 @@ class WandbLogger:
             return
         import wandb
 
+        from app.training.storage import local_cache_dir  # wandb writes local files, even for s3:// runs
+
         self.run = wandb.init(project=cfg.wandb_project, name=run_name, id=run_name, resume="allow",
-                              mode=cfg.wandb_mode, config=asdict(full), dir=full.checkpoint.dir)
+                              mode=cfg.wandb_mode, config=asdict(full), dir=str(local_cache_dir(full.checkpoint.dir)))
 
     def log(self, values: dict[str, Any]) -> None:
         if self.run is not None:

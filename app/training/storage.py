@@ -97,6 +97,24 @@ class Storage:
         """The bytes of `<root>/<rel>`, or None when it does not exist."""
         raise NotImplementedError
 
+    def upload_dir(self, local: Path, rel: str, last: str) -> str:
+        """Copy a local folder to `<root>/<rel>/` in place (no versions: the layout stays what readers
+        such as inference engines expect), `last` removed first and written last, so a reader that waits
+        for it never sees a mix of old and new files. Returns the folder's location."""
+        self.remove_file(f"{rel}/{last}")
+        files = sorted(p for p in Path(local).rglob("*") if p.is_file() and p.name != last)
+        for file in [*files, Path(local) / last]:
+            self.write_file(f"{rel}/{file.relative_to(local).as_posix()}", file.read_bytes())
+        return self.location(rel)
+
+    def location(self, rel: str) -> str:
+        """Where `<root>/<rel>` is, as a path or a URI other processes can open."""
+        raise NotImplementedError
+
+    def remove_file(self, rel: str) -> None:
+        """Delete `<root>/<rel>` if it exists."""
+        raise NotImplementedError
+
 
 class LocalStorage(Storage):
     """A local folder: entries staged next to their final place and renamed into it."""
@@ -141,6 +159,12 @@ class LocalStorage(Storage):
         path = self.path / rel
         return path.read_bytes() if path.is_file() else None
 
+    def remove_file(self, rel: str) -> None:
+        (self.path / rel).unlink(missing_ok=True)
+
+    def location(self, rel: str) -> str:
+        return str(self.path / rel)
+
 
 class UriStorage(Storage):
     """A `pyarrow.fs` URI (s3://, gs://, file://, ...): entries published by a marker written last."""
@@ -153,6 +177,9 @@ class UriStorage(Storage):
         self.base = base.rstrip("/")
 
     # ---- locations ---------------------------------------------------------------------------
+
+    def location(self, rel: str) -> str:
+        return self.uri(rel)
 
     def uri(self, rel: str) -> str:
         """`<root>/<rel>` as a URI with the root's query (endpoint, scheme, ...) kept at the end."""
@@ -176,6 +203,12 @@ class UriStorage(Storage):
             return None
         with self.fs.open_input_stream(self._path(rel)) as src:
             return src.read()
+
+    def remove_file(self, rel: str) -> None:
+        from pyarrow.fs import FileType
+
+        if self.fs.get_file_info(self._path(rel)).type == FileType.File:
+            self.fs.delete_file(self._path(rel))
 
     # ---- entries -----------------------------------------------------------------------------
 
@@ -224,18 +257,19 @@ class UriStorage(Storage):
             self.fs.delete_dir(self._path(name))
 
 
-def fetch_dir(location: str | Path) -> Path:
-    """A local folder with the files at `location` (a path: itself; a URI: a cached download).
+def fetch_dir(location: str | Path, cache: bool = True) -> Path:
+    """A local folder with the files at `location` (a path: itself; a URI: a download).
 
-    Published versions never change (a rewrite gets a new version), so a download is reused. Several
-    actors on one node may fetch the same version at once: each downloads into its own folder and
-    renames it into place; the loser of the race drops its copy."""
+    `cache`: published checkpoint versions never change (a rewrite gets a new version), so their
+    download is reused. Several actors on one node may fetch the same version at once: each downloads
+    into its own folder and renames it into place; the loser of the race drops its copy. Folders that
+    are rewritten in place (the export) pass `cache=False` and get a fresh download."""
     if not is_uri(location):
         return Path(location)
     from pyarrow.fs import FileSelector, FileSystem, FileType
 
     local = local_cache_dir(str(location)) / "files"
-    if local.is_dir():
+    if cache and local.is_dir():
         return local
     fs, base = FileSystem.from_uri(str(location))
     tmp = Path(tempfile.mkdtemp(prefix=".fetch-", dir=local.parent))
@@ -246,6 +280,8 @@ def fetch_dir(location: str | Path) -> Path:
         dest.parent.mkdir(parents=True, exist_ok=True)
         with fs.open_input_stream(info.path) as src:
             dest.write_bytes(src.read())
+    if not cache:
+        return tmp
     try:
         tmp.rename(local)
     except OSError:  # another fetch won the race; its copy is complete
