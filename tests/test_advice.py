@@ -133,3 +133,28 @@ def test_resumed_run_adds_each_starts_target_counters(tmp_path):
 def test_cli_without_a_timeline_exits_2(tmp_path, capsys):
     assert advise_main([str(tmp_path)]) == 2
     assert "no timeline.jsonl" in capsys.readouterr().err
+
+
+def test_status_line_carries_advice_and_tau_once_stable(tmp_path):
+    from app.run.monitor import RunMonitor
+
+    clock = SimpleNamespace(t=0.0)
+    mon = RunMonitor(clock=lambda: clock.t)
+    mon.advisor = SplitAdvisor(1, 7, hold_s=10.0, clock=lambda: clock.t)
+    timeline = Timeline(tmp_path, pool_every_s=0.0)
+    mon.listeners += [mon.advisor, timeline]
+    recs = [StepRecord(rank=r, step=s, epoch=0, loss=1.0, weight_sum=1.0, correct=0.5, tokens=100, accept_len=1.0,
+                       compute_s=0.1) for s in range(1, 10) for r in range(7)]
+    mon.add_records(recs)
+    mon.add_pool(_pool({0: 10000}, {0: 10.0}))
+    assert "advice" not in mon.line()  # the split was only just seen
+    clock.t = 11.0
+    mon.add_pool(_pool({0: 11000}, {0: 11.0}))
+    assert "| bottleneck: balanced (advice: 4 targets / 4 drafters (+300% tokens/s))" in mon.line()
+    assert mon.add_tau(20, 2.5) and not mon.add_tau(40, 2.4) and mon.add_tau(60, 3.1)
+    assert "tau 3.10 (best 3.10 @60)" in mon.line() and mon.values()["tau_best"] == 3.1
+    assert mon.split_advice()["text"] == "advice: 4 targets / 4 drafters (+300% tokens/s)"
+    mon.note("target 0 crashed -> restarted")
+    timeline.close()
+    kinds = [r["k"] for r in read_timeline(tmp_path)]
+    assert kinds.count("step") == 63 and kinds.count("pool") == 2 and kinds[-1] == "event"

@@ -70,12 +70,20 @@ class RunMonitor:
         self.first_record_t: float | None = None  # when the first and latest step reports arrived
         self.last_record_t = 0.0
         self.last_pool: PoolStats | None = None
+        # Fed the same records, snapshots and events (the timeline file, the split advisor): objects
+        # with add_records, add_pool and note. `advisor` (a SplitAdvisor) also puts its advice on the line.
+        self.listeners: list = []
+        self.advisor = None
+        self.tau_history: list[tuple[int, float]] = []  # (step, tau) of the evaluations during the run
+        self.tau_best: tuple[int, float] | None = None
 
     def add_records(self, records: list[StepRecord]) -> None:
         if records:
             now = self.clock()
             self.first_record_t = self.first_record_t if self.first_record_t is not None else now
             self.last_record_t = now
+        for listener in self.listeners:
+            listener.add_records(records)
         for rec in records:
             self.train_tokens += rec.tokens
             self.compute_s[rec.rank] = self.compute_s.get(rec.rank, 0.0) + rec.compute_s
@@ -105,6 +113,8 @@ class RunMonitor:
         self._train_rate.add(now, self.train_tokens)
         self._target_rate.add(now, sum(stats.tokens_by_target.values()))
         self.last_pool = stats
+        for listener in self.listeners:
+            listener.add_pool(stats)
 
     def train_tok_s(self) -> float:
         """All replicas' tokens per second over the training phase (first to last step report)."""
@@ -125,6 +135,21 @@ class RunMonitor:
     def note(self, event: str) -> None:
         """A fault seen and what was done about it: shown in the status line and the summary."""
         self.events.append(event)
+        for listener in self.listeners:
+            listener.note(event)
+
+    def add_tau(self, step: int, tau: float) -> bool:
+        """An acceptance length measured during the run; True when it beats every earlier one."""
+        self.tau_history.append((step, tau))
+        best = self.tau_best is None or tau > self.tau_best[1]
+        if best:
+            self.tau_best = (step, tau)
+        return best
+
+    def split_advice(self) -> dict | None:
+        """The advisor's current estimate and the numbers behind it (for summary.json), stable or not."""
+        est = self.advisor.estimate() if self.advisor is not None else None
+        return est.to_dict() if est is not None else None
 
     def values(self) -> dict[str, float | int | str]:
         """The numbers of the status line, for wandb."""
@@ -139,14 +164,18 @@ class RunMonitor:
             "acked": stats.acked if stats else 0, "total_jobs": stats.total_jobs if stats else 0,
             "bottleneck": bottleneck(self.data_wait_share(), stats.buffered if stats else 0,
                                      stats.capacity_items if stats else 0),
+            "advice": advice.text() if (advice := self.advisor and self.advisor.advice()) else "",
+            **({"tau": self.tau_history[-1][1], "tau_best": self.tau_best[1]} if self.tau_best else {}),
         }
 
     def line(self) -> str:
         v = self.values()
         faults = f" | faults={len(self.events)} last: {self.events[-1]}" if self.events else ""
+        advice = f" ({v['advice']})" if v["advice"] else ""
+        tau = f" tau {v['tau']:.2f} (best {self.tau_best[1]:.2f} @{self.tau_best[0]})" if self.tau_best else ""
         return (
             f"step {v['step']} ep {v['epoch']} jobs {v['acked']}/{v['total_jobs']} | loss {v['loss']:.3f} "
-            f"acc {v['accuracy']:.3f} accept_len {v['accept_len']:.2f} | target {v['target_tok_s']:.0f} tok/s "
+            f"acc {v['accuracy']:.3f} accept_len {v['accept_len']:.2f}{tau} | target {v['target_tok_s']:.0f} tok/s "
             f"train {v['train_tok_s']:.0f} tok/s | q_hsb={v['q_hsb']} data_wait {100 * v['data_wait']:.0f}% "
-            f"| bottleneck: {v['bottleneck']}{faults}"
+            f"| bottleneck: {v['bottleneck']}{advice}{faults}"
         )
