@@ -27,6 +27,7 @@ from typing import Any
 from app.config.schema import PoolConfig
 from app.messages import EndOfStream, ItemMeta, JobSpec, PulledItem, StepRecord, TargetFailure
 from app.pool.policy import Drained, HSPool
+from app.pool.pull_policy import PullPolicy
 from app.pool.stats import PoolStats
 
 log = logging.getLogger(__name__)
@@ -50,11 +51,10 @@ class HSPoolActor:
         pool_cfg: PoolConfig,
         num_buckets: int,
         run_name: str,
-        pull_policy: str = "fair",
-        trace_pulls: bool = False,
+        pull_policy: str | PullPolicy = "round_robin",
     ) -> None:
         self._cfg = pool_cfg
-        self._pool = HSPool(pool_cfg, num_buckets, pull_policy=pull_policy, trace_pulls=trace_pulls)
+        self._pool = HSPool(pool_cfg, num_buckets, pull_policy=pull_policy)
         self._run_name = run_name
         self._targets: dict[int, Any] = {}
         self._failures: list[TargetFailure] = []
@@ -218,9 +218,9 @@ class HSPoolActor:
         out, self._undrained = self._undrained, []
         return out
 
-    async def pull_trace(self) -> list[tuple[int, int, int]]:
-        """(drafter, bucket, bitmask of non-empty buckets before the pull) per pull; trace_pulls=True."""
-        return list(self._pool.pull_trace or [])
+    async def pull_policy(self) -> PullPolicy:
+        """The pull policy object as it is now (benches read what their own policies recorded)."""
+        return self._pool.policy
 
     async def stats(self) -> PoolStats:
         return self._stats()

@@ -89,7 +89,7 @@ class BenchConsumer:
 def run_pool(ray, n: int, prods: list, cons: list, floats: int, buckets: int, batch: int = 4) -> float:
     from actors.hs_pool import HSPoolActor, pool_max_concurrency
 
-    cfg = PoolConfig(capacity=64, min_ready=0, jobs_in_flight_per_target=4, metrics_every_s=5.0)
+    cfg = PoolConfig(capacity=64, min_ready=1, jobs_in_flight_per_target=4, metrics_every_s=5.0)
     pool = ray.remote(HSPoolActor).options(
         max_concurrency=pool_max_concurrency(len(prods), len(cons))
     ).remote(cfg, buckets, "bench-pool")

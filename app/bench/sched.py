@@ -179,16 +179,20 @@ def run_layout(ray, layout: str, targets, drafters, jobs, scale: float, dur: flo
         for q in queues:
             q.shutdown()
     else:
+        from app.bench.pull_policies import RandomPulls, TracedPulls
+        from app.pool.pull_policy import RoundRobin
+
+        inner = RoundRobin(len(TOKENS)) if layout == "fair" else RandomPulls(len(TOKENS))
         pool = ray.remote(HSPoolActor).options(
             max_concurrency=pool_max_concurrency(NUM_TARGETS, NUM_DRAFTERS)
-        ).remote(PoolConfig(), len(TOKENS), f"bench-sched-{layout}", "fair" if layout == "fair" else "random", True)
+        ).remote(PoolConfig(), len(TOKENS), f"bench-sched-{layout}", TracedPulls(inner))
         ray.get(pool.add_jobs.remote(jobs))
         t_start = time.time()
         t_end = t_start + dur
         for t, tg in enumerate(targets):
             pool.add_target.remote(t, tg)
         spans = ray.get([d.run.remote(pool, True, i, scale, t_end) for i, d in enumerate(drafters)])
-        trace = ray.get(pool.pull_trace.remote())
+        trace = ray.get(pool.pull_policy.remote()).trace
         ray.kill(pool)
     out = {"busy": [], "tok_s": [], "mix": [], "mix_start": []}
     for i, sp in enumerate(spans):

@@ -1,65 +1,41 @@
 """The hidden-state pool's policy: a plain class, no Ray.
 
-`HSPool` holds the job queue shared by all targets, the produced items per length bucket, the
-leases of pulled items and the ledger of acked jobs. `actors/hs_pool.py` wraps it in an async
-actor; everything here is synchronous except `pull` / `wait_changed`, which only await an
-asyncio.Event, so the class is usable (and tested) without Ray.
+`HSPool` is the facade the actor (`actors/hs_pool.py`) wraps; its parts each live in their own
+module: the job queue (`queue.py`), jobs on targets (`inflight.py`), the bucket buffer
+(`buffer.py`), the lease table with its generation fences (`leases.py`), the capacity budget in
+items and bytes (`budget.py`), the ledger of acked jobs (`ledger.py`), the explicit job states
+(`states.py`) and the bucket choice of a pull (`pull_policy.py`). Everything here is synchronous
+except `pull` / `wait_changed`, which only await an asyncio.Event, so the class is usable (and
+tested) without Ray.
 
-Job life cycle: pending -> in_flight (on a target) -> buffered (in a bucket) -> leased (to a
-drafter) -> acked. A failed target job and a released lease go back to the FRONT of the queue: the
-hidden states are recomputed, never kept.
+Job life cycle (`JobState`): pending -> in_flight (on a target) -> buffered (in a bucket) -> leased
+(to a drafter) -> acked. A failed target job and a released lease go back to the FRONT of the queue:
+the hidden states are recomputed, never kept. Capacity rules: see `budget.py`.
 
-Capacity accounting (why it is split this way):
-- items: buffered + in_flight <= capacity. Leased items do not count: they are bounded by the
-  drafters' grad_accum and prefetch, and counting them could starve a drafter that holds half a
-  step of leases while it waits for the rest (it cannot ack before the step).
-- bytes: buffered + leased + in-flight reservations <= capacity_bytes. Leased payloads are still
-  pool-owned object-store memory until acked, so they count. An in-flight job reserves
-  max(JobSpec.est_bytes, largest payload seen in its bucket); the reservation is replaced by the
-  real ItemMeta.nbytes when the job lands. The cap holds as long as estimates are upper bounds;
-  a payload larger than its reservation is counted in `bytes_overshoot`.
+Config values arrive checked (`app/config/schema.py`); the asserts here guard internal invariants.
 """
 from __future__ import annotations
 
 import asyncio
 import random
 import time
-from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from app.config.schema import PoolConfig
 from app.messages import Drained, EndOfStream, ItemMeta, JobSpec, PulledItem
+from app.pool.budget import Budget
+from app.pool.buffer import BucketBuffer, Item
+from app.pool.inflight import InFlight
+from app.pool.leases import LeaseRevoked, LeaseTable
+from app.pool.ledger import Ledger
+from app.pool.pull_policy import PullPolicy, make_pull_policy
+from app.pool.queue import JobQueue
+from app.pool.states import JobState, JobStates
 from app.pool.stats import PoolStats, WaitStats
 
-PULL_POLICIES = ("fair", "random")
-
-
-class LeaseRevoked(RuntimeError):
-    """A pull that was waiting when its drafter's leases were released (the drafter died or the
-    group is being rebuilt). It takes nothing, so no item leaks to a dead drafter."""
-
-
-@dataclass
-class _InFlight:
-    job: JobSpec
-    target_id: int
-    start: float
-    reserved_bytes: int
-
-
-@dataclass
-class _Item:
-    job: JobSpec
-    meta: ItemMeta
-    payload: Any  # opaque: the pool-owned ObjectRef in the actor
-
-
-@dataclass
-class _Lease:
-    item: _Item
-    drafter_id: int
-    since: float
+__all__ = ["Drained", "HSPool", "LeaseRevoked"]
 
 
 @dataclass
@@ -76,34 +52,25 @@ class HSPool:
         self,
         cfg: PoolConfig,
         num_buckets: int,
-        pull_policy: str = "fair",
+        pull_policy: str | PullPolicy = "round_robin",
         clock: Callable[[], float] = time.monotonic,
-        trace_pulls: bool = False,
     ) -> None:
-        _validate(cfg, num_buckets, pull_policy)
+        assert num_buckets >= 1, num_buckets
         self.cfg = cfg
         self.num_buckets = num_buckets
-        self.pull_policy = pull_policy
+        self.policy = make_pull_policy(pull_policy, num_buckets)
         self._clock = clock
         self._rng = random.Random(cfg.seed)
-        self._queue: deque[JobSpec] = deque()
-        self._known: set[int] = set()  # every job id ever added or restored
-        self._in_flight: dict[int, _InFlight] = {}
-        self._buckets: list[list[_Item]] = [[] for _ in range(num_buckets)]
-        self._leases: dict[int, _Lease] = {}
-        self._acked: set[int] = set()
-        self._adding_finished = False
-        self._cursor: dict[int, int] = {}  # drafter -> last bucket served (fair policy)
-        self._generation: dict[int, int] = {}  # drafter -> bumped on release (fences old pulls)
-        # Bumped on every group reset: fences waiting pulls of drafters that held no lease too.
-        self._group_generation = 0
+        self._states = JobStates()
         self._specs: dict[int, JobSpec] = {}  # every job added, for re-queueing on rollback
+        self._queue = JobQueue()
+        self._in_flight = InFlight()
+        self._buffer = BucketBuffer(num_buckets)
+        self._leases = LeaseTable()
+        self._ledger = Ledger()
+        self._budget = Budget(cfg.capacity, cfg.capacity_bytes, num_buckets)
+        self._adding_finished = False
         self._eos_drafters: set[int] = set()
-        self._seen_drafters: set[int] = set()  # every drafter id that ever pulled
-        self._max_seen_bytes = [0] * num_buckets
-        self._buffered_bytes = 0
-        self._leased_bytes = 0
-        self._reserved_bytes = 0
         self._served = [0] * num_buckets
         self._produced = [0] * num_buckets
         self._targets: dict[int, _TargetTally] = {}
@@ -112,10 +79,7 @@ class HSPool:
         self.stale_results = 0
         self.stale_acks = 0
         self.lost_payloads = 0
-        self.bytes_overshoot = 0
         self._event = asyncio.Event()
-        # (drafter, bucket, bitmask of non-empty buckets before the pull) per pull; for benches.
-        self.pull_trace: list[tuple[int, int, int]] | None = [] if trace_pulls else None
 
     # ---- producing side -------------------------------------------------------------------
 
@@ -126,10 +90,10 @@ class HSPool:
             raise ValueError("add_jobs after finish_adding: add every job of the run first")
         added = 0
         for job in jobs:
-            if job.job_id in self._acked:
+            if job.job_id in self._ledger:
                 continue
             self._check_job(job)
-            self._known.add(job.job_id)
+            self._states.move(job.job_id, JobState.PENDING)
             self._specs[job.job_id] = job
             self._queue.append(job)
             added += 1
@@ -144,22 +108,25 @@ class HSPool:
     def restore_ledger(self, acked_ids: Iterable[int]) -> None:
         """Mark jobs acked by a previous run (from a checkpoint); they are never issued again."""
         ids = set(acked_ids)
-        self._acked |= ids
-        self._known |= ids
-        self._queue = deque(j for j in self._queue if j.job_id not in ids)
+        for jid in ids:
+            if jid not in self._ledger:
+                self._states.move(jid, JobState.ACKED)
+                self._ledger.add(jid)
+        self._queue.remove(ids)
         self._wake()
 
     def next_job(self, target_id: int) -> JobSpec | None:
         """The next job for this target, or None if its slots are full or the pool is at capacity."""
-        if not self._queue or self.in_flight_count(target_id) >= self.cfg.jobs_in_flight_per_target:
+        job = self._queue.peek()
+        if job is None or self._in_flight.count(target_id) >= self.cfg.jobs_in_flight_per_target:
             return None
-        job = self._queue[0]
-        reserve = max(job.est_bytes, self._max_seen_bytes[job.bucket])
-        if not self._fits(reserve):
+        reserve = self._budget.reservation(job)
+        if not self._budget.fits(self._items_held, reserve):
             return None
-        self._queue.popleft()
-        self._in_flight[job.job_id] = _InFlight(job, target_id, self._clock(), reserve)
-        self._reserved_bytes += reserve
+        self._queue.pop()
+        self._in_flight.start(job, target_id, self._clock(), reserve)
+        self._budget.reserve(reserve)
+        self._states.move(job.job_id, JobState.IN_FLIGHT)
         self._wake()
         return job
 
@@ -171,13 +138,10 @@ class HSPool:
             self.stale_results += 1
             return False
         assert meta.bucket == fl.job.bucket, f"job {meta.job_id}: bucket {meta.bucket} != {fl.job.bucket}"
-        del self._in_flight[meta.job_id]
-        self._reserved_bytes -= fl.reserved_bytes
-        if meta.nbytes > fl.reserved_bytes:
-            self.bytes_overshoot += 1
-        self._max_seen_bytes[meta.bucket] = max(self._max_seen_bytes[meta.bucket], meta.nbytes)
-        self._buckets[meta.bucket].append(_Item(fl.job, meta, payload))
-        self._buffered_bytes += meta.nbytes
+        self._in_flight.pop(meta.job_id)
+        self._budget.land(fl.reserved_bytes, meta.nbytes, meta.bucket)
+        self._buffer.put(Item(fl.job, meta, payload))
+        self._states.move(meta.job_id, JobState.BUFFERED)
         self._produced[meta.bucket] += 1
         tally = self._targets.setdefault(target_id, _TargetTally())
         tally.done += 1
@@ -196,7 +160,7 @@ class HSPool:
 
     def target_lost(self, target_id: int) -> list[int]:
         """A target died: all its in-flight jobs go back to the front of the queue."""
-        ids = [jid for jid, fl in self._in_flight.items() if fl.target_id == target_id]
+        ids = self._in_flight.of_target(target_id)
         self._requeue_in_flight(ids)
         return ids
 
@@ -207,26 +171,19 @@ class HSPool:
         if self.done:
             self._eos_drafters.add(drafter_id)
             return EndOfStream()
-        buffered = self.buffered_count
+        buffered = len(self._buffer)
+        draining = self.producing_finished or self._stalled()
         if buffered == 0:
             # Also drain when leases hold the byte budget and nothing is in flight: the rank must
             # step with what it has and ack, or its own leases would block the next job forever.
-            return Drained() if (self.producing_finished or self._stalled()) else None
-        if buffered < self.cfg.min_ready and not (self.producing_finished or self._stalled()):
+            return Drained() if draining else None
+        if buffered < self.cfg.min_ready and not draining:
             return None
-        if self.pull_trace is not None:
-            nonempty = sum(1 << b for b, items in enumerate(self._buckets) if items)
-        bucket = self._choose_bucket(drafter_id)
-        if self.pull_trace is not None:
-            self.pull_trace.append((drafter_id, bucket, nonempty))
-        items = self._buckets[bucket]
-        # A uniformly random item within the bucket; swap-remove keeps it O(1).
-        k = self._rng.randrange(len(items))
-        items[k], items[-1] = items[-1], items[k]
-        item = items.pop()
-        self._buffered_bytes -= item.meta.nbytes
-        self._leased_bytes += item.meta.nbytes
-        self._leases[item.meta.job_id] = _Lease(item, drafter_id, self._clock())
+        bucket = self.policy.choose(drafter_id, self._buffer.counts(), self._rng)
+        item = self._buffer.take(bucket, self._rng)
+        self._budget.lease(item.meta.nbytes)
+        self._leases.lease(item, drafter_id, self._clock())
+        self._states.move(item.meta.job_id, JobState.LEASED)
         self._served[bucket] += 1
         self._wake()  # a freed item slot may let a job be issued
         return PulledItem(meta=item.meta, payload_ref=item.payload)
@@ -236,13 +193,13 @@ class HSPool:
         are released while it waits (its caller is presumed dead), or if the call comes from an
         incarnation older than the drafter's current `generation(drafter_id)`: Ray still runs a
         call that a dead caller sent, and it must not lease an item to nobody."""
-        self._seen_drafters.add(drafter_id)
-        if generation < self._generation.get(drafter_id, 0):
+        self._leases.see(drafter_id)
+        if generation < self._leases.generation(drafter_id):
             raise LeaseRevoked(f"drafter {drafter_id} generation {generation} was released")
-        fence = self._fence(drafter_id)
+        fence = self._leases.fence(drafter_id)
         t0 = self._clock()
         while True:
-            if self._fence(drafter_id) != fence:
+            if self._leases.fence(drafter_id) != fence:
                 raise LeaseRevoked(f"drafter {drafter_id} was released while its pull waited")
             got = self.try_pull(drafter_id)
             if got is not None:
@@ -257,15 +214,12 @@ class HSPool:
         drafter (e.g. released meanwhile) is ignored and counted in `stale_acks`."""
         n = 0
         for jid in job_ids:
-            lease = self._leases.get(jid)
-            if jid in self._acked:
+            if jid in self._ledger:
                 self.acked_twice += 1
-            elif lease is None or lease.drafter_id != drafter_id:
+            elif self._leases.holder(jid) != drafter_id:
                 self.stale_acks += 1
             else:
-                del self._leases[jid]
-                self._leased_bytes -= lease.item.meta.nbytes
-                self._acked.add(jid)
+                self._ack_lease(jid)
                 n += 1
         self._wake()
         return n
@@ -273,12 +227,9 @@ class HSPool:
     def payload_lost(self, drafter_id: int, job_id: int) -> bool:
         """The drafter could not read a leased payload (its node died with the object): the job goes
         back to the front of the queue to be recomputed, without rebuilding the drafter group."""
-        lease = self._leases.get(job_id)
-        if lease is None or lease.drafter_id != drafter_id:
+        if self._leases.holder(job_id) != drafter_id:
             return False
-        del self._leases[job_id]
-        self._leased_bytes -= lease.item.meta.nbytes
-        self._queue.appendleft(lease.item.job)
+        self._requeue_leases([job_id])
         self.lost_payloads += 1
         self._wake()
         return True
@@ -286,26 +237,21 @@ class HSPool:
     def release(self, drafter_id: int) -> list[int]:
         """Return all the drafter's unacked jobs to the front of the queue (payloads dropped,
         recomputed later) and fence its waiting pulls."""
-        mine = sorted(
-            (ls for ls in self._leases.values() if ls.drafter_id == drafter_id), key=lambda ls: ls.since
-        )
-        for ls in reversed(mine):  # appendleft in reverse keeps the original order at the front
-            del self._leases[ls.item.meta.job_id]
-            self._leased_bytes -= ls.item.meta.nbytes
-            self._queue.appendleft(ls.item.job)
-        self._generation[drafter_id] = self._generation.get(drafter_id, 0) + 1
+        ids = [ls.item.meta.job_id for ls in self._leases.of(drafter_id)]
+        self._requeue_leases(ids)  # oldest lease first at the front
+        self._leases.bump(drafter_id)
         self._wake()
-        return [ls.item.meta.job_id for ls in mine]
+        return ids
 
     def reset_drafters(self) -> list[int]:
         """For a drafter-group rebuild: release every drafter and forget who got end-of-stream,
         so the new group's drafters get it too. Returns the requeued job ids."""
         ids: list[int] = []
-        for d in sorted({ls.drafter_id for ls in self._leases.values()} | set(self._generation) | self._seen_drafters):
+        for d in self._leases.drafters():
             ids += self.release(d)
-        self._group_generation += 1
+        self._leases.bump_group()
         self._eos_drafters.clear()
-        self._cursor.clear()
+        self.policy.reset()
         self._wake()
         return ids
 
@@ -313,12 +259,14 @@ class HSPool:
         """A drafter group rebuilt from a checkpoint whose ledger is `keep_ids`: every lease and every
         job acked after that checkpoint goes back to the front of the queue (in schedule order),
         since the restored weights never saw them. Returns how many were re-queued."""
-        n = len(self.reset_drafters())
         keep = set(keep_ids)
-        undo = sorted((self._specs[j] for j in self._acked - keep if j in self._specs), key=lambda job: job.job_id)
-        for job in reversed(undo):  # appendleft in reverse keeps schedule order at the front
-            self._acked.discard(job.job_id)
-            self._queue.appendleft(job)
+        n = len(self.reset_drafters())
+        undo = sorted((self._specs[j] for j in self._ledger.not_in(keep) if j in self._specs),
+                      key=lambda job: job.job_id)
+        for job in undo:
+            self._ledger.discard(job.job_id)
+            self._states.move(job.job_id, JobState.PENDING)
+        self._queue.push_front(undo)  # schedule order at the front
         self._wake()
         return n + len(undo)
 
@@ -326,19 +274,27 @@ class HSPool:
 
     def ledger(self) -> list[int]:
         """Acked job ids, sorted: saved with each checkpoint."""
-        return sorted(self._acked)
+        return self._ledger.ids()
 
     def in_flight_count(self, target_id: int) -> int:
-        return sum(1 for fl in self._in_flight.values() if fl.target_id == target_id)
+        return self._in_flight.count(target_id)
+
+    def generation(self, drafter_id: int) -> int:
+        """The incarnation a (re)started drafter passes to `pull`; bumped by each release."""
+        return self._leases.generation(drafter_id)
 
     @property
     def buffered_count(self) -> int:
-        return sum(len(b) for b in self._buckets)
+        return len(self._buffer)
 
     @property
     def pool_bytes(self) -> int:
         """Object-store bytes the pool holds or has reserved: buffered + leased + in flight."""
-        return self._buffered_bytes + self._leased_bytes + self._reserved_bytes
+        return self._budget.total
+
+    @property
+    def bytes_overshoot(self) -> int:
+        return self._budget.overshoot
 
     @property
     def producing_finished(self) -> bool:
@@ -348,30 +304,26 @@ class HSPool:
     @property
     def done(self) -> bool:
         """Every job is acked."""
-        return self.producing_finished and self.buffered_count == 0 and not self._leases
+        return self.producing_finished and not self._buffer and not self._leases
 
     def eos_drafters(self) -> list[int]:
         return sorted(self._eos_drafters)
 
     def stats(self) -> PoolStats:
         now = self._clock()
-        by_target: dict[int, list[tuple[int, float]]] = {}
-        for jid, fl in self._in_flight.items():
-            by_target.setdefault(fl.target_id, []).append((jid, fl.start))
-        leased_by: dict[int, int] = {}
-        for ls in self._leases.values():
-            leased_by[ls.drafter_id] = leased_by.get(ls.drafter_id, 0) + 1
+        by_target = self._in_flight.by_target()
+        n = self._states.counts()
         return PoolStats(
-            q_hsb=[len(b) for b in self._buckets],
+            q_hsb=self._buffer.counts(),
             pool_bytes=self.pool_bytes,
             capacity_bytes=self.cfg.capacity_bytes,
             capacity_items=self.cfg.capacity,
-            pending=len(self._queue),
-            in_flight=len(self._in_flight),
-            buffered=self.buffered_count,
-            leased=len(self._leases),
-            acked=len(self._acked),
-            total_jobs=len(self._known),
+            pending=n["pending"],
+            in_flight=n["in_flight"],
+            buffered=n["buffered"],
+            leased=n["leased"],
+            acked=n["acked"],
+            total_jobs=len(self._states),
             pull_waits=self._waits.snapshot(),
             served_per_bucket=list(self._served),
             produced_per_bucket=list(self._produced),
@@ -380,7 +332,7 @@ class HSPool:
             done_by_target={t: c.done for t, c in self._targets.items()},
             tokens_by_target={t: c.tokens for t, c in self._targets.items()},
             forward_s_by_target={t: c.forward_s for t, c in self._targets.items()},
-            leased_by_drafter=leased_by,
+            leased_by_drafter=self._leases.count_by_drafter(),
             acked_twice=self.acked_twice,
             stale_results=self.stale_results,
             stale_acks=self.stale_acks,
@@ -409,51 +361,46 @@ class HSPool:
 
     # ---- internals ------------------------------------------------------------------------
 
-    def _fits(self, reserve: int) -> bool:
-        items = self.buffered_count + len(self._in_flight)
-        return items < self.cfg.capacity and self.pool_bytes + reserve <= self.cfg.capacity_bytes
+    @property
+    def _items_held(self) -> int:
+        """Items that count against pool.capacity: buffered + in flight."""
+        return len(self._buffer) + len(self._in_flight)
 
     def _stalled(self) -> bool:
         """Nothing in flight and the next job does not fit: waiting for min_ready would deadlock
         (leases hold the bytes, and they are acked only after pulls succeed), so pulls drain."""
-        if self._in_flight or not self._queue:
+        job = self._queue.peek()
+        if self._in_flight or job is None:
             return False
-        job = self._queue[0]
-        return not self._fits(max(job.est_bytes, self._max_seen_bytes[job.bucket]))
+        return not self._budget.fits(self._items_held, self._budget.reservation(job))
 
-    def _choose_bucket(self, drafter_id: int) -> int:
-        if self.pull_policy == "random":  # uniform over items: dominant buckets dominate
-            k = self._rng.randrange(self.buffered_count)
-            for b, items in enumerate(self._buckets):
-                if k < len(items):
-                    return b
-                k -= len(items)
-            raise AssertionError("unreachable: k < buffered_count")
-        # Fair: the next non-empty bucket after the last one this drafter got.
-        last = self._cursor.get(drafter_id, -1)
-        for step in range(1, self.num_buckets + 1):
-            b = (last + step) % self.num_buckets
-            if self._buckets[b]:
-                self._cursor[drafter_id] = b
-                return b
-        raise AssertionError("unreachable: buffered_count > 0")
+    def _ack_lease(self, job_id: int) -> None:
+        lease = self._leases.pop(job_id)
+        self._budget.unlease(lease.item.meta.nbytes)
+        self._ledger.add(job_id)
+        self._states.move(job_id, JobState.ACKED)
+
+    def _requeue_leases(self, job_ids: list[int]) -> None:
+        """Leases back to the front of the queue, in the given order; payloads are dropped."""
+        jobs = []
+        for jid in job_ids:
+            lease = self._leases.pop(jid)
+            self._budget.unlease(lease.item.meta.nbytes)
+            self._states.move(jid, JobState.PENDING)
+            jobs.append(lease.item.job)
+        self._queue.push_front(jobs)
 
     def _requeue_in_flight(self, job_ids: list[int]) -> None:
         fls = sorted((self._in_flight.pop(j) for j in job_ids), key=lambda fl: fl.start)
-        for fl in reversed(fls):
-            self._reserved_bytes -= fl.reserved_bytes
-            self._queue.appendleft(fl.job)
+        for fl in fls:
+            self._budget.unreserve(fl.reserved_bytes)
+            self._states.move(fl.job.job_id, JobState.PENDING)
+        self._queue.push_front(fl.job for fl in fls)
         self._wake()
 
-    def generation(self, drafter_id: int) -> int:
-        """The incarnation a (re)started drafter passes to `pull`; bumped by each release."""
-        return self._generation.get(drafter_id, 0)
-
-    def _fence(self, drafter_id: int) -> tuple[int, int]:
-        return self._group_generation, self._generation.get(drafter_id, 0)
-
     def _check_job(self, job: JobSpec) -> None:
-        if job.job_id in self._known:
+        """Jobs come from the driver's schedule; these name the fix when a caller builds them wrong."""
+        if job.job_id in self._states:
             raise ValueError(f"job {job.job_id} added twice: job ids must be unique across epochs")
         if not 0 <= job.bucket < self.num_buckets:
             raise ValueError(
@@ -465,21 +412,3 @@ class HSPool:
                 f"job {job.job_id} needs ~{job.est_bytes} bytes, more than pool.capacity_bytes="
                 f"{self.cfg.capacity_bytes}: raise pool.capacity_bytes or lower data.tokens_per_job"
             )
-
-
-def _validate(cfg: PoolConfig, num_buckets: int, pull_policy: str) -> None:
-    if num_buckets < 1:
-        raise ValueError(f"num_buckets={num_buckets}: need at least one length bucket")
-    if cfg.capacity < 1:
-        raise ValueError(f"pool.capacity={cfg.capacity}: must be >= 1 item")
-    if cfg.capacity_bytes < 1:
-        raise ValueError(f"pool.capacity_bytes={cfg.capacity_bytes}: must be > 0")
-    if not 0 <= cfg.min_ready <= cfg.capacity:
-        raise ValueError(
-            f"pool.min_ready={cfg.min_ready} must be in 0..pool.capacity ({cfg.capacity}): "
-            "lower pool.min_ready or raise pool.capacity"
-        )
-    if cfg.jobs_in_flight_per_target < 1:
-        raise ValueError(f"pool.jobs_in_flight_per_target={cfg.jobs_in_flight_per_target}: must be >= 1")
-    if pull_policy not in PULL_POLICIES:
-        raise ValueError(f"pull_policy={pull_policy!r}: use one of {PULL_POLICIES}")
