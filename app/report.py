@@ -1,0 +1,29 @@
+"""`python -m app.report RUN_DIR`: write RUN_DIR/report.html, one self-contained page of the run's plots.
+
+RUN_DIR is the run's `checkpoint.dir`; the page is built from `timeline.jsonl` and `summary.json` there
+(see `app/run/report.py`). The driver writes the same page at the end of every run.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from app.run.report import write_report
+    from app.run.timeline import FILE_NAME, read_timeline
+
+    p = argparse.ArgumentParser(prog="python -m app.report", description=__doc__.splitlines()[0])
+    p.add_argument("run_dir", help="the run's checkpoint.dir")
+    args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if not read_timeline(args.run_dir):
+        print(f"error: no {FILE_NAME} in {args.run_dir}; give the checkpoint.dir of a run started by this "
+              "version of python -m app.train", file=sys.stderr)
+        return 2
+    out = write_report(args.run_dir)
+    print(f"wrote {out} ({out.stat().st_size / 1024:.0f} KiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
