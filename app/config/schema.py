@@ -58,6 +58,7 @@ class TopologyConfig:
     cpus_per_target: float = 1.0
     cpus_per_drafter: float = 1.0
     device: str = "auto"  # auto | cuda | cpu
+    strategy: str = "PACK"  # placement group strategy: PACK | SPREAD (checked by app/run/placement.py)
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,9 @@ def connect(cfg: Config) -> bool:
     resources = ray.cluster_resources()
     use_gpu = uses_gpu(cfg.topology, resources.get("GPU", 0.0))
     check_resources(cfg, resources, use_gpu)
+    from app.run.placement import check_cluster_fits
+
+    check_cluster_fits(cfg, use_gpu, ray.nodes())  # per node: names what is short where, before any actor
     return use_gpu
 
 

@@ -55,7 +55,7 @@ class Topology:
         from ray.util.placement_group import placement_group
 
         self.cfg, self.plan, self.run_name = cfg, plan, run_name
-        self.pg = placement_group(plan.bundles, strategy="PACK", name=f"dflash-{run_name}")
+        self.pg = placement_group(plan.bundles, strategy=cfg.topology.strategy, name=f"dflash-{run_name}")
         ready, _ = ray.wait([self.pg.ready()], timeout=120)
         if not ready:
             raise RuntimeError(f"placement group {plan.bundles} not ready after 120 s: the cluster lacks resources")
