@@ -1,15 +1,21 @@
 """TargetActor: a frozen target LM that turns a job's sequences into drafter features.
 
-A thin shell: batching lives in `app/data/batching.py`, features in `app/model/features.py`. The pool calls
-`forward` with `num_returns=2`, so the small `ItemMeta` and the large `HiddenBatch` become two
-objects owned by the pool, and the payload outlives this process.
+A thin shell: batching lives in `app/data/batching.py`, features in `app/model/target_trunk.py` (the
+decoder runs only up to the deepest requested layer). The pool calls `forward` with `num_returns=2`, so
+the small `ItemMeta` and the large `HiddenBatch` become two objects owned by the pool, and the payload
+outlives this process.
+
+On CUDA the actor runs with `max_concurrency = pool.jobs_in_flight_per_target` (see `target_concurrency`):
+forwards take turns under one lock, while the job that just finished waits for its pinned host copy
+outside it, so the copy overlaps the next job's forward. On CPU one call at a time, as before.
 """
 from __future__ import annotations
 
 import os
+import threading
 import time
 
-from app.data.batching import job_hidden_batch
+from app.data.batching import start_job
 from app.config.schema import DrafterConfig, EvalConfig, FaultsConfig, ModelConfig
 from app.devices import compute_dtype, limit_threads, pick_device
 from app.faults import fire_once
@@ -24,13 +30,20 @@ class TargetActor:
         from transformers import AutoModelForCausalLM
 
         limit_threads(num_cpus)
+        if faults.fail_target_restarts and not fire_once(run_dir, f"target_started_{target_id}"):
+            raise RuntimeError(f"injected fault: target {target_id} cannot start again (faults.fail_target_restarts)")
         self.target_id, self.layer_ids, self.dataset = target_id, list(layer_ids), dataset
         self.faults, self.run_dir = faults, run_dir
         self.device = pick_device(device)
         self.dtype = compute_dtype(model_cfg.dtype, self.device)
         self.model_dir = model_dir
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype).to(self.device).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=self.dtype, attn_implementation=target_attention(self.device, self.dtype)).to(self.device).eval()
         self.model.requires_grad_(False)
+        from app.model.target_trunk import TargetTrunk
+
+        self.trunk = TargetTrunk(self.model, self.layer_ids)
+        self.compute_lock = threading.Lock()  # one forward at a time; host copies wait outside it
         self.jobs_done = 0
 
     def ping(self) -> int:
@@ -41,8 +54,10 @@ class TargetActor:
         self._maybe_inject_fault(job)
         t0 = time.perf_counter()
         seqs = [self.dataset.sequence(i) for i in job.seq_indices]
-        batch = job_hidden_batch(self.model, seqs, job.job_id, self.layer_ids, self.device)
-        self.jobs_done += 1
+        with self.compute_lock:
+            pending = start_job(self.trunk, seqs, job.job_id, self.device)
+            self.jobs_done += 1
+        batch = pending.result()  # CUDA: waits for the pinned copy while the next job computes
         meta = ItemMeta(
             job_id=job.job_id, bucket=job.bucket, num_seqs=len(seqs), num_tokens=int(batch.lengths_B.sum()),
             loss_tokens=int(batch.loss_mask_BS.sum()), nbytes=batch_nbytes(batch), target_id=self.target_id,
@@ -65,9 +80,27 @@ class TargetActor:
         drafter, head, arch = build_or_load_drafter(
             self.model_dir, drafter_dir, drafter_cfg, self.layer_ids, mask_token_id, self.device, self.dtype, seed
         )
-        result = measure_tau(self.model, drafter, head, prompts[: eval_cfg.num_prompts], eval_cfg.max_new_tokens,
-                             self.layer_ids, arch.block_size)
+        with self.compute_lock:
+            result = measure_tau(self.model, drafter, head, prompts[: eval_cfg.num_prompts],
+                                 eval_cfg.max_new_tokens, self.layer_ids, arch.block_size)
         return {"tau": float(result.tau), "tok_s": float(result.tok_s)}
+
+
+def target_attention(device, dtype) -> str:
+    """flash_attention_2 on CUDA in bf16/fp16 when flash-attn is installed (packed varlen jobs), else sdpa."""
+    import torch
+
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        import importlib.util
+
+        if importlib.util.find_spec("flash_attn") is not None:
+            return "flash_attention_2"
+    return "sdpa"
+
+
+def target_concurrency(device_setting: str, use_gpu: bool, jobs_in_flight: int) -> int:
+    """Concurrent `forward` calls: the jobs in flight on GPU (copy/compute overlap), one on CPU."""
+    return max(1, jobs_in_flight) if use_gpu and device_setting != "cpu" else 1
 
 
 def batch_nbytes(batch: HiddenBatch) -> int:

@@ -1,14 +1,29 @@
-"""Packing a job's sequences for the target, and its features for the object store.
+"""A job's sequences through the target, and its features into a `HiddenBatch` for the object store.
+
+Two ways to feed the target, same features on the real positions:
+- padded (the CPU path, and CUDA without flash-attention): right-padded [B, S] with an attention mask;
+- packed (CUDA with flash-attention): one row of all the job's tokens with positions restarting per
+  sequence, so no FLOP is spent on padding (HF runs varlen flash-attention from the cu_seq_lens).
+The packed features are scattered back to the padded [B, S, D] layout drafters read (zeros past each
+length, which no drafter reads: context beyond `lengths_B` is masked).
+
+Host copy: on CUDA the features go to pinned host memory on a side stream (`start_job` returns at
+once, `PendingBatch.result()` waits), so a target with two jobs in flight overlaps one job's copy with
+the next job's forward. On CPU the features already live on the host.
 
 Hidden states travel as numpy (bf16 as a uint16 view) inside a `HiddenBatch`, so Ray stores the
 arrays out of band and a drafter on the same node maps them without a copy.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from app.messages import HiddenBatch
+
+FLASH_IMPLS = ("flash_attention_2", "flash_attention_3")
 
 
 def pad_sequences(seqs: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -21,6 +36,90 @@ def pad_sequences(seqs: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray
         ids_BS[row, : len(ids)] = ids
         mask_BS[row, : len(mask)] = mask
     return ids_BS, mask_BS, lengths_B
+
+
+def use_packing(model, device: torch.device) -> bool:
+    """Packed only where it saves work: flash-attention on CUDA runs varlen. With sdpa a packed row needs a
+    [T, T] block-diagonal mask that no fused kernel skips, so padded SDPA is cheaper there (and on CPU)."""
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return device.type == "cuda" and impl in FLASH_IMPLS
+
+
+def packed_inputs(ids_BS: np.ndarray, lengths_B: np.ndarray, device: torch.device) -> dict:
+    """One row of every sequence's tokens, positions restarting at 0, and varlen flash kwargs."""
+    valid_BS = np.arange(ids_BS.shape[1])[None, :] < lengths_B[:, None]
+    ids_1T = torch.from_numpy(ids_BS[valid_BS])[None].to(device)
+    pos_1T = torch.from_numpy(np.concatenate([np.arange(n) for n in lengths_B.tolist()]))[None].to(device)
+    cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths_B)]).astype(np.int32)).to(device)
+    max_len = int(lengths_B.max())
+    return {"input_ids_BS": ids_1T, "position_ids_BS": pos_1T, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
+            "max_length_q": max_len, "max_length_k": max_len}
+
+
+def run_target(trunk, ids_BS: np.ndarray, lengths_B: np.ndarray, device: torch.device, packed: bool) -> torch.Tensor:
+    """[B, S, D] features of a padded job on `device`, computed padded or packed."""
+    if not packed:
+        ids = torch.from_numpy(ids_BS).to(device)
+        attn_BS = (torch.arange(ids.shape[1])[None, :] < torch.from_numpy(lengths_B)[:, None]).long().to(device)
+        return trunk.features(ids, attn_BS)
+    feats_1TD = trunk.features(**packed_inputs(ids_BS, lengths_B, device))
+    valid_BS = (torch.arange(ids_BS.shape[1])[None, :] < torch.from_numpy(lengths_B)[:, None]).to(device)
+    feats_BSD = feats_1TD.new_zeros(*ids_BS.shape, feats_1TD.shape[-1])
+    feats_BSD[valid_BS] = feats_1TD[0]
+    return feats_BSD
+
+
+def to_host_async(feats: torch.Tensor) -> tuple[torch.Tensor, object | None]:
+    """(host tensor, CUDA event to wait on). CUDA: pinned memory, copied on a side stream; CPU: as it is."""
+    if feats.device.type != "cuda":
+        return feats, None
+    copy_stream = _copy_stream(feats.device)
+    host = torch.empty(feats.shape, dtype=feats.dtype, pin_memory=True)
+    copy_stream.wait_stream(torch.cuda.current_stream(feats.device))  # the forward that wrote feats
+    with torch.cuda.stream(copy_stream):
+        host.copy_(feats, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(copy_stream)
+    feats.record_stream(copy_stream)  # keep the device buffer alive until the copy has read it
+    return host, done
+
+
+_COPY_STREAMS: dict = {}
+
+
+def _copy_stream(device: torch.device):
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return _COPY_STREAMS[device]
+
+
+@dataclass
+class PendingBatch:
+    """A job whose forward is done and whose features may still be on their way to the host."""
+
+    job_id: int
+    host_feats: torch.Tensor
+    done: object | None  # torch.cuda.Event, or None when nothing is pending
+    ids_BS: np.ndarray
+    mask_BS: np.ndarray
+    lengths_B: np.ndarray
+
+    def result(self) -> HiddenBatch:
+        if self.done is not None:
+            self.done.synchronize()  # releases the GIL: the next job's forward runs meanwhile
+        return pack_hidden(self.job_id, self.host_feats, self.ids_BS, self.mask_BS, self.lengths_B)
+
+
+def start_job(trunk, seqs: list[tuple[np.ndarray, np.ndarray]], job_id: int, device: torch.device,
+              packed: bool | None = None) -> PendingBatch:
+    """Run one job's forward and start its host copy. `packed=None` decides by device and attention backend."""
+    ids_BS, mask_BS, lengths_B = pad_sequences(seqs)
+    if packed is None:
+        packed = use_packing(trunk.model, device)
+    with torch.inference_mode():
+        feats_BSD = run_target(trunk, ids_BS, lengths_B, device, packed)
+        host, done = to_host_async(feats_BSD)
+    return PendingBatch(job_id, host, done, ids_BS, mask_BS, lengths_B)
 
 
 def pack_hidden(job_id: int, feats_BSD: torch.Tensor, ids_BS: np.ndarray, mask_BS: np.ndarray,
@@ -37,15 +136,14 @@ def pack_hidden(job_id: int, feats_BSD: torch.Tensor, ids_BS: np.ndarray, mask_B
                        loss_mask_BS=mask_BS, lengths_B=lengths_B)
 
 
+def job_hidden_batch(target, seqs: list[tuple[np.ndarray, np.ndarray]], job_id: int, layer_ids: list[int],
+                     device: torch.device, packed: bool | None = None) -> HiddenBatch:
+    """One target job, synchronously: `target` is a `TargetTrunk` or an HF causal LM (wrapped for the call)."""
+    from app.model.target_trunk import TargetTrunk
 
-def job_hidden_batch(model, seqs: list[tuple[np.ndarray, np.ndarray]], job_id: int, layer_ids: list[int],
-                     device: torch.device) -> HiddenBatch:
-    """One target job: pad its sequences, run the frozen target once, pack the features."""
-    from app.model.features import target_features
-
-    ids_BS, mask_BS, lengths_B = pad_sequences(seqs)
-    with torch.inference_mode():
-        ids = torch.from_numpy(ids_BS).to(device)
-        attn_BS = (torch.arange(ids.shape[1])[None, :] < torch.from_numpy(lengths_B)[:, None]).long().to(device)
-        feats_BSD = target_features(model, ids, attn_BS, layer_ids)
-    return pack_hidden(job_id, feats_BSD, ids_BS, mask_BS, lengths_B)
+    trunk = target if isinstance(target, TargetTrunk) else TargetTrunk(target, layer_ids)
+    try:
+        return start_job(trunk, seqs, job_id, device, packed).result()
+    finally:
+        if trunk is not target:
+            trunk.remove()
