@@ -60,10 +60,11 @@ class _OracleDrafter(nn.Module):
         self.arch, self.ids = arch, ids
         self.w = nn.Parameter(torch.ones(()))
 
-    def forward(self, embeds, feats, anchors, lengths):
+    def forward_packed(self, embeds_RH, feats_TD, sub):
         B = self.arch.block_size
-        pos = (anchors[:, :, None] + torch.arange(B)).flatten(1).clamp(max=self.ids.shape[1] - 1)
-        return nn.functional.one_hot(self.ids.gather(1, pos), 32).float() * self.w
+        seq_R = torch.from_numpy(sub.seq_M).repeat_interleave(B)
+        pos_R = sub.q_pos_R.clamp(max=self.ids.shape[1] - 1)
+        return nn.functional.one_hot(self.ids[seq_R, pos_R], 32).float() * self.w
 
 
 def test_loss_trains_same_position_labels_and_weights():
@@ -73,7 +74,7 @@ def test_loss_trains_same_position_labels_and_weights():
     head = TargetHead(torch.randn(V, H), torch.eye(V) * 10)
     out = dflash_loss(_OracleDrafter(arch, b.input_ids_BS), head, b, block_size=4, num_anchors=64,
                       gamma=2.0, generator=torch.Generator().manual_seed(0))
-    assert out.correct_sum == out.weight_sum > 0
+    assert out.weight_sum > 0 and out.correct_sum == pytest.approx(out.weight_sum, rel=1e-6)
     assert out.accept_len_sum == 4 * out.num_blocks  # every block fully accepted
     # Anchors: positions 3..20 (S=24) and 3..13 (len 17) -> 18 + 11 blocks, all labels masked in.
     assert out.num_blocks == 29

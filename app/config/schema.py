@@ -101,6 +101,7 @@ class DrafterConfig:
     loss_gamma: float = 0.0  # 0 = DFlash default for the block size (7 for 16, 5 for 10, 4 for 8)
     mask_token_id: int = -1  # -1 = the tokenizer's mask token (the tiny target reserves one)
     ce_chunk_rows: int = 1024  # rows of the LM head computed at once in the loss
+    max_rows: int = 65536  # query rows (blocks x block_size) per drafter sub-batch; 0 = a whole job at once
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,8 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     sample_every: int = 50
     seed: int = 0
+    compile: str = "auto"  # torch.compile the drafter layers: auto (on for CUDA, off for CPU) | on | off
+    activation_checkpointing: bool = False  # recompute each drafter layer in backward instead of saving it
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,13 @@
 """Cross-entropy through the LM head without materialising [rows, vocab] logits.
 
-A custom autograd function: the forward computes logits chunk by chunk (ce_chunk_rows rows at a
-time) and keeps only the per-row log-sum-exp; the backward recomputes each chunk's logits and
-turns them into the hidden-state gradient right away. Peak extra memory is one chunk of logits
-(plus its softmax) instead of all rows, in both passes. The head weight is frozen: no grad for it.
+Two custom autograd functions, both computing logits chunk by chunk (ce_chunk_rows rows at a time):
+- `weighted_chunked_ce` (training): the loss weights are known in the forward, so each chunk's
+  hidden-state gradient `w * (softmax - onehot) @ W` is computed right there, while its logits are
+  live, and kept in the hidden dtype (the same bytes the hidden rows would take); backward only
+  scales it. The logits are computed once per step instead of twice.
+- `chunked_cross_entropy` (per-row NLL, any downstream use): keeps the per-row log-sum-exp and
+  recomputes each chunk's logits in backward.
+Peak extra memory is one chunk of logits (plus its softmax). The head weight is frozen: no grad.
 """
 from __future__ import annotations
 
@@ -49,6 +53,53 @@ class _ChunkedCE(torch.autograd.Function):
             grad_hidden[lo:hi] = (g.to(weight_VH.dtype) @ weight_VH).to(hidden_RH.dtype)
             del g
         return grad_hidden, None, None, None, None
+
+
+class _WeightedCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_RH, weight_VH, labels_R, w_R, chunk_rows: int, topk: int):
+        R = hidden_RH.shape[0]
+        dev = hidden_RH.device
+        nll = torch.empty(R, dtype=torch.float32, device=dev)
+        pred = torch.empty(R, dtype=torch.long, device=dev)
+        topk_hit = torch.zeros(R, dtype=torch.bool, device=dev)
+        grad_RH = torch.empty_like(hidden_RH)
+        w32 = w_R.float()
+        for lo in range(0, R, chunk_rows):
+            hi = min(R, lo + chunk_rows)
+            logits = (hidden_RH[lo:hi] @ weight_VH.T).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            nll[lo:hi] = lse - logits.gather(1, labels_R[lo:hi, None])[:, 0]
+            pred[lo:hi] = logits.argmax(dim=-1)
+            if topk > 0:
+                top = logits.topk(min(topk, logits.shape[1]), dim=-1).indices
+                topk_hit[lo:hi] = (top == labels_R[lo:hi, None]).any(dim=-1)
+            # d(sum w * nll)/d logits = w * (softmax - onehot), in place over the logits.
+            g = logits.sub_(lse[:, None]).exp_()
+            g[torch.arange(hi - lo, device=dev), labels_R[lo:hi]] -= 1.0
+            g.mul_(w32[lo:hi, None])
+            grad_RH[lo:hi] = (g.to(weight_VH.dtype) @ weight_VH).to(hidden_RH.dtype)
+            del logits, g
+        ctx.save_for_backward(grad_RH)
+        ctx.mark_non_differentiable(nll, pred, topk_hit)
+        return (nll * w32).sum(), nll, pred, topk_hit
+
+    @staticmethod
+    def backward(ctx, grad_loss, _g_nll, _g_pred, _g_topk):
+        (grad_RH,) = ctx.saved_tensors
+        assert not ctx.needs_input_grad[1], "the LM head is frozen; weighted CE gives no weight grad"
+        return grad_RH * grad_loss.to(grad_RH.dtype), None, None, None, None, None
+
+
+def weighted_chunked_ce(hidden_RH: torch.Tensor, weight_VH: torch.Tensor, labels_R: torch.Tensor,
+                        w_R: torch.Tensor, chunk_rows: int = 1024, topk: int = 0):
+    """(sum of w * NLL, differentiable w.r.t. hidden; NLL [R]; argmax [R]; label-in-top-k [R]).
+
+    The input gradient is computed in the forward (the weights are known), so backward never
+    recomputes logits. Use it when the loss is exactly `sum(w * nll)`."""
+    if chunk_rows < 1:
+        raise ValueError(f"drafter.ce_chunk_rows={chunk_rows} must be >= 1")
+    return _WeightedCE.apply(hidden_RH, weight_VH, labels_R, w_R, int(chunk_rows), int(topk))
 
 
 def chunked_cross_entropy(

@@ -2,6 +2,12 @@
 
 Attribute names (`self_attn.q_proj`, `mlp.gate_proj`, `input_layernorm`, ...) are the checkpoint's
 parameter names, so a state_dict of these modules is a z-lab checkpoint as is.
+
+Activation discipline: every module returns its input's dtype. With fp32 master weights under bf16
+autocast, a plain `weight * x` would promote the residual stream and everything after it to fp32
+(twice the saved-for-backward bytes); RMSNorm and SwiGLU are therefore small autograd Functions
+that do their math in fp32 internally, save only compute-dtype tensors (plus one fp32 scalar per
+row), and recompute the rest in backward.
 """
 from __future__ import annotations
 
@@ -12,8 +18,37 @@ from torch import nn
 from app.model.arch import DrafterArch
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """At least fp32 for the math (fp64 stays fp64, so gradcheck sees exact gradients)."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """y = w * (x / rms(x)), fp32 inside; saves x (its own dtype) and rstd [..., 1] fp32."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float):
+        x32 = _wide(x)
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        # Round the normalised value to x's dtype before the scale, as Qwen3RMSNorm does.
+        y = _wide((x32 * rstd).to(x.dtype)) * _wide(weight)
+        ctx.save_for_backward(x, weight, rstd)
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, rstd = ctx.saved_tensors
+        x32, g32, w32 = _wide(x), _wide(g), _wide(weight)
+        xhat = x32 * rstd
+        gw = g32 * w32
+        # d/dx of x*rstd: rstd * (gw - xhat * mean(gw * xhat))
+        gx = rstd * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))
+        gweight = (g32 * _wide(xhat.to(x.dtype))).reshape(-1, x.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
+        return gx.to(x.dtype), None if gweight is None else gweight.to(weight.dtype), None
+
+
 class RMSNorm(nn.Module):
-    """Qwen3RMSNorm: normalise in fp32, scale in the input dtype."""
+    """Qwen3RMSNorm: normalise in fp32, return the input dtype (never promote to the weight's)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -21,10 +56,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return _RMSNormFn.apply(x, self.weight, self.eps)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -40,10 +72,28 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x2, x1], dim=-1)
 
 
-def apply_rope(x_NhLd: torch.Tensor, cos_NLd: torch.Tensor, sin_NLd: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` [N, heads, L, d] by per-position cos/sin [N, L, d]."""
-    cos, sin = cos_NLd[:, None], sin_NLd[:, None]
-    return x_NhLd * cos + _rotate_half(x_NhLd) * sin
+def apply_rope(x_hLd: torch.Tensor, cos_Ld: torch.Tensor, sin_Ld: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` [..., heads, L, d] by per-position cos/sin [..., L, d] (broadcast over heads)."""
+    cos, sin = cos_Ld.unsqueeze(-3), sin_Ld.unsqueeze(-3)
+    return x_hLd * cos + _rotate_half(x_hLd) * sin
+
+
+class _SwiGLUFn(torch.autograd.Function):
+    """silu(gate) * up; saves gate and up only (silu recomputed in backward)."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, g):
+        gate, up = ctx.saved_tensors
+        g32, gate32 = _wide(g), _wide(gate)
+        sig = torch.sigmoid(gate32)
+        silu = gate32 * sig
+        d_gate = g32 * _wide(up) * sig * (1 + gate32 * (1 - sig))
+        return d_gate.to(gate.dtype), (g32 * silu).to(up.dtype)
 
 
 class MLP(nn.Module):
@@ -56,13 +106,15 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(_SwiGLUFn.apply(self.gate_proj(x), self.up_proj(x)))
 
 
 class DFlashAttention(nn.Module):
-    """Queries from the block; keys/values = [proj(context), proj(block)]; per-head q/k RMSNorm; RoPE.
+    """Queries from the blocks; keys/values = [proj(context), proj(blocks)]; per-head q/k RMSNorm; RoPE.
 
-    Not causal: which key a query sees is decided only by the boolean mask handed in.
+    Works on a packed sub-batch: `block_RH` holds every block's rows flat, `context_TH` the packed
+    context tokens of the sequences involved; which key a query sees is decided by the `BlockPlan`
+    (see `app/model/attention.py`), built once per sub-batch and shared by every layer.
     """
 
     def __init__(self, arch: DrafterArch) -> None:
@@ -76,34 +128,20 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(d, arch.rms_norm_eps)
         self.k_norm = RMSNorm(d, arch.rms_norm_eps)
 
-    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        N, L, _ = x.shape
-        return x.view(N, L, n, self.head_dim)
+    def forward(self, block_RH: torch.Tensor, context_TH: torch.Tensor, rope_q, rope_k, plan) -> torch.Tensor:
+        from app.model.attention import block_attention
 
-    def forward(
-        self,
-        block_NQH: torch.Tensor,
-        context_NSH: torch.Tensor,
-        rope_q: tuple[torch.Tensor, torch.Tensor],
-        rope_k: tuple[torch.Tensor, torch.Tensor],
-        mask_NQK: torch.Tensor | None,
-    ) -> torch.Tensor:
-        N, Q, _ = block_NQH.shape
-        q = self.q_norm(self._heads(self.q_proj(block_NQH), self.num_heads)).transpose(1, 2)
-        k_in = torch.cat([self.k_proj(context_NSH), self.k_proj(block_NQH)], dim=1)
-        v_in = torch.cat([self.v_proj(context_NSH), self.v_proj(block_NQH)], dim=1)
-        k = self.k_norm(self._heads(k_in, self.num_kv_heads)).transpose(1, 2)
-        v = self._heads(v_in, self.num_kv_heads).transpose(1, 2)
-        q = apply_rope(q, *rope_q)
-        k = apply_rope(k, *rope_k)
-        groups = self.num_heads // self.num_kv_heads
-        if groups > 1:
-            # repeat_interleave matches HF's repeat_kv head order (kv head i serves q heads i*g..).
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        mask = None if mask_NQK is None else mask_NQK[:, None]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5)
-        return self.o_proj(out.transpose(1, 2).reshape(N, Q, self.num_heads * self.head_dim))
+        R, T = block_RH.shape[0], context_TH.shape[0]
+        hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q_hRd = self.q_norm(self.q_proj(block_RH).view(R, hq, d)).transpose(0, 1)
+        k_in = torch.cat([self.k_proj(context_TH), self.k_proj(block_RH)], dim=0)
+        v_in = torch.cat([self.v_proj(context_TH), self.v_proj(block_RH)], dim=0)
+        k_hKd = self.k_norm(k_in.view(T + R, hk, d)).transpose(0, 1)
+        v_hKd = v_in.view(T + R, hk, d).transpose(0, 1)
+        q_hRd = apply_rope(q_hRd, *rope_q)
+        k_hKd = apply_rope(k_hKd, *rope_k)
+        out_hRd = block_attention(q_hRd, k_hKd, v_hKd, plan, scale=d**-0.5)
+        return self.o_proj(out_hRd.transpose(0, 1).reshape(R, hq * d))
 
 
 class DecoderLayer(nn.Module):
@@ -116,6 +154,6 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, x_NQH, context_NSH, rope_q, rope_k, mask_NQK) -> torch.Tensor:
-        x_NQH = x_NQH + self.self_attn(self.input_layernorm(x_NQH), context_NSH, rope_q, rope_k, mask_NQK)
-        return x_NQH + self.mlp(self.post_attention_layernorm(x_NQH))
+    def forward(self, x_RH, context_TH, rope_q, rope_k, plan) -> torch.Tensor:
+        x_RH = x_RH + self.self_attn(self.input_layernorm(x_RH), context_TH, rope_q, rope_k, plan)
+        return x_RH + self.mlp(self.post_attention_layernorm(x_RH))

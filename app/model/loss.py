@@ -2,6 +2,12 @@
 
 Returns SUMS (loss, weights, correct counts), not means: the trainer all-reduces the weight sum
 across ranks and micro-batches and divides the gradients by it, so every token weighs the same.
+
+Everything about the sample is decided on the host from the host copy of the job (anchors, labels,
+weights): no per-sequence device syncs. The blocks are packed flat (no padded anchors) and run in
+sub-batches of at most `max_rows` query rows (`app/model/packing.py`); since the loss is a sum, a
+sub-batched backward gives the same gradients as one pass. Device-side metrics are gathered into
+one tensor and read back once per micro-batch.
 """
 from __future__ import annotations
 
@@ -13,7 +19,6 @@ import numpy as np
 import torch
 
 from app.config.schema import default_gamma
-from app.model.chunked_ce import chunked_cross_entropy
 
 
 @dataclass
@@ -24,6 +29,17 @@ class TrainBatch:
     loss_mask_BS: torch.Tensor  # float, 0 on padding
     hidden_BSD: torch.Tensor  # target features, k*H wide
     lengths_B: torch.Tensor  # long
+    # Host copies (numpy or CPU tensors) for sampling and labels without device syncs; None = .cpu().
+    input_ids_host: object = None
+    loss_mask_host: object = None
+    lengths_host: object = None
+
+    def host(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(input_ids [N, S] int64, loss_mask [N, S] float32, lengths [N] int64) on the host."""
+        ids = self.input_ids_host if self.input_ids_host is not None else self.input_ids_BS.cpu()
+        mask = self.loss_mask_host if self.loss_mask_host is not None else self.loss_mask_BS.cpu()
+        lens = self.lengths_host if self.lengths_host is not None else self.lengths_B.cpu()
+        return (np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.float32), np.asarray(lens, dtype=np.int64))
 
     @classmethod
     def from_hidden_batch(cls, hb, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> "TrainBatch":
@@ -33,6 +49,8 @@ class TrainBatch:
             loss_mask_BS=_to_torch(hb.loss_mask_BS, device, torch.float32),
             hidden_BSD=_hidden_to_torch(hb.hidden_BSD, hb.hidden_dtype, device, dtype),
             lengths_B=_to_torch(hb.lengths_B, device, torch.long),
+            input_ids_host=np.asarray(hb.input_ids_BS), loss_mask_host=np.asarray(hb.loss_mask_BS),
+            lengths_host=np.asarray(hb.lengths_B),
         )
 
 
@@ -78,9 +96,10 @@ def sample_anchors(
 @dataclass
 class LossOutput:
     """Sums over one micro-batch. `correct_sum`/`topk_correct_sum` are loss-weighted;
-    `per_pos_*` are unweighted counts over positions with loss_mask 1."""
+    `per_pos_*` are unweighted counts over positions with loss_mask 1. `loss_sum` is differentiable
+    unless the loss already ran backward itself (`backward=True`), then it is detached."""
 
-    loss_sum: torch.Tensor  # differentiable: sum of weight x CE
+    loss_sum: torch.Tensor  # sum of weight x CE
     weight_sum: float
     correct_sum: float
     per_pos_correct: torch.Tensor  # [B-1], block positions 1..B-1
@@ -89,51 +108,58 @@ class LossOutput:
     num_blocks: int
     tokens: int  # real tokens in the batch
     topk_correct_sum: float = 0.0
+    num_sub_batches: int = 0
 
 
-def _anchor_table(batch: TrainBatch, block_size: int, num_anchors: int, generator):
-    """Anchors per sequence padded to the longest list: (anchors [N, A], valid [N, A])."""
-    per_seq = [
-        sample_anchors(batch.loss_mask_BS[i], int(batch.lengths_B[i]), block_size, num_anchors, generator)
-        for i in range(batch.input_ids_BS.shape[0])
-    ]
-    A = max((a.numel() for a in per_seq), default=0)
-    N = len(per_seq)
-    anchors = torch.zeros(N, A, dtype=torch.long)
-    valid = torch.zeros(N, A, dtype=torch.bool)
-    for i, a in enumerate(per_seq):
-        anchors[i, : a.numel()] = a
-        valid[i, : a.numel()] = True
-    dev = batch.input_ids_BS.device
-    return anchors.to(dev), valid.to(dev)
+def sample_blocks(loss_mask_NS, lengths_N, block_size: int, num_anchors: int, generator) -> tuple[np.ndarray, np.ndarray]:
+    """(sequence of each block, anchor of each block), grouped by sequence, anchors sorted; host only."""
+    mask = torch.as_tensor(np.asarray(loss_mask_NS, dtype=np.float32))
+    seq, anchors = [], []
+    for n in range(mask.shape[0]):
+        a = sample_anchors(mask[n], int(lengths_N[n]), block_size, num_anchors, generator).numpy()
+        seq.append(np.full(len(a), n, dtype=np.int64))
+        anchors.append(a.astype(np.int64))
+    if not seq:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(seq), np.concatenate(anchors)
 
 
-def block_input_ids(input_ids_BS: torch.Tensor, anchors_NA: torch.Tensor, block_size: int, mask_token_id: int):
-    """[N, A, B]: the anchor's own token, then MASK x (B-1)."""
-    N, A = anchors_NA.shape
-    ids = torch.full((N, A, block_size), mask_token_id, dtype=torch.long, device=input_ids_BS.device)
-    ids[:, :, 0] = input_ids_BS.gather(1, anchors_NA)
-    return ids
+def packed_labels(ids_NS: np.ndarray, mask_NS: np.ndarray, lengths_N: np.ndarray, seq_M: np.ndarray,
+                  anchors_M: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Labels and label mask [M, B-1]: output k of block j predicts input_ids[p_j + k] (the same
+    position, no shift), k = 1..B-1; the mask is loss_mask there and 0 past the length."""
+    pos = anchors_M[:, None] + np.arange(1, block_size)
+    in_seq = pos < lengths_N[seq_M][:, None]
+    pos_c = np.minimum(pos, ids_NS.shape[1] - 1)
+    labels = ids_NS[seq_M[:, None], pos_c]
+    lmask = mask_NS[seq_M[:, None], pos_c] * in_seq
+    return labels, lmask.astype(np.float32)
 
 
 def block_labels(batch: TrainBatch, anchors_NA: torch.Tensor, block_size: int):
-    """Labels and label mask [N, A, B-1]: output k of block j predicts input_ids[p_j + k]
-    (the same position, no shift), k = 1..B-1; the mask is loss_mask there and 0 past the length."""
+    """`packed_labels` for an [N, A] anchor table (every anchor real): labels, mask [N, A, B-1]."""
+    ids, mask, lens = batch.host()
     N, A = anchors_NA.shape
-    k = torch.arange(1, block_size, device=anchors_NA.device)
-    pos = anchors_NA[:, :, None] + k
-    in_seq = pos < batch.lengths_B[:, None, None]
-    pos_c = pos.clamp(max=batch.input_ids_BS.shape[1] - 1).flatten(1)
-    labels = batch.input_ids_BS.gather(1, pos_c).view(N, A, block_size - 1)
-    lmask = batch.loss_mask_BS.gather(1, pos_c).view(N, A, block_size - 1) * in_seq
-    return labels, lmask
+    seq = np.repeat(np.arange(N), A)
+    labels, lmask = packed_labels(ids, mask, lens, seq, anchors_NA.cpu().numpy().reshape(-1), block_size)
+    return torch.from_numpy(labels).view(N, A, -1), torch.from_numpy(lmask).view(N, A, -1)
 
 
-def _zero_output(drafter, batch: TrainBatch, block_size: int) -> LossOutput:
+def _zero_output(drafter, tokens: int, block_size: int, backward: bool) -> LossOutput:
     # A differentiable zero keeps backward() and the gradient all-reduce uniform across ranks.
     zero = sum(p.sum() * 0.0 for p in drafter.parameters())
+    if backward:
+        zero.backward()
+        zero = zero.detach()
     z = torch.zeros(block_size - 1)
-    return LossOutput(zero, 0.0, 0.0, z, z.clone(), 0.0, 0, int(batch.lengths_B.sum()))
+    return LossOutput(zero, 0.0, 0.0, z, z.clone(), 0.0, 0, tokens)
+
+
+def _compute_dtype(module, device: torch.device) -> torch.dtype:
+    """The dtype activations run in: autocast's when it is on, else the parameters'."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return next(module.parameters()).dtype
 
 
 def dflash_loss(
@@ -147,46 +173,74 @@ def dflash_loss(
     ce_chunk_rows: int = 1024,
     generator: torch.Generator | None = None,
     topk: int = 0,
+    max_rows: int = 0,
+    backward: bool = False,
+    kernel: str = "auto",
 ) -> LossOutput:
-    """Weighted CE of the drafter's block predictions, as sums."""
-    arch = getattr(drafter, "module", drafter).arch  # DDP wraps the module
-    B = block_size
+    """Weighted CE of the drafter's block predictions, as sums.
+
+    `max_rows` > 0 bounds the query rows per sub-batch (0 = the whole job in one pass). With
+    `backward=True` each sub-batch backpropagates before the next one runs (so only one sub-batch's
+    activations are alive) and the returned `loss_sum` is detached; otherwise it is differentiable.
+    """
+    module = getattr(drafter, "module", drafter)  # DDP wraps the module
+    arch, B = module.arch, block_size
     gamma = gamma or default_gamma(B)
-    anchors, valid = _anchor_table(batch, B, num_anchors, generator)
-    if anchors.shape[1] == 0:
-        return _zero_output(drafter, batch, B)
-    N, A = anchors.shape
-    param_dtype = next(getattr(drafter, "module", drafter).parameters()).dtype
-    ids_NAB = block_input_ids(batch.input_ids_BS, anchors, B, arch.mask_token_id)
-    embeds = head.embed(ids_NAB.flatten(1)).to(param_dtype)
-    hidden = drafter(embeds, batch.hidden_BSD, anchors, batch.lengths_B).view(N, A, B, -1)
+    device = batch.input_ids_BS.device
+    ids_h, mask_h, lens_h = batch.host()
+    tokens = int(lens_h.sum())
+    seq_M, anchors_M = sample_blocks(mask_h, lens_h, B, num_anchors, generator)
+    if len(seq_M) == 0:
+        return _zero_output(drafter, tokens, B, backward)
+    from app.model.chunked_ce import weighted_chunked_ce
+    from app.model.packing import pack_blocks, split_rows
 
-    labels, lmask = block_labels(batch, anchors, B)
-    lmask = lmask * valid[:, :, None]
-    k = torch.arange(1, B, device=anchors.device)
-    weight = lmask * torch.exp(-(k - 1).float() / gamma)
-
-    rows = valid  # only real anchors go through the LM head
-    h_rows = hidden[:, :, 1:][rows].reshape(-1, hidden.shape[-1]).to(head.lm_head.weight.dtype)
-    nll, pred, topk_hit = chunked_cross_entropy(
-        h_rows, head.lm_head.weight, labels[rows].reshape(-1), ce_chunk_rows, topk
-    )
-    w = weight[rows].reshape(-1)
-    m = lmask[rows].view(-1, B - 1)
-    correct = (pred == labels[rows].reshape(-1)).float()
-    correct_MK = correct.view(-1, B - 1) * m
-    # Acceptance: the correct prefix stops at the first wrong (or unlabelled) position.
-    accept = correct_MK.cumprod(dim=1).sum(dim=1) + 1
+    labels_h, lmask_h = packed_labels(ids_h, mask_h, lens_h, seq_M, anchors_M, B)
+    decay = np.exp(-np.arange(B - 1, dtype=np.float64) / gamma).astype(np.float32)
+    weight_h = lmask_h * decay
+    block_ids_h = np.full((len(seq_M), B), arch.mask_token_id, dtype=np.int64)
+    block_ids_h[:, 0] = ids_h[seq_M, anchors_M]
+    N, S = ids_h.shape
+    feats_TD = batch.hidden_BSD.reshape(N * S, -1)
+    dtype = _compute_dtype(module, device)
+    loss_total = None
+    dev_stats = []  # per sub-batch: [correct_w, accept, topk_w] and per-position correct counts
+    subs = split_rows(len(seq_M), B, max_rows)
+    for sl in subs:
+        sub = pack_blocks(seq_M[sl], anchors_M[sl], lens_h, S, B, device, kernel)
+        ids = torch.from_numpy(block_ids_h[sl]).to(device, non_blocking=True)
+        labels = torch.from_numpy(labels_h[sl]).to(device, non_blocking=True)
+        lmask = torch.from_numpy(lmask_h[sl]).to(device, non_blocking=True)
+        w = torch.from_numpy(weight_h[sl]).to(device, non_blocking=True)
+        embeds_RH = head.embed(ids.reshape(-1)).to(dtype)
+        hidden_RH = module.forward_packed(embeds_RH, feats_TD[sub.ctx_index_T], sub)
+        h_rows = hidden_RH.view(-1, B, hidden_RH.shape[-1])[:, 1:].reshape(-1, hidden_RH.shape[-1])
+        loss, _, pred, topk_hit = weighted_chunked_ce(
+            h_rows.to(head.lm_head.weight.dtype), head.lm_head.weight, labels.reshape(-1), w.reshape(-1),
+            ce_chunk_rows, topk)
+        if backward:
+            loss.backward()
+            loss = loss.detach()
+        loss_total = loss if loss_total is None else loss_total + loss
+        with torch.no_grad():
+            correct = (pred.view(labels.shape) == labels).float()
+            correct_MK = correct * lmask
+            # Acceptance: the correct prefix stops at the first wrong (or unlabelled) position.
+            accept = correct_MK.cumprod(dim=1).sum(dim=1) + 1
+            topk_w = (topk_hit.view(labels.shape).float() * w).sum() if topk else torch.zeros((), device=device)
+            dev_stats.append(torch.cat([torch.stack([(correct * w).sum(), accept.sum(), topk_w]), correct_MK.sum(0)]))
+    stats = torch.stack(dev_stats).sum(0).double().cpu()  # the one device sync of the micro-batch
     return LossOutput(
-        loss_sum=(nll * w).sum(),
-        weight_sum=float(w.sum()),
-        correct_sum=float((correct * w).sum()),
-        per_pos_correct=correct_MK.sum(0).detach().cpu(),
-        per_pos_count=m.sum(0).detach().cpu(),
-        accept_len_sum=float(accept.sum()),
-        num_blocks=int(rows.sum()),
-        tokens=int(batch.lengths_B.sum()),
-        topk_correct_sum=float((topk_hit.float() * w).sum()) if topk else 0.0,
+        loss_sum=loss_total,
+        weight_sum=float(weight_h.sum(dtype=np.float64)),
+        correct_sum=float(stats[0]),
+        per_pos_correct=stats[3:].float(),
+        per_pos_count=torch.from_numpy(lmask_h.sum(0)),
+        accept_len_sum=float(stats[1]),
+        num_blocks=len(seq_M),
+        tokens=tokens,
+        topk_correct_sum=float(stats[2]) if topk else 0.0,
+        num_sub_batches=len(subs),
     )
 
 

@@ -91,6 +91,11 @@ class StepAccumulator:
         self.sums["active"] = 1.0
 
 
+def use_compile(setting: str, device: torch.device) -> bool:
+    """`train.compile`: auto = on for CUDA (where the fused kernels pay), off for CPU."""
+    return setting == "on" or (setting == "auto" and device.type == "cuda")
+
+
 class DrafterTrainer:
     """Drafter, frozen target head, AdamW and the warmup-cosine schedule of one replica."""
 
@@ -108,9 +113,16 @@ class DrafterTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_cosine(total_steps, tcfg.warmup_ratio))
         self.step = 0
         self.acc = StepAccumulator(dcfg.block_size)
+        drafter.activation_checkpointing = tcfg.activation_checkpointing
+        if use_compile(tcfg.compile, device):
+            # Per process (each actor compiles its own), per layer: the layers are identical, so one
+            # graph serves all five; dynamic shapes because every sub-batch has its own row count.
+            for layer in drafter.layers:
+                layer.compile(dynamic=True)
 
     def micro_step(self, batch, job_id: int) -> None:
-        """Forward + backward of one micro-batch (a target job); anchors depend only on (seed, job)."""
+        """Forward + backward of one micro-batch (a target job) in sub-batches of at most
+        `drafter.max_rows` query rows; anchors depend only on (seed, job)."""
         from app.model.loss import dflash_loss
 
         gen = torch.Generator(device="cpu").manual_seed(self.tcfg.seed * 1_000_003 + job_id)
@@ -120,9 +132,8 @@ class DrafterTrainer:
             out = dflash_loss(
                 self.drafter, self.head, batch, block_size=self.dcfg.block_size, num_anchors=self.dcfg.num_anchors,
                 gamma=self.gamma, ce_chunk_rows=self.dcfg.ce_chunk_rows, generator=gen, topk=topk,
+                max_rows=self.dcfg.max_rows, backward=True,
             )
-        if out.loss_sum.requires_grad:
-            out.loss_sum.backward()
         self.acc.add(out, job_id)
 
     def sampling_step(self) -> bool:

@@ -1,0 +1,101 @@
+"""Block-sparse drafter attention: tiled (CPU) and flex kernels against the dense masked reference."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+
+from app.model.attention import attention_flops, block_attention, build_plan, flex_tiles
+from app.model.packing import pack_blocks, split_rows
+
+CPU = torch.device("cpu")
+
+
+def _ranges(seed=0, B=4, seqs=((40, 9), (23, 5), (70, 14))):
+    """(lo, hi, T): blocks of a few sequences, anchors sorted, as `pack_blocks` lays them out."""
+    rng = np.random.default_rng(seed)
+    seq, anchors, lengths = [], [], []
+    for n, (length, count) in enumerate(seqs):
+        a = np.sort(rng.choice(np.arange(length - B + 1), size=count, replace=False))
+        seq += [n] * count
+        anchors += a.tolist()
+        lengths.append(length)
+    sub = pack_blocks(np.array(seq), np.array(anchors), np.array(lengths), max(lengths), B, CPU, "dense")
+    return sub.plan.ctx_lo_M, sub.plan.ctx_hi_M, sub.plan.num_ctx
+
+
+def _qkv(R, T, heads=4, kv_heads=2, d=8, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(heads, R, d, generator=g, dtype=torch.float64).requires_grad_()
+    k = torch.randn(kv_heads, T + R, d, generator=g, dtype=torch.float64).requires_grad_()
+    v = torch.randn(kv_heads, T + R, d, generator=g, dtype=torch.float64).requires_grad_()
+    return q, k, v
+
+
+def _run(kernel, lo, hi, T, B, q, k, v):
+    plan = build_plan(lo, hi, T, B, CPU, kernel)
+    out = block_attention(q, k, v, plan, scale=0.35)
+    w = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    return out, grads, plan
+
+
+def test_tiled_equals_dense_masked_reference_outputs_and_gradients():
+    B = 4
+    lo, hi, T = _ranges(B=B)
+    q, k, v = _qkv(len(lo) * B, T)
+    ref, ref_g, _ = _run("dense", lo, hi, T, B, q, k, v)
+    out, g, plan = _run("tiled", lo, hi, T, B, q, k, v)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    for a, b in zip(g, ref_g):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    assert len(plan.tiles) > 1  # really tiled, not one dense call
+    executed, needed = attention_flops(lo, hi, T, B, "tiled")
+    dense, _ = attention_flops(lo, hi, T, B, "dense")
+    assert needed <= executed < dense
+
+
+def test_dense_reference_hides_the_anchor_and_other_blocks():
+    # The reference itself encodes the rules the tiles must match: `<` the anchor, own block only.
+    lo, hi = np.array([0, 0]), np.array([3, 6])
+    from app.model.attention import dense_mask
+
+    m = dense_mask(lo, hi, 6, 2, CPU)
+    assert m[0, :6].tolist() == [True, True, True, False, False, False]  # anchor 3 unseen
+    assert m[2, :6].tolist() == [True] * 6
+    assert m[0, 6:].tolist() == [True, True, False, False] and m[3, 6:].tolist() == [False, False, True, True]
+
+
+def test_flex_forward_equals_dense_on_cpu_and_tile_count_matches_block_mask():
+    # flex has no backward on CPU; its forward (eager) and its BlockMask still run here.
+    B = 16
+    lo, hi, T = _ranges(B=B, seqs=((300, 20), (150, 9)))
+    q, k, v = _qkv(len(lo) * B, T, d=16)
+    q, k, v = (t.detach().float() for t in (q, k, v))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dense = block_attention(q, k, v, build_plan(lo, hi, T, B, CPU, "dense"), 0.25)
+        plan = build_plan(lo, hi, T, B, CPU, "flex")
+        flex = block_attention(q, k, v, plan, 0.25)
+    torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-4)
+    bm = plan.flex_mask
+    counted = int(bm.kv_num_blocks.sum()) + (int(bm.full_kv_num_blocks.sum()) if bm.full_kv_num_blocks is not None else 0)
+    assert flex_tiles(lo, hi, T, B) == counted
+
+
+def test_split_rows_bounds_every_sub_batch():
+    parts = split_rows(10, 16, 50)  # 3 blocks of 16 rows fit in 50
+    assert [p.stop - p.start for p in parts] == [3, 3, 3, 1]
+    assert split_rows(10, 16, 0) == [slice(0, 10)]
+    assert split_rows(3, 16, 8) == [slice(0, 1), slice(1, 2), slice(2, 3)]  # at least one block each
+
+
+def test_pack_blocks_keeps_only_visible_context():
+    sub = pack_blocks(np.array([0, 0, 2]), np.array([3, 7, 5]), np.array([12, 9, 4]), 12, 2, CPU)
+    # seq 0 needs positions 0..6 (max anchor 7), seq 2 only 0..3 (length 4 < anchor 5).
+    assert sub.plan.num_ctx == 7 + 4
+    assert sub.ctx_index_T.tolist() == list(range(7)) + [24, 25, 26, 27]
+    assert sub.plan.ctx_lo_M.tolist() == [0, 0, 7] and sub.plan.ctx_hi_M.tolist() == [3, 7, 11]
+    assert sub.q_pos_R.tolist() == [3, 4, 7, 8, 5, 6]
+    assert sub.k_pos_K.tolist() == list(range(7)) + list(range(4)) + [3, 4, 7, 8, 5, 6]
