@@ -51,10 +51,14 @@ class HSPoolActor:
         pool_cfg: PoolConfig,
         num_buckets: int,
         run_name: str,
-        pull_policy: str | PullPolicy = "round_robin",
+        pull_policy: str | PullPolicy | None = None,
+        ranks: int | None = None,
+        accum: int = 1,
     ) -> None:
+        """`pull_policy` None = pool_cfg.pull_policy; `ranks` x `accum` (drafters x train.grad_accum)
+        is one global step, which the stratified policy mixes."""
         self._cfg = pool_cfg
-        self._pool = HSPool(pool_cfg, num_buckets, pull_policy=pull_policy)
+        self._pool = HSPool(pool_cfg, num_buckets, pull_policy=pull_policy, ranks=ranks, accum=accum)
         self._run_name = run_name
         self._targets: dict[int, Any] = {}
         self._failures: list[TargetFailure] = []
@@ -65,6 +69,10 @@ class HSPoolActor:
         self._started = False
         self._metrics: Any = None
         self._stop_requested = False
+        # Live evaluation (eval.every_steps): rank 0 offers its weights, the driver takes the newest
+        # and runs it on one target, which gets no training jobs meanwhile (paused).
+        self._eval_offer: tuple[int, list] | None = None
+        self._paused: set[int] = set()
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -104,7 +112,7 @@ class HSPoolActor:
     async def _dispatch_loop(self) -> None:
         while True:
             for tid, handle in list(self._targets.items()):
-                while tid in self._targets and (job := self._pool.next_job(tid)) is not None:
+                while tid in self._targets and tid not in self._paused and (job := self._pool.next_job(tid)) is not None:
                     self._launch(tid, handle, job)
             await self._pool.wait_changed()
 
@@ -150,18 +158,21 @@ class HSPoolActor:
 
     # ---- drafters -------------------------------------------------------------------------
 
-    async def pull(self, drafter_id: int, generation: int = 0) -> PulledItem | EndOfStream | Drained:
-        """Lease the next item (bucket-fair), waiting for the reservoir; see app.pool.policy.HSPool.pull."""
+    async def pull(self, drafter_id: int, generation: int = 0,
+                   acks: list[int] | None = None) -> PulledItem | EndOfStream | Drained:
+        """Ack `acks` (the drafter's last step rides on its next pull: one call), then lease the next
+        item, waiting for the reservoir; see app.pool.policy.HSPool.pull."""
         self._ensure_started()
         t0 = time.monotonic()
-        got = await self._pool.pull(drafter_id, generation)
+        got = await self._pool.pull(drafter_id, generation, acks or ())
         if isinstance(got, PulledItem):
             self._waits.append(time.monotonic() - t0)
         return got
 
-    async def pull_many(self, drafter_id: int, n: int) -> list[PulledItem | EndOfStream | Drained]:
-        """Up to n pulls in one call: waits for the first, then takes what is ready now."""
-        first = await self.pull(drafter_id)
+    async def pull_many(self, drafter_id: int, n: int, generation: int = 0,
+                        acks: list[int] | None = None) -> list[PulledItem | EndOfStream | Drained]:
+        """Acks, then up to n pulls in one call: waits for the first, then takes what is ready now."""
+        first = await self.pull(drafter_id, generation, acks)
         out = [first]
         while len(out) < n and isinstance(out[-1], PulledItem):
             got = self._pool.try_pull(drafter_id)
@@ -203,6 +214,7 @@ class HSPoolActor:
     # ---- telemetry ------------------------------------------------------------------------
 
     async def report_step(self, rec: StepRecord) -> None:
+        self._pool.record_step(rec.step, rec.job_ids)
         self._steps.append(rec)
         self._undrained.append(rec)
         if self._metrics is not None:
@@ -212,6 +224,29 @@ class HSPoolActor:
         """The driver restarted a target (`target`) or rebuilt the drafters (`drafter_group`)."""
         if self._metrics is not None:
             self._metrics.restart(kind)
+
+    async def offer_eval(self, step: int, weights: list) -> None:
+        """Rank 0's weights at `step` (`[ref]`: the list keeps Ray from resolving it here); a newer
+        offer replaces one not yet taken, so evaluation never queues up behind training."""
+        self._eval_offer = (step, weights)
+
+    async def take_eval(self) -> tuple[int, list] | None:
+        """The newest offered weights, once (the driver's evaluation runner)."""
+        offer, self._eval_offer = self._eval_offer, None
+        return offer
+
+    async def pause_target(self, target_id: int) -> None:
+        """Issue no training jobs to this target (it evaluates); the ones it holds finish."""
+        self._paused.add(target_id)
+
+    async def resume_target(self, target_id: int) -> None:
+        self._paused.discard(target_id)
+        self._pool.notify()
+
+    async def report_tau(self, step: int, tau: float) -> None:
+        """An evaluation's tau, for the `dflash_tau` gauge."""
+        if self._metrics is not None:
+            self._metrics.evaluation(tau)
 
     async def drain_step_records(self) -> list[StepRecord]:
         """Step records reported since the previous drain (for the driver's logging)."""

@@ -11,14 +11,16 @@ Prometheus names as scraped from Ray 2.60: each name gets the `ray_` prefix
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
 from app.pool import metric_names as mn
 from app.messages import StepRecord
+from app.pool.states import JobState
 from app.pool.stats import PoolStats
 
-JOB_STATES = ("pending", "in_flight", "buffered", "leased", "acked")
+JOB_STATES = tuple(s.value for s in JobState)
 WAIT_BOUNDARIES_S = [0.001, 0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0]
 
 
@@ -38,6 +40,10 @@ class PoolMetrics:
             mn.PULL_WAIT_SECONDS, "Seconds a pull waited for an item", WAIT_BOUNDARIES_S, run
         )
         self.served = Counter(mn.SERVED_TOTAL, "Items served per bucket", run + ("bucket",))
+        self.step_mix_tv = Gauge(mn.STEP_MIX_TV, "Mean TV distance of the recent global steps' bucket mix "
+                                 "from the data's bucket shares (0 = stratified)", run)
+        self.backlog = Gauge(mn.POOL_BACKLOG_SHARE, "Time-averaged share of the buffer held by its largest "
+                             "bucket since the previous tick", run)
         self.target_tokens = Counter(mn.TARGET_TOKENS_TOTAL, "Tokens produced per target", run + ("target",))
         self.target_busy = Gauge(mn.TARGET_BUSY_RATIO, "Forward time / wall time per target", run + ("target",))
         self.train_tokens = Counter(mn.TRAIN_TOKENS_TOTAL, "Tokens trained (all drafters)", run)
@@ -47,6 +53,9 @@ class PoolMetrics:
             mn.DRAFTER_DATA_WAIT_RATIO, "Data wait / (wait + compute) per drafter", run + ("drafter",)
         )
         self.restarts = Counter(mn.RESTARTS_TOTAL, "Target restarts and drafter-group rebuilds", run + ("kind",))
+        self.tau = Gauge(mn.TAU, "Acceptance length (tau) of the latest evaluation during the run", run)
+        self._tau: float | None = None
+        self._last_backlog: tuple[float, float] | None = None  # (share x seconds, seconds) at the last tick
         self._last_served: list[int] = []
         self._last_tokens: dict[int, int] = {}
         self._last_forward: dict[int, tuple[float, float]] = {}  # target -> (forward_s, wall time)
@@ -69,6 +78,9 @@ class PoolMetrics:
             self.jobs.set(n, self._t(state=state))
         for w in waits:
             self.pull_wait.observe(w, self._t())
+        if st.steps_measured and not math.isnan(st.step_mix_tv):
+            self.step_mix_tv.set(st.step_mix_tv, self._t())
+        self._backlog_gauge(st)
         self._counters(st)
         self._target_busy(st, now)
         for t, ratio in self._busy.items():
@@ -79,6 +91,8 @@ class PoolMetrics:
             self.train_step.set(self._step, self._t())
         if self._loss is not None:
             self.train_loss.set(self._loss, self._t())
+        if self._tau is not None:
+            self.tau.set(self._tau, self._t())
 
     def _counters(self, st: PoolStats) -> None:
         if not self._last_served:
@@ -92,6 +106,16 @@ class PoolMetrics:
             if delta > 0:
                 self.target_tokens.inc(delta, self._t(target=t))
                 self._last_tokens[t] = n
+
+    def _backlog_gauge(self, st: PoolStats) -> None:
+        """The buffer's largest-bucket share, time-averaged over the last tick interval (the pool's
+        all-time average until the second tick; nothing while production is over)."""
+        integral, seconds = st.backlog_integral, st.backlog_seconds
+        prev, self._last_backlog = self._last_backlog, (integral, seconds)
+        if prev is not None and seconds > prev[1]:
+            self.backlog.set((integral - prev[0]) / (seconds - prev[1]), self._t())
+        elif prev is None and seconds > 0:
+            self.backlog.set(integral / seconds, self._t())
 
     def _target_busy(self, st: PoolStats, now: float) -> None:
         for t, fwd in st.forward_s_by_target.items():
@@ -109,6 +133,11 @@ class PoolMetrics:
             self._wait_ratio[rec.rank] = rec.data_wait_s / total
         if rec.step >= self._step:  # every rank carries the step's global loss; keep the newest
             self._step, self._loss = rec.step, rec.loss
+
+    def evaluation(self, tau: float) -> None:
+        """tau measured during the run (the driver reports each evaluation); re-set every tick."""
+        self._tau = tau
+        self.tau.set(tau, self._t())
 
     def restart(self, kind: str) -> None:
         """A target restart or a drafter-group rebuild (the driver reports them)."""

@@ -41,6 +41,7 @@ class EvalResult:
     new_tokens: int
     target_forwards: int
     matches_greedy: bool
+    accepted_per_forward: list[int] = field(default_factory=list)  # tokens each verify forward produced
 
 
 class _TargetRunner:
@@ -181,6 +182,7 @@ def measure_tau(
     spec_s = greedy_s = 0.0
     new_tokens = forwards = accepted = 0
     same = True
+    per_forward: list[int] = []
     for prompt in prompts:
         t0 = time.perf_counter()
         res = spec_generate(target_model, drafter, head, prompt, max_new_tokens, layer_ids, block_size, eos_token_id,
@@ -193,6 +195,7 @@ def measure_tau(
         new_tokens += len(res.tokens)
         forwards += res.target_forwards
         accepted += sum(res.accepted_per_forward)
+        per_forward += res.accepted_per_forward
     tok_s = new_tokens / max(spec_s, 1e-9)
     greedy_tok_s = new_tokens / greedy_s if baseline else 0.0
     return EvalResult(
@@ -204,4 +207,5 @@ def measure_tau(
         new_tokens=new_tokens,
         target_forwards=forwards,
         matches_greedy=same,
+        accepted_per_forward=per_forward,
     )

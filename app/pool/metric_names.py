@@ -11,6 +11,8 @@ POOL_CAPACITY_BYTES = "dflash_pool_capacity_bytes"  # gauge
 JOBS = "dflash_jobs"  # gauge {state}: pending, in_flight, buffered, leased, acked
 PULL_WAIT_SECONDS = "dflash_pull_wait_seconds"  # histogram
 SERVED_TOTAL = "dflash_served_total"  # counter {bucket}
+STEP_MIX_TV = "dflash_step_mix_tv"  # gauge: recent global steps' TV distance from the data's bucket shares
+POOL_BACKLOG_SHARE = "dflash_pool_backlog_share"  # gauge: share of the buffer held by its largest bucket
 TARGET_TOKENS_TOTAL = "dflash_target_tokens_total"  # counter {target}
 TARGET_BUSY_RATIO = "dflash_target_busy_ratio"  # gauge {target}
 TRAIN_TOKENS_TOTAL = "dflash_train_tokens_total"  # counter
@@ -18,6 +20,7 @@ TRAIN_STEP = "dflash_train_step"  # gauge
 TRAIN_LOSS = "dflash_train_loss"  # gauge
 DRAFTER_DATA_WAIT_RATIO = "dflash_drafter_data_wait_ratio"  # gauge {drafter}
 RESTARTS_TOTAL = "dflash_restarts_total"  # counter {kind}
+TAU = "dflash_tau"  # gauge: acceptance length of the latest evaluation during the run
 
 ALL = (
     POOL_ITEMS,
@@ -26,6 +29,8 @@ ALL = (
     JOBS,
     PULL_WAIT_SECONDS,
     SERVED_TOTAL,
+    STEP_MIX_TV,
+    POOL_BACKLOG_SHARE,
     TARGET_TOKENS_TOTAL,
     TARGET_BUSY_RATIO,
     TRAIN_TOKENS_TOTAL,
@@ -33,4 +38,5 @@ ALL = (
     TRAIN_LOSS,
     DRAFTER_DATA_WAIT_RATIO,
     RESTARTS_TOTAL,
+    TAU,
 )

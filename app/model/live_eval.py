@@ -1,0 +1,124 @@
+"""Acceptance length during the run: rank 0's weights in, tau and per-position acceptance out.
+
+The math the target actor runs for an evaluation job (`TargetActor.evaluate_weights`): build the
+drafter from a state dict (numpy, what rank 0 put in the object store) or an exported folder, run
+greedy speculative decoding with the target on the held-out prompts, check the output equals plain
+greedy, and, when asked, export the drafter as the new best one, atomically.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# config.json key holding where the exported drafter came from (step, tau); loaders ignore unknown keys.
+META_KEY = "dflash_ray_eval"
+
+
+@dataclass(frozen=True)
+class LiveEval:
+    """One evaluation: tau, per-position acceptance (positions 1..B-1), and whether it was exported."""
+
+    step: int
+    tau: float
+    per_pos_accept: list[float]
+    matches_greedy: bool
+    num_prompts: int
+    new_tokens: int
+    seconds: float
+    exported_to: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def weights_to_numpy(module: torch.nn.Module) -> dict[str, np.ndarray]:
+    """A float32 numpy copy of a module's state dict: what rank 0 puts in the object store (readers
+    get it zero-copy; float32 because the master weights are float32 and numpy has no bf16)."""
+    module = getattr(module, "module", module)  # DDP wrapper
+    return {k: v.detach().to("cpu", torch.float32).numpy().copy() for k, v in module.state_dict().items()}
+
+
+def per_position_acceptance(tokens_per_forward: list[int], block_size: int) -> list[float]:
+    """Share of verify forwards that accepted draft position k, for k = 1..B-1.
+
+    A forward that produced n tokens accepted its first n - 1 drafts (the last token is the target's
+    own). The final forward of a prompt may be cut by max_new_tokens: it counts as what it kept."""
+    if not tokens_per_forward:
+        return [0.0] * (block_size - 1)
+    accepted = np.asarray(tokens_per_forward) - 1
+    return [float((accepted >= k).mean()) for k in range(1, block_size)]
+
+
+def evaluate_drafter(target_model, model_dir: str, layer_ids: list[int], step: int, weights, prompts,
+                     drafter_cfg, eval_cfg, mask_token_id: int, device, dtype, seed: int,
+                     eos_token_id: int | None) -> tuple[LiveEval, torch.nn.Module, object]:
+    """(result, drafter, arch) for `weights`: a numpy state dict, or an exported drafter folder."""
+    import time
+
+    from app.model.build import build_or_load_drafter
+    from app.model.spec_decode import measure_tau
+
+    t0 = time.perf_counter()
+    folder = weights if isinstance(weights, (str, os.PathLike)) else None
+    drafter, head, arch = build_or_load_drafter(model_dir, folder, drafter_cfg, layer_ids, mask_token_id, device,
+                                                dtype, seed)
+    if folder is None:
+        drafter.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in weights.items()})
+    with torch.no_grad():
+        res = measure_tau(target_model, drafter.eval(), head, prompts[: eval_cfg.num_prompts],
+                          eval_cfg.max_new_tokens, list(arch.target_layer_ids), arch.block_size, eos_token_id)
+    result = LiveEval(step=step, tau=float(res.tau),
+                      per_pos_accept=per_position_acceptance(res.accepted_per_forward, arch.block_size),
+                      matches_greedy=bool(res.matches_greedy), num_prompts=res.num_prompts,
+                      new_tokens=res.new_tokens, seconds=time.perf_counter() - t0)
+    return result, drafter, arch
+
+
+def export_best(drafter, arch, out_dir: str | Path, step: int, tau: float, dtype: torch.dtype | None = None) -> Path:
+    """Export to `out_dir` with `{step, tau}` in config.json, replacing it all at once."""
+    from app.model.export import export_drafter
+
+    tmp = _temp_sibling(out_dir)
+    export_drafter(drafter, arch, tmp, dtype=dtype)
+    return _swap_in(tmp, Path(out_dir), step, tau)
+
+
+def copy_as_best(src_dir: str | Path, out_dir: str | Path, step: int, tau: float) -> Path:
+    """The same for an already exported folder (the final drafter/ when it is the best)."""
+    tmp = _temp_sibling(out_dir)
+    shutil.copytree(src_dir, tmp)
+    return _swap_in(tmp, Path(out_dir), step, tau)
+
+
+def read_best_meta(folder: str | Path) -> dict | None:
+    """`{step, tau}` of an exported best drafter, or None."""
+    path = Path(folder) / "config.json"
+    return json.loads(path.read_text()).get(META_KEY) if path.exists() else None
+
+
+def _temp_sibling(out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    return tmp
+
+
+def _swap_in(tmp: Path, out: Path, step: int, tau: float) -> Path:
+    """Stamp `{step, tau}` into tmp's config.json, then swap tmp in for `out` by two renames: a
+    reader sees the old complete folder or the new complete one (for the instant between, none)."""
+    cfg_path = tmp / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg[META_KEY] = {"step": int(step), "tau": float(tau)}
+    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+    old = out.with_name(out.name + f".old-{os.getpid()}")
+    if out.exists():
+        out.rename(old)
+    tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+    return out

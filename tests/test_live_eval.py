@@ -1,0 +1,71 @@
+"""Evaluation during the run, the target's side: weights from the object store in, tau out, best exported."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import app.model.spec_decode as sd
+from app.config.schema import DrafterConfig, EvalConfig
+from app.model.build import build_or_load_drafter
+from app.model.live_eval import (META_KEY, copy_as_best, evaluate_drafter, export_best, per_position_acceptance,
+                                 read_best_meta, weights_to_numpy)
+from app.model.toy import save_tiny_target
+
+LAYERS = [0, 2]
+PROMPTS = [[5, 9, 17, 2], [100, 3], [7, 7, 7, 7, 7, 7, 40]]
+DCFG = DrafterConfig(num_layers=1, block_size=4)
+ECFG = EvalConfig(num_prompts=3, max_new_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = tmp_path_factory.mktemp("target")
+    return save_tiny_target(path, seed=0), str(path)
+
+
+def _trained_like(model_dir: str, seed: int):
+    """A drafter whose weights differ from the seed-0 fresh one (as rank 0's would after steps)."""
+    drafter, head, arch = build_or_load_drafter(model_dir, None, DCFG, LAYERS, 3, torch.device("cpu"),
+                                                torch.float32, seed)
+    return drafter.eval(), head, arch
+
+
+def test_per_position_acceptance_counts_accepted_drafts():
+    # tokens per forward 1, 3, 2, 4 -> accepted drafts 0, 2, 1, 3 (block of 4: positions 1..3)
+    assert per_position_acceptance([1, 3, 2, 4], 4) == [0.75, 0.5, 0.25]
+    assert per_position_acceptance([], 4) == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.slow
+def test_weights_from_the_object_store_give_the_drafters_own_tau(target, tmp_path):
+    model, model_dir = target
+    drafter, head, arch = _trained_like(model_dir, seed=7)
+    direct = sd.measure_tau(model, drafter, head, PROMPTS, ECFG.max_new_tokens, LAYERS, arch.block_size)
+    live, rebuilt, _ = evaluate_drafter(model, model_dir, LAYERS, 40, weights_to_numpy(drafter), PROMPTS, DCFG, ECFG,
+                                        3, torch.device("cpu"), torch.float32, seed=0, eos_token_id=None)
+    assert live.matches_greedy and live.step == 40
+    assert live.tau == pytest.approx(direct.tau)  # seed 0 built it, the state dict made it rank 0's drafter
+    # E[accepted drafts] = sum over k of P(accepted >= k) = tau - 1 (tau counts the target's own token).
+    assert sum(live.per_pos_accept) == pytest.approx(direct.tau - 1)
+    # Exported as the best, then evaluated from the folder (what python -m app.evaluate does): same tau.
+    best = export_best(rebuilt, arch, tmp_path / "drafter-best", step=40, tau=live.tau)
+    assert read_best_meta(best) == {"step": 40, "tau": live.tau}
+    again, _, _ = evaluate_drafter(model, model_dir, LAYERS, 40, str(best), PROMPTS, DCFG, ECFG, 3,
+                                   torch.device("cpu"), torch.float32, seed=0, eos_token_id=None)
+    assert again.tau == live.tau and again.per_pos_accept == live.per_pos_accept
+
+
+@pytest.mark.slow
+def test_best_export_replaces_the_folder_whole(target, tmp_path):
+    _, model_dir = target
+    drafter, _, arch = _trained_like(model_dir, seed=1)
+    out = tmp_path / "drafter-best"
+    export_best(drafter, arch, out, step=20, tau=1.5)
+    export_best(drafter, arch, out, step=60, tau=2.5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter-best"]  # no temp or old folder left
+    assert json.loads((out / "config.json").read_text())[META_KEY] == {"step": 60, "tau": 2.5}
+    copy_as_best(out, tmp_path / "copy", step=80, tau=3.0)
+    assert read_best_meta(tmp_path / "copy") == {"step": 80, "tau": 3.0}
+    assert (tmp_path / "copy" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
