@@ -85,6 +85,24 @@ class TargetActor:
                                  eval_cfg.max_new_tokens, self.layer_ids, arch.block_size)
         return {"tau": float(result.tau), "tok_s": float(result.tok_s)}
 
+    def evaluate_weights(self, step: int, weights, prompts: list[list[int]], drafter_cfg: DrafterConfig,
+                         eval_cfg: EvalConfig, mask_token_id: int, seed: int, eos_token_id: int | None,
+                         best_dir: str | None = None, beat_tau: float = float("inf")) -> dict:
+        """An evaluation during the run (`eval.every_steps`): tau and per-position acceptance of rank 0's
+        weights at `step` (a numpy state dict from the object store, or an exported folder), checked
+        against plain greedy decoding; exported to `best_dir` when tau > `beat_tau`. See app/model/live_eval.py."""
+        from dataclasses import replace
+
+        from app.model.live_eval import evaluate_drafter, export_best
+
+        with self.compute_lock:  # the pool pauses this target's jobs; the ones it held finish first
+            result, drafter, arch = evaluate_drafter(
+                self.model, self.model_dir, self.layer_ids, step, weights, prompts, drafter_cfg, eval_cfg,
+                mask_token_id, self.device, self.dtype, seed, eos_token_id)
+        if best_dir and result.tau > beat_tau:
+            result = replace(result, exported_to=str(export_best(drafter, arch, best_dir, step, result.tau, self.dtype)))
+        return result.to_dict()
+
 
 def target_attention(device, dtype) -> str:
     """flash_attention_2 on CUDA in bf16/fp16 when flash-attn is installed (packed varlen jobs), else sdpa."""

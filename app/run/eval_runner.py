@@ -1,0 +1,130 @@
+"""Evaluation during the run, the Ray side: takes rank 0's offered weights from the pool, runs them on one
+target, and sends tau to the status line, the timeline, the `dflash_tau` gauge and `drafter-best/`.
+
+A listener of the RunMonitor: every pool snapshot the supervisor folds in (each loop turn) is a tick.
+Everything here is non-blocking (`ray.wait(timeout=0)`), so the supervision loop, and training, never
+wait for an evaluation; only `finish` at the end of the run waits, for the last one.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from app.run.evaluation import EvalOffer, EvalSchedule, TauBook
+
+BEST_DIR_NAME = "drafter-best"
+
+
+class EvalRunner:
+    """Owns the evaluation in flight (one at most) and the book of results."""
+
+    def __init__(self, sup, monitor, timeline, log, eos_token_id: int | None, clock=time.monotonic) -> None:
+        self.sup, self.monitor, self.timeline, self.log, self.clock = sup, monitor, timeline, log, clock
+        self.cfg, self.plan = sup.cfg, sup.plan
+        self.eos_token_id = eos_token_id
+        self.schedule = EvalSchedule(timeout_s=sup.cfg.supervision.stall_timeout_s)
+        self.book = TauBook()
+        self.best_dir = str(Path(self.cfg.checkpoint.dir) / BEST_DIR_NAME)
+        self._ref: Any = None
+        self._handle: Any = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.cfg.eval.every_steps > 0 and bool(self.plan.eval_prompts)
+
+    # ---- RunMonitor listener --------------------------------------------------------------
+
+    def add_records(self, records) -> None:
+        """Listener interface; evaluation ticks on pool snapshots."""
+
+    def note(self, event: str) -> None:
+        """Listener interface; faults reach the evaluation through its call failing."""
+
+    def add_pool(self, stats) -> None:
+        if not self.enabled:
+            return
+        self._poll()
+        offer = self.sup._pool_call(self.sup.pool.take_eval)
+        if offer is not None:
+            step, weights = offer
+            self.schedule.offer(EvalOffer(step, weights[0]))
+        in_flight = {t: len(jobs) for t, jobs in stats.in_flight_by_target.items()}
+        alive = self._alive()
+        run = self.schedule.start(in_flight, sorted(alive), self.clock())
+        if run is not None:
+            self._launch(run.offer, run.target_id, alive[run.target_id])
+
+    # ---- steps ----------------------------------------------------------------------------
+
+    def _alive(self) -> dict[int, Any]:
+        return {t: self.sup.targets[t] for t in self.sup.policy.alive() if t in self.sup.targets}
+
+    def _launch(self, offer: EvalOffer, tid: int, handle: Any) -> None:
+        self.sup._pool_call(self.sup.pool.pause_target, tid)
+        self._handle = handle
+        self._ref = handle.evaluate_weights.remote(
+            offer.step, offer.weights, self.plan.eval_prompts, self.cfg.drafter, self.cfg.eval,
+            self.plan.mask_token_id, self.cfg.train.seed, self.eos_token_id, self.best_dir, self.book.best_tau)
+
+    def _poll(self, timeout: float = 0.0) -> None:
+        import ray
+        from ray.exceptions import RayError
+
+        if self._ref is None:
+            return
+        ready, _ = ray.wait([self._ref], timeout=timeout)
+        if not ready and not self.schedule.overdue(self.clock()):
+            return
+        run = self.schedule.finished()
+        ref, self._ref = self._ref, None
+        self.sup._pool_call(self.sup.pool.resume_target, run.target_id)
+        if not ready:
+            self.log(f"evaluation of step {run.offer.step} on target {run.target_id} took over "
+                     f"supervision.stall_timeout_s={self.schedule.timeout_s:g} s; skipped, target back to training")
+            return
+        try:
+            result = ray.get(ref)
+        except RayError as exc:  # the target died or the weights' owner (rank 0) was lost: skip this one
+            self.log(f"evaluation of step {run.offer.step} failed on target {run.target_id}: "
+                     f"{type(exc).__name__}; training goes on")
+            return
+        self._record(result)
+
+    def _record(self, result: dict) -> None:
+        best = self.book.record(result)
+        self.monitor.add_tau(result["step"], result["tau"])
+        self.timeline.evaluation(result["step"], result["tau"], result["per_pos_accept"],
+                                 matches_greedy=result["matches_greedy"], best=best, seconds=result["seconds"])
+        self.sup.pool.report_tau.remote(result["step"], result["tau"])
+        if not result["matches_greedy"]:
+            self.log(f"WARNING: speculative decoding at step {result['step']} differs from plain greedy decoding")
+        self.log(f"tau {result['tau']:.3f} at step {result['step']} ({result['seconds']:.1f} s)"
+                 + (f", best so far: exported to {result['exported_to']}" if best and result["exported_to"] else ""))
+
+    def finish(self, final_step: int, export_dir: str | None, timeout_s: float = 600.0) -> None:
+        """End of the run: let the running evaluation land, then evaluate the exported drafter/ (what
+        `python -m app.evaluate --drafter` measures) unless its step was just evaluated."""
+        import ray
+        from ray.exceptions import RayError
+
+        if not self.enabled:
+            return
+        self._poll(timeout=timeout_s)
+        alive = self._alive()
+        done = {r["step"] for r in self.book.history}
+        if not export_dir or not alive or final_step in done:
+            return
+        handle = next(iter(alive.values()))
+        try:
+            result = ray.get(handle.evaluate_weights.remote(
+                final_step, export_dir, self.plan.eval_prompts, self.cfg.drafter, self.cfg.eval,
+                self.plan.mask_token_id, self.cfg.train.seed, self.eos_token_id, self.best_dir, self.book.best_tau),
+                timeout=timeout_s)
+        except (RayError, ray.exceptions.GetTimeoutError) as exc:
+            self.log(f"final evaluation of {export_dir} failed: {type(exc).__name__}")
+            return
+        self._record(result)
+
+    def summary(self) -> dict:
+        return {**self.book.summary(), "eval_superseded": self.schedule.superseded}

@@ -1,0 +1,54 @@
+"""What a run leaves beside its checkpoints, wired into the driver in one place.
+
+- `timeline.jsonl`: step records, pool snapshots, faults, evaluations (app/run/timeline.py);
+- the split advice on the status line and in summary.json (app/run/advice.py);
+- evaluations during the run every `eval.every_steps`, `tau_history`, `drafter-best/` (app/run/eval_runner.py);
+- `report.html` at the end of every run, finished or stopped (app/run/report.py).
+"""
+from __future__ import annotations
+
+from app.run.advice import SplitAdvisor
+from app.run.timeline import Timeline
+
+
+class RunOutputs:
+    """Listeners of the run's monitor, and what they add to the summary at the end."""
+
+    def __init__(self, cfg, run_name: str, monitor, resumed_step: int, log=print) -> None:
+        self.cfg, self.monitor, self.log = cfg, monitor, log
+        self.timeline = Timeline(cfg.checkpoint.dir, pool_every_s=min(2.0, cfg.logging.status_every_s))
+        self.timeline.start(cfg.topology, run_name, resumed_step)
+        monitor.advisor = SplitAdvisor.for_topology(cfg.topology)
+        monitor.listeners += [monitor.advisor, self.timeline]
+        self.evals = None
+
+    def attach(self, sup) -> None:
+        """Once the supervisor has started the pool and the targets: evaluations during the run."""
+        from app.config.checks import read_target_info
+        from app.run.eval_runner import EvalRunner
+
+        info = read_target_info(sup.plan.model_dir)
+        self.evals = EvalRunner(sup, self.monitor, self.timeline, self.log,
+                                info.eos_token_ids[0] if info.eos_token_ids else None)
+        self.monitor.listeners.append(self.evals)
+
+    def finish(self, final_step: int, export_dir: str | None) -> dict:
+        """The last evaluation (of the exported drafter/), then the summary fields: tau_history,
+        tau_best, split_advice."""
+        if self.evals is not None:
+            self.evals.finish(final_step, export_dir)
+        out = self.evals.summary() if self.evals is not None else {}
+        return {**out, "split_advice": self.monitor.split_advice()}
+
+    def close(self) -> None:
+        """Close the timeline and write report.html (a report that cannot be drawn is a warning, not a failure)."""
+        from app.run.report import write_report
+
+        self.timeline.close()
+        try:
+            path = write_report(self.cfg.checkpoint.dir)
+        except (OSError, ValueError, RuntimeError) as exc:
+            self.log(f"WARNING: report.html not written ({type(exc).__name__}: {exc}); "
+                     f"python -m app.report {self.cfg.checkpoint.dir} retries")
+            return
+        self.log(f"report: {path}")

@@ -1,0 +1,45 @@
+"""Evaluation during the run, the policy: one at a time, newest offer wins, least-loaded target, best tau."""
+from __future__ import annotations
+
+from app.run.evaluation import EvalOffer, EvalSchedule, TauBook
+
+
+def test_one_evaluation_at_a_time_and_the_newest_offer_wins():
+    s = EvalSchedule(timeout_s=30.0)
+    s.offer(EvalOffer(20, "w20"))
+    run = s.start({0: 2, 1: 0, 2: 1}, [0, 1, 2], now=0.0)
+    assert (run.offer.step, run.target_id) == (20, 1)  # target 1 holds no training job
+    s.offer(EvalOffer(40, "w40"))
+    s.offer(EvalOffer(60, "w60"))  # training ran ahead: 40 is never evaluated
+    assert s.start({}, [0, 1, 2], now=1.0) is None  # 20 still running
+    assert s.finished().offer.step == 20
+    assert s.start({0: 0, 1: 0}, [0, 1], now=2.0).offer.step == 60 and s.superseded == 1
+    s.finished()
+    assert s.start({}, [0], now=3.0) is None  # nothing pending
+
+
+def test_overdue_and_stale_offers():
+    s = EvalSchedule(timeout_s=10.0)
+    s.offer(EvalOffer(20, "w"))
+    s.start({}, [3], now=0.0)
+    assert not s.overdue(5.0) and s.overdue(10.5)
+    s.finished()
+    s.offer(EvalOffer(20, "again"))  # a rebuilt group passing step 20 again
+    assert s.pending is None
+    assert s.start({}, [], now=11.0) is None  # no live target: keep waiting
+
+
+def _res(step, tau):
+    return {"step": step, "tau": tau, "per_pos_accept": [tau / 10], "matches_greedy": True, "exported_to": "best"}
+
+
+def test_tau_book_keeps_history_and_the_strict_best():
+    book = TauBook()
+    assert book.best_tau == float("-inf")
+    assert book.record(_res(20, 1.8)) and book.record(_res(40, 2.6))
+    assert not book.record(_res(60, 2.6))  # a tie is not better: the earlier drafter stays
+    assert not book.record(_res(80, 2.1))
+    s = book.summary()
+    assert s["tau_history"] == [[20, 1.8], [40, 2.6], [60, 2.6], [80, 2.1]]
+    assert s["tau_best"] == {"step": 40, "tau": 2.6, "dir": "best"}
+    assert s["tau_last_per_pos_accept"] == [0.21] and s["tau_matches_greedy"] is True
