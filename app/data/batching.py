@@ -63,9 +63,17 @@ def run_target(trunk, ids_BS: np.ndarray, lengths_B: np.ndarray, device: torch.d
         attn_BS = (torch.arange(ids.shape[1])[None, :] < torch.from_numpy(lengths_B)[:, None]).long().to(device)
         return trunk.features(ids, attn_BS)
     feats_1TD = trunk.features(**packed_inputs(ids_BS, lengths_B, device))
-    valid_BS = (torch.arange(ids_BS.shape[1])[None, :] < torch.from_numpy(lengths_B)[:, None]).to(device)
-    feats_BSD = feats_1TD.new_zeros(*ids_BS.shape, feats_1TD.shape[-1])
-    feats_BSD[valid_BS] = feats_1TD[0]
+    return unpack_features(feats_1TD[0], ids_BS.shape, lengths_B)
+
+
+def unpack_features(feats_TD: torch.Tensor, shape_BS: tuple[int, int], lengths_B: np.ndarray) -> torch.Tensor:
+    """Packed [T, D] rows back to right-padded [B, S, D] (zeros past each length). The row indices come from
+    the host lengths, so nothing waits on the device (and it runs on meta tensors, for the flops bench)."""
+    B, S = shape_BS
+    valid_rows = np.flatnonzero(np.arange(S)[None, :] < np.asarray(lengths_B)[:, None])
+    feats_BSD = feats_TD.new_zeros(B, S, feats_TD.shape[-1])
+    rows = torch.from_numpy(valid_rows).to(feats_TD.device)
+    feats_BSD.view(B * S, -1).index_copy_(0, rows, feats_TD)
     return feats_BSD
 
 
