@@ -85,11 +85,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. data.max_length=2048")
     args = parser.parse_args(argv)
 
+    from app.config.errors import UserError
     from app.config.load import load_config
 
     t0 = time.perf_counter()
-    cfg = load_config(args.config, args.overrides)
-    s = run_prepare(cfg, args.out)
+    try:
+        s = run_prepare(load_config(args.config, args.overrides), args.out)
+    except UserError as exc:  # ConfigError, DataError: one line, exit 2
+        print(f"{exc.kind} error: {exc}", file=sys.stderr)
+        return 2
     print(
         f"records={s['records']} kept={s['kept']} dropped={s['dropped']} truncated={s['truncated']} "
         f"tokens={s['tokens']} loss_tokens={s['loss_tokens']} jobs_per_epoch={s['jobs_per_epoch']} "

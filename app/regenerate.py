@@ -86,12 +86,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args(argv)
 
+    from app.config.errors import UserError
     from app.config.load import load_config
 
-    cfg = load_config(args.config, args.overrides)
     t0 = time.perf_counter()
-    counts = run_regenerate(cfg, args.in_path, args.out, max_new_tokens=args.max_new_tokens or cfg.data.max_length,
-                            chunk_size=args.chunk_size, batch_size=args.batch_size)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        counts = run_regenerate(cfg, args.in_path, args.out,
+                                max_new_tokens=args.max_new_tokens or cfg.data.max_length,
+                                chunk_size=args.chunk_size, batch_size=args.batch_size)
+    except UserError as exc:  # ConfigError, DataError: one line, exit 2
+        print(f"{exc.kind} error: {exc}", file=sys.stderr)
+        return 2
     print(" ".join(f"{k}={v}" for k, v in counts.items()) + f" -> {args.out} ({time.perf_counter() - t0:.1f}s)")
     return 0
 

@@ -1,6 +1,6 @@
 """`python -m app.train --config FILE [key=value ...]`: the driver.
 
-    conf/*.yaml ─► config (validated) ─► target resolved, data tokenized, jobs scheduled (all epochs)
+    conf/*.yaml ─► config (validated) ─► target resolved, data tokenized, jobs scheduled (no Ray yet)
                                               │
           Ray: one placement group, a bundle per actor (targets first, then drafters)
                                               ▼
@@ -11,14 +11,16 @@
           driver: status line + wandb, restarts, watchdog, SIGTERM -> checkpoint -> exit 0,
                   final export, tau (untrained vs trained), summary.json + RESULT line
 
-Exit codes: 0 finished or stopped cleanly, 1 the run failed (one line says why), 2 bad config.
+Exit codes: 0 finished or stopped cleanly, 1 the run failed (one line says why), 2 bad config or data
+(one line, before Ray starts where the check does not need the cluster).
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from app.config.load import ConfigError, load_config
+from app.config.errors import UserError
+from app.config.load import load_config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+    except UserError as exc:
+        print(f"{exc.kind} error: {exc}", file=sys.stderr)
         return 2
     from app.run.driver import run  # heavy imports (ray, torch) only once the config is known good
 

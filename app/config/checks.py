@@ -1,7 +1,9 @@
-"""Config checks that need the target model's settings or the cluster's resources.
+"""Config checks that need the world outside the config: the filesystem, the target model, the cluster.
 
-Both run in the driver after the target is resolved and Ray is connected, and before any actor
-starts. They take plain values (no Ray, no model weights), so tests call them directly.
+Value checks live in the schema's sections (`app/config/schema.py`). Here: `check_paths` (run by the
+loader), `check_target` (run when the run is planned, before Ray starts) and `check_resources` (run
+once Ray is connected, before any actor starts). They take plain values (no Ray, no model weights),
+so tests call them directly.
 """
 from __future__ import annotations
 
@@ -9,8 +11,23 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.config.schema import Config, default_target_layer_ids
-from app.config.load import ConfigError
+from app.config.errors import ConfigError
+from app.config.schema import TINY_TARGET, Config, default_target_layer_ids
+
+
+def check_paths(cfg: Config) -> None:
+    """The target folder, the training files and the eval prompts exist."""
+    if cfg.model.target != TINY_TARGET and not Path(cfg.model.target).is_dir():
+        raise ConfigError(
+            f"model.target={cfg.model.target!r} does not exist; give a Hugging Face model folder or 'tiny'"
+        )
+    if cfg.model.target != TINY_TARGET and not cfg.data.train_files:
+        raise ConfigError("data.train_files=[] is empty; list JSONL/Parquet files (only model.target=tiny generates data)")
+    for i, f in enumerate(cfg.data.train_files):
+        if not Path(f).exists():
+            raise ConfigError(f"data.train_files[{i}]={f!r} does not exist; fix the path")
+    if cfg.data.eval_prompts and not Path(cfg.data.eval_prompts).is_file():
+        raise ConfigError(f"data.eval_prompts={cfg.data.eval_prompts!r} does not exist; fix the path or set it to ''")
 
 
 @dataclass(frozen=True)
@@ -28,6 +45,8 @@ class TargetInfo:
 def read_target_info(model_dir: str | Path) -> TargetInfo:
     """Read layer count, vocabulary and special ids from a HF folder without loading weights."""
     model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(f"model.target={str(model_dir)!r} has no config.json; give a Hugging Face model folder")
     cfg = json.loads((model_dir / "config.json").read_text())
     cfg = cfg.get("text_config", cfg)  # multimodal wrappers keep the LM settings nested
     eos = cfg.get("eos_token_id")

@@ -2,16 +2,43 @@
 
 The YAML files in `conf/` are merged onto this schema (see `app/config/load.py`), CLI
 `key=value` overrides go on top, and the result is converted to these dataclasses. Each actor
-receives only its own section. Checks that need no cluster live in `validate()` here; checks
-against the target model and the cluster's resources live in `app/config/checks.py`.
+receives only its own section.
+
+Every value check lives once, in its section's `__post_init__` (which `OmegaConf.to_object`, a
+direct construction and `dataclasses.replace` all run): a bad value raises a one-line ValueError
+that starts with the dotted key. Checks across sections sit in `Config.__post_init__`. Checks that
+need the filesystem, the target model or the cluster live in `app/config/checks.py`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, NoReturn
 
 from omegaconf import MISSING
 
 TINY_TARGET = "tiny"
+# Token ids the tiny tokenizer reserves before its words (special tokens and role words);
+# app/tiny/build.py asserts its vocabulary agrees.
+TINY_RESERVED_TOKENS = 9
+
+
+def _fail(key: str, value: Any, problem: str) -> NoReturn:
+    raise ValueError(f"{key}={value!r} {problem}")
+
+
+def _at_least(key: str, value: float, minimum: float, why: str) -> None:
+    if value < minimum:
+        _fail(key, value, f"must be >= {minimum} ({why}); set {key}={minimum} or more")
+
+
+def _positive(key: str, value: float, unit: str = "") -> None:
+    if value <= 0:
+        _fail(key, value, f"must be > 0{unit}")
+
+
+def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        _fail(key, value, f"is not one of {', '.join(allowed)}; pick one of them")
 
 
 @dataclass(frozen=True)
@@ -21,6 +48,9 @@ class ModelConfig:
     target: str = MISSING  # HF folder, or "tiny" for the built-in tiny target
     dtype: str = "bfloat16"  # bfloat16 | float16 | float32 (CPU runs promote to float32)
     target_layer_ids: list[int] = field(default_factory=list)  # empty = DFlash default
+
+    def __post_init__(self) -> None:
+        _one_of("model.dtype", self.dtype, ("bfloat16", "float16", "float32"))
 
 
 @dataclass(frozen=True)
@@ -46,6 +76,31 @@ class TinyConfig:
     lm_response_length: int = 48  # longest assistant turn (words) in the target's training conversations
     lm_lr: float = 1.0e-2  # target training peak learning rate
 
+    def __post_init__(self) -> None:
+        words = self.vocab_size - TINY_RESERVED_TOKENS
+        if words < 16:
+            _fail("tiny.vocab_size", self.vocab_size, "is too small; use at least 64")
+        for key, value in (("tiny.hidden_size", self.hidden_size), ("tiny.num_heads", self.num_heads),
+                           ("tiny.num_kv_heads", self.num_kv_heads), ("tiny.num_layers", self.num_layers),
+                           ("tiny.intermediate_size", self.intermediate_size)):
+            _at_least(key, value, 1, "the tiny target needs it")
+        if self.hidden_size % self.num_heads:
+            _fail("tiny.hidden_size", self.hidden_size, f"must be a multiple of tiny.num_heads={self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            _fail("tiny.num_heads", self.num_heads, f"must be a multiple of tiny.num_kv_heads={self.num_kv_heads}")
+        _at_least("tiny.num_train_prompts", self.num_train_prompts, 1, "the tiny target generates the training data")
+        _at_least("tiny.num_eval_prompts", self.num_eval_prompts, 0, "a count cannot be negative")
+        _at_least("tiny.prompt_length", self.prompt_length, 1, "a prompt needs a word")
+        _at_least("tiny.response_length", self.response_length, 4, "responses are at least a quarter of it")
+        if not 0.5 < self.chain_top_prob <= 1.0:
+            _fail("tiny.chain_top_prob", self.chain_top_prob, "must be in (0.5, 1] so greedy follows the chain")
+        if not 0 <= self.chain_words <= words or self.chain_words == 1:
+            _fail("tiny.chain_words", self.chain_words, f"must be 0 (all) or in [2, {words}]")
+        _at_least("tiny.lm_steps", self.lm_steps, 0, "0 keeps the target random")
+        _at_least("tiny.lm_batch_size", self.lm_batch_size, 1, "a training step needs a conversation")
+        _at_least("tiny.lm_response_length", self.lm_response_length, 1, "a training answer needs a word")
+        _positive("tiny.lm_lr", self.lm_lr)
+
 
 @dataclass(frozen=True)
 class TopologyConfig:
@@ -55,10 +110,20 @@ class TopologyConfig:
     num_drafters: int = 3
     gpus_per_target: float = 1.0
     gpus_per_drafter: float = 1.0
-    cpus_per_target: float = 1.0
-    cpus_per_drafter: float = 1.0
+    cpus_per_target: float = 2.0
+    cpus_per_drafter: float = 4.0
     device: str = "auto"  # auto | cuda | cpu
     strategy: str = "PACK"  # placement group strategy: PACK | SPREAD (checked by app/run/placement.py)
+
+    def __post_init__(self) -> None:
+        _at_least("topology.num_targets", self.num_targets, 1, "at least one target must produce hidden states")
+        _at_least("topology.num_drafters", self.num_drafters, 1, "at least one drafter must train")
+        for key, value in (("topology.gpus_per_target", self.gpus_per_target),
+                           ("topology.gpus_per_drafter", self.gpus_per_drafter),
+                           ("topology.cpus_per_target", self.cpus_per_target),
+                           ("topology.cpus_per_drafter", self.cpus_per_drafter)):
+            _at_least(key, value, 0, "a reservation cannot be negative")
+        _one_of("topology.device", self.device, ("auto", "cuda", "cpu"))
 
 
 @dataclass(frozen=True)
@@ -72,11 +137,31 @@ class DataConfig:
     bucket_boundaries: list[int] = field(
         default_factory=lambda: [256, 512, 1024, 1536, 2048, 3072]
     )
-    tokens_per_job: int = 8192
+    tokens_per_job: int = 16384
     on_error: str = "raise"  # raise | skip
     seed: int = 0
     enable_thinking: bool = False
     eval_prompts: str = ""  # JSONL of held-out prompts; empty with target=tiny: generated
+
+    def __post_init__(self) -> None:
+        _one_of("data.format", self.format, ("auto", "openai", "sharegpt", "tokenized"))
+        _one_of("data.overlong", self.overlong, ("truncate", "drop"))
+        _one_of("data.on_error", self.on_error, ("raise", "skip"))
+        _at_least("data.max_length", self.max_length, 1, "a sequence holds at least one token")
+        _at_least("data.tokens_per_job", self.tokens_per_job, 1, "a job holds at least one token")
+        bounds = list(self.bucket_boundaries)
+        if not bounds:
+            _fail("data.bucket_boundaries", bounds, "is empty; give increasing upper lengths ending at data.max_length")
+        for a, b in zip(bounds, bounds[1:]):
+            if b <= a:
+                _fail("data.bucket_boundaries", bounds,
+                      f"must be strictly increasing ({a} then {b}); sort them and drop repeats")
+        if bounds[0] < 1:
+            _fail("data.bucket_boundaries", bounds, "must be positive lengths")
+        if bounds[-1] < self.max_length:
+            _fail("data.bucket_boundaries", bounds,
+                  f"end at {bounds[-1]} and do not reach data.max_length={self.max_length}; "
+                  f"make the last boundary {self.max_length}")
 
 
 @dataclass(frozen=True)
@@ -90,6 +175,18 @@ class PoolConfig:
     seed: int = 0
     metrics_every_s: float = 2.0
 
+    def __post_init__(self) -> None:
+        _at_least("pool.capacity", self.capacity, 1, "the pool must hold at least one item")
+        _at_least("pool.capacity_bytes", self.capacity_bytes, 1, "the pool needs a positive byte budget")
+        _at_least("pool.min_ready", self.min_ready, 0, "0 = pulls take whatever is buffered")
+        if self.min_ready > self.capacity:
+            _fail("pool.min_ready", self.min_ready,
+                  f"exceeds pool.capacity={self.capacity}, so pulls would wait forever; "
+                  f"set pool.min_ready <= {self.capacity}")
+        _at_least("pool.jobs_in_flight_per_target", self.jobs_in_flight_per_target, 1,
+                  "a target with no job slot never works")
+        _positive("pool.metrics_every_s", self.metrics_every_s, " seconds")
+
 
 @dataclass(frozen=True)
 class DrafterConfig:
@@ -102,6 +199,15 @@ class DrafterConfig:
     mask_token_id: int = -1  # -1 = the tokenizer's mask token (the tiny target reserves one)
     ce_chunk_rows: int = 1024  # rows of the LM head computed at once in the loss
     max_rows: int = 65536  # query rows (blocks x block_size) per drafter sub-batch; 0 = a whole job at once
+
+    def __post_init__(self) -> None:
+        _at_least("drafter.num_layers", self.num_layers, 1, "the drafter needs a layer")
+        _at_least("drafter.block_size", self.block_size, 2, "a block is the anchor plus at least one predicted token")
+        _at_least("drafter.num_anchors", self.num_anchors, 1, "each sequence needs at least one anchor")
+        if self.loss_gamma < 0:
+            _fail("drafter.loss_gamma", self.loss_gamma, "must be >= 0 (0 = default for the block)")
+        _at_least("drafter.ce_chunk_rows", self.ce_chunk_rows, 1, "the loss computes at least one row at a time")
+        _at_least("drafter.max_rows", self.max_rows, 0, "0 = no bound; else rows per sub-batch")
 
 
 @dataclass(frozen=True)
@@ -119,6 +225,18 @@ class TrainConfig:
     compile: str = "auto"  # torch.compile the drafter layers: auto (on for CUDA, off for CPU) | on | off
     activation_checkpointing: bool = False  # recompute each drafter layer in backward instead of saving it
 
+    def __post_init__(self) -> None:
+        _one_of("train.compile", self.compile, ("auto", "on", "off"))
+        _at_least("train.epochs", self.epochs, 1, "train at least one epoch")
+        if self.lr <= 0:
+            _fail("train.lr", self.lr, "must be > 0; the DFlash default is 6e-4")
+        _at_least("train.weight_decay", self.weight_decay, 0, "0 = none, the DFlash default")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            _fail("train.warmup_ratio", self.warmup_ratio, "must be in [0, 1); the default is 0.04")
+        _at_least("train.grad_accum", self.grad_accum, 1, "it counts micro-batches per optimizer step")
+        _positive("train.max_grad_norm", self.max_grad_norm)
+        _at_least("train.sample_every", self.sample_every, 0, "0 = never")
+
 
 @dataclass(frozen=True)
 class CheckpointConfig:
@@ -127,6 +245,10 @@ class CheckpointConfig:
     dir: str = "runs/default"
     every_steps: int = 500
     keep: int = 3
+
+    def __post_init__(self) -> None:
+        _at_least("checkpoint.every_steps", self.every_steps, 1, "checkpoints are written every N >= 1 steps")
+        _at_least("checkpoint.keep", self.keep, 1, "keep at least the latest checkpoint")
 
 
 @dataclass(frozen=True)
@@ -138,6 +260,10 @@ class LoggingConfig:
     run_name: str = ""  # empty = derived from checkpoint.dir; also the metrics' run label
     status_every_s: float = 10.0
 
+    def __post_init__(self) -> None:
+        _one_of("logging.wandb_mode", self.wandb_mode, ("offline", "online", "disabled"))
+        _positive("logging.status_every_s", self.status_every_s, " seconds")
+
 
 @dataclass(frozen=True)
 class SupervisionConfig:
@@ -147,6 +273,13 @@ class SupervisionConfig:
     max_restarts_drafter_group: int = 2
     stall_timeout_s: float = 600.0
     stop_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        _at_least("supervision.max_restarts_target", self.max_restarts_target, 0, "a budget cannot be negative")
+        _at_least("supervision.max_restarts_drafter_group", self.max_restarts_drafter_group, 0,
+                  "a budget cannot be negative")
+        _positive("supervision.stall_timeout_s", self.stall_timeout_s, " seconds")
+        _positive("supervision.stop_timeout_s", self.stop_timeout_s, " seconds")
 
 
 @dataclass(frozen=True)
@@ -162,8 +295,12 @@ class FaultsConfig:
 class EvalConfig:
     """Acceptance-length measurement on held-out prompts."""
 
-    num_prompts: int = 8
-    max_new_tokens: int = 64
+    num_prompts: int = 64
+    max_new_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        _at_least("eval.num_prompts", self.num_prompts, 0, "a count cannot be negative")
+        _at_least("eval.max_new_tokens", self.max_new_tokens, 1, "tau needs at least one generated token")
 
 
 @dataclass(frozen=True)
@@ -182,6 +319,11 @@ class Config:
     supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        if self.data.max_length < 2 * self.drafter.block_size:
+            _fail("data.max_length", self.data.max_length,
+                  f"is shorter than 2 x drafter.block_size={self.drafter.block_size}; raise data.max_length")
 
 
 def default_gamma(block_size: int) -> float:

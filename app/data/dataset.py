@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from app.data.chat_mask import tokenize_conversation
-from app.data.records import MalformedRecord
+from app.data.records import DataError, MalformedRecord
 from app.config.schema import DataConfig
 
 DROP_REASONS = ("too_few_loss_tokens", "overlong", "malformed")
@@ -39,7 +39,6 @@ SHAREGPT_ROLES = {
     "function": "tool",
     "observation": "tool",
 }
-FORMATS = ("auto", "openai", "sharegpt", "tokenized")
 
 
 @dataclass
@@ -113,13 +112,13 @@ def iter_records(path: str) -> Iterator[tuple[int, dict | MalformedRecord]]:
     """(line number from 1, record or MalformedRecord) for a .jsonl/.json or .parquet file."""
     p = Path(path)
     if not p.exists():
-        raise ValueError(f"data file {path!r} does not exist; fix data.train_files")
+        raise DataError(f"data file {path!r} does not exist; fix data.train_files")
     if p.suffix == ".parquet":
         yield from _iter_parquet(p)
     elif p.suffix in (".jsonl", ".json"):
         yield from _iter_jsonl(p)
     else:
-        raise ValueError(f"data file {path!r}: unknown extension {p.suffix!r}; use .jsonl or .parquet")
+        raise DataError(f"data file {path!r}: unknown extension {p.suffix!r}; use .jsonl or .parquet")
 
 
 def _iter_jsonl(p: Path) -> Iterator[tuple[int, dict | MalformedRecord]]:
@@ -217,23 +216,10 @@ def record_tokens(rec: dict, fmt: str, tokenizer, enable_thinking: bool) -> tupl
 # ----------------------------------------------------------------------------------- loading
 
 
-def check_data_config(data: DataConfig) -> None:
-    """ValueErrors for data settings this module interprets."""
-    if data.format not in FORMATS:
-        raise ValueError(f"data.format={data.format!r}; use one of {FORMATS}")
-    if data.overlong not in ("truncate", "drop"):
-        raise ValueError(f"data.overlong={data.overlong!r}; use truncate or drop")
-    if data.on_error not in ("raise", "skip"):
-        raise ValueError(f"data.on_error={data.on_error!r}; use raise or skip")
-    if data.max_length < 1:
-        raise ValueError(f"data.max_length={data.max_length} must be >= 1")
-
-
 def load_dataset(data: DataConfig, block_size: int, tokenizer, files: list[str]) -> TokenizedDataset:
     """Tokenize, mask and filter every record of `files` (in order) into one flat dataset."""
-    check_data_config(data)
     if not files:
-        raise ValueError("no training files; set data.train_files (or use model.target=tiny)")
+        raise DataError("no training files; set data.train_files (or use model.target=tiny)")
     min_loss = 2 * block_size
     tok_parts, mask_parts, lengths = [], [], []
     summary = DataSummary()
@@ -247,7 +233,7 @@ def load_dataset(data: DataConfig, block_size: int, tokenizer, files: list[str])
                 ids, mask = record_tokens(rec, data.format, tokenizer, data.enable_thinking)
             except MalformedRecord as e:
                 if data.on_error == "raise":
-                    raise ValueError(
+                    raise DataError(
                         f"{path}:{line_no}: malformed record: {e}. Fix the record or set data.on_error=skip"
                     ) from None
                 fs.dropped["malformed"] += 1
@@ -286,18 +272,18 @@ def load_eval_prompts(path: str, tokenizer, enable_thinking: bool = False) -> li
     prompts = []
     for line_no, rec in iter_records(path):
         if isinstance(rec, MalformedRecord):
-            raise ValueError(f"{path}:{line_no}: {rec}; fix the eval prompts file")
+            raise DataError(f"{path}:{line_no}: {rec}; fix the eval prompts file")
         try:
             if isinstance(rec.get("prompt"), str):
                 messages = [{"role": "user", "content": rec["prompt"]}]
             else:
                 messages = to_messages(rec, detect_format(rec, "auto"))
         except MalformedRecord as e:
-            raise ValueError(f"{path}:{line_no}: {e}; eval prompts need messages or prompt") from None
+            raise DataError(f"{path}:{line_no}: {e}; eval prompts need messages or prompt") from None
         while messages and messages[-1]["role"] == "assistant":
             messages.pop()
         if not messages:
-            raise ValueError(f"{path}:{line_no}: no prompt turns left after dropping assistant turns")
+            raise DataError(f"{path}:{line_no}: no prompt turns left after dropping assistant turns")
         text = render(tokenizer, messages, add_generation_prompt=True, enable_thinking=enable_thinking)
         prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
     return prompts

@@ -1,6 +1,16 @@
-"""Leaf types shared by the record readers and the chat-mask code (no imports from the rest of app/)."""
+"""Leaf types shared by the record readers and the chat-mask code (nothing from the rest of app/ but
+the error base)."""
 from __future__ import annotations
+
+from app.config.errors import UserError
 
 
 class MalformedRecord(Exception):
     """A record that cannot be turned into tokens; the reader names file and line."""
+
+
+class DataError(UserError):
+    """A mistake in the data (a malformed record under data.on_error=raise, a missing or unknown
+    file, bad eval prompts): one line naming the file and line."""
+
+    kind = "data"

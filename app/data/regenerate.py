@@ -101,6 +101,7 @@ def read_done_ids(out_path: Path) -> set[int]:
 def pending_records(in_path: str, data_format: str, on_error: str, done: set[int]) -> tuple[list[tuple[int, list[dict]]], dict]:
     """(id, messages) of the records of IN not yet in OUT, and counts of what was read."""
     from app.data.dataset import MalformedRecord, detect_format, iter_records, to_messages
+    from app.data.records import DataError
 
     counts = {"records": 0, "already_done": 0, "malformed": 0, "pending": 0}
     todo = []
@@ -118,7 +119,7 @@ def pending_records(in_path: str, data_format: str, on_error: str, done: set[int
             todo.append((line_no, to_messages(rec, fmt)))
         except MalformedRecord as e:
             if on_error == "raise":
-                raise ValueError(f"{in_path}:{line_no}: malformed record: {e}. Fix it or set data.on_error=skip") from None
+                raise DataError(f"{in_path}:{line_no}: malformed record: {e}. Fix it or set data.on_error=skip") from None
             counts["malformed"] += 1
     counts["pending"] = len(todo)
     return todo, counts

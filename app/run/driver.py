@@ -1,4 +1,4 @@
-"""The driver's steps: plan, connect, check resources, start, supervise, finish (see app/train.py)."""
+"""The driver's steps: plan (no Ray), connect, check resources, start, supervise, finish (see app/train.py)."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from app.config.schema import Config
 from app.config.checks import check_resources
-from app.config.load import ConfigError
+from app.config.errors import UserError
 from app.run.monitor import RunMonitor
 
 
@@ -24,10 +24,11 @@ def run(cfg: Config) -> int:
     from app.run.supervisor import RunFailed
 
     try:
+        plan = make_plan(cfg)  # before ray.init: a mistake in the config or the data never waits for the cluster
         use_gpu = connect(cfg)
-        plan = make_plan(cfg, use_gpu)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+        plan.use_device(use_gpu)
+    except UserError as exc:  # ConfigError, DataError
+        print(f"{exc.kind} error: {exc}", file=sys.stderr)
         return 2
     stop, restore_signals = install_stop_handler()
     try:
@@ -60,11 +61,11 @@ def connect(cfg: Config) -> bool:
     return use_gpu
 
 
-def make_plan(cfg: Config, use_gpu: bool):
-    from app.run.plan import plan_run
+def make_plan(cfg: Config):
+    from app.run.plan import device_known, plan_run
 
     t0 = time.monotonic()
-    plan = plan_run(cfg, use_gpu)
+    plan = plan_run(cfg, device_known(cfg))
     resumed = f", resuming from {plan.resume_from} (step {plan.resume_step}, {len(plan.resume_ledger)} jobs done)" \
         if plan.resume_from else ""
     log(f"target {plan.model_dir} layers {plan.layer_ids}; {len(plan.dataset)} sequences, {len(plan.jobs)} jobs over "

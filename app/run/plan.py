@@ -1,7 +1,9 @@
 """Everything the driver settles before any actor starts: target, checks, data, schedule, resume point.
 
-No Ray here: a bad target, a bad mask token or an empty dataset is a `ConfigError` raised before the
-cluster is touched.
+No Ray here, and the driver plans before `ray.init`: a bad target, a bad mask token, malformed data
+(`DataError`) or an empty dataset stops the run before the cluster is touched. Only the byte size of
+a job's hidden states waits for the device (`RunPlan.use_device`), which with `topology.device=auto`
+is known once the cluster is.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from app.training.checkpoint import latest_checkpoint, read_extra, read_ledger
 from app.config.schema import Config
 from app.config.checks import (TargetInfo, check_target, read_target_info, resolved_layer_ids,
                                resolved_mask_token_id)
-from app.config.load import ConfigError
+from app.config.errors import ConfigError
 from app.messages import JobSpec
 
 
@@ -36,12 +38,21 @@ class RunPlan:
     resume_step: int
     resume_ledger: list[int]
     total_steps: int
-    bytes_per_token: int
+    bytes_per_token: int = 0  # 0 until use_device
     data_fingerprint: str = ""
 
     @property
     def jobs_remaining(self) -> int:
         return len(self.jobs) - len(set(self.resume_ledger))
+
+    def use_device(self, on_gpu: bool) -> None:
+        """Size every job's hidden states for the device (bf16/fp16 on GPU, fp32 on CPU) and check
+        the largest fits the pool's byte budget."""
+        bpt = bytes_per_token(self.cfg, self.info, self.layer_ids, on_gpu)
+        if bpt != self.bytes_per_token:
+            self.bytes_per_token = bpt
+            self.jobs = [replace(j, est_bytes=j.padded_tokens * bpt) for j in self.jobs]
+        _check_job_fits(self.cfg, self.jobs)
 
 
 def bytes_per_token(cfg: Config, info: TargetInfo, layer_ids: list[int], on_gpu: bool) -> int:
@@ -50,8 +61,15 @@ def bytes_per_token(cfg: Config, info: TargetInfo, layer_ids: list[int], on_gpu:
     return len(layer_ids) * info.hidden_size * width + 9
 
 
-def plan_run(cfg: Config, on_gpu: bool) -> RunPlan:
-    """Resolve the target, check the config against it, tokenize, schedule and find the resume point."""
+def device_known(cfg: Config) -> bool | None:
+    """Whether the run uses GPUs, when the config alone says so (None for topology.device=auto)."""
+    return {"cpu": False, "cuda": True}.get(cfg.topology.device)
+
+
+def plan_run(cfg: Config, on_gpu: bool | None = None) -> RunPlan:
+    """Resolve the target, check the config against it, tokenize, schedule and find the resume point.
+
+    `on_gpu` None: the device is not known yet; call `use_device` before starting actors."""
     from transformers import AutoTokenizer
 
     from app.data.dataset import load_dataset, load_eval_prompts
@@ -69,10 +87,8 @@ def plan_run(cfg: Config, on_gpu: bool) -> RunPlan:
     if len(dataset) == 0:
         raise ConfigError(f"data.train_files={target.train_files} gave no usable sequence; see the data summary "
                           "(too few loss tokens or malformed records) and fix the data or data.max_length")
-    bpt = bytes_per_token(cfg, info, layer_ids, on_gpu)
     lengths = np.asarray(dataset.lengths())
-    jobs = [job for epoch in range(cfg.train.epochs) for job in build_schedule(lengths, cfg.data, epoch, bpt)]
-    _check_job_fits(cfg, jobs)
+    jobs = [job for epoch in range(cfg.train.epochs) for job in build_schedule(lengths, cfg.data, epoch)]
     prompts = (load_eval_prompts(target.eval_prompts_file, tokenizer, cfg.data.enable_thinking)
                if target.eval_prompts_file else [])
     fingerprint = data_fingerprint(dataset, cfg)
@@ -81,14 +97,16 @@ def plan_run(cfg: Config, on_gpu: bool) -> RunPlan:
         _check_same_data(cfg, ckpt, fingerprint)
     step, _, ledger = read_ledger(ckpt) if ckpt else (0, 0, [])
     per_step = cfg.topology.num_drafters * cfg.train.grad_accum
-    return RunPlan(
+    plan = RunPlan(
         cfg=cfg, model_dir=target.model_dir, info=info, layer_ids=layer_ids, mask_token_id=mask_id,
         dataset=dataset, data_summary=dataset.summary.to_dict(), jobs=jobs, eval_prompts=prompts,
         resume_from=str(ckpt) if ckpt else None, resume_step=step, resume_ledger=ledger,
         # Partial steps at drains add a few; the schedule must not hit zero LR before the end.
-        total_steps=math.ceil(len(jobs) / per_step) + cfg.topology.num_drafters, bytes_per_token=bpt,
-        data_fingerprint=fingerprint,
+        total_steps=math.ceil(len(jobs) / per_step) + cfg.topology.num_drafters, data_fingerprint=fingerprint,
     )
+    if on_gpu is not None:
+        plan.use_device(on_gpu)
+    return plan
 
 
 def data_fingerprint(dataset, cfg: Config) -> str:

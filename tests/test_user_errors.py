@@ -1,0 +1,91 @@
+"""Every mistake a user can make before actors start exits 2 with one line, and Ray never starts.
+
+Config mistakes (including `tiny.*` values) are caught by the loader; malformed data under
+`data.on_error=raise` by the plan, which the driver makes before `ray.init`.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_CACHE = f"tiny.cache_dir={ROOT / '.cache/tiny'}"  # shared with the other tests that build the tiny target
+
+
+def _malformed_data(tmp_path: Path) -> Path:
+    good = {"messages": [{"role": "user", "content": "ba be"}, {"role": "assistant", "content": "bi bo " * 20}]}
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps(good) + "\n" + "{not json\n")
+    return path
+
+
+def _train_cli(*overrides: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "app.train", "--config", str(ROOT / "conf/tiny.yaml"), *overrides],
+                          cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def _one_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    err = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(err) == 1, err
+    return err[0]
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """ray.init fails the test: the error must come before the cluster is touched."""
+    import ray
+
+    def refuse(*_a, **_k):
+        raise AssertionError("ray.init was called before the user error was reported")
+
+    monkeypatch.setattr(ray, "init", refuse)
+    return ray
+
+
+def test_bad_tiny_value_exits_2_with_one_line_before_ray(capsys, no_ray) -> None:
+    from app.train import main
+
+    assert main(["--config", str(ROOT / "conf/tiny.yaml"), "tiny.chain_top_prob=0.4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["config error: tiny.chain_top_prob=0.4 must be in (0.5, 1] so greedy follows the chain"]
+
+
+def test_bad_tiny_value_cli_one_line() -> None:
+    line = _one_line(_train_cli("tiny.hidden_size=66"))
+    assert line == "config error: tiny.hidden_size=66 must be a multiple of tiny.num_heads=4"
+
+
+@pytest.mark.slow  # builds (or reuses) the tiny target
+def test_malformed_data_line_exits_2_with_one_line_before_ray(tmp_path, capsys, no_ray) -> None:
+    from app.train import main
+
+    data = _malformed_data(tmp_path)
+    code = main(["--config", str(ROOT / "conf/tiny.yaml"), f"data.train_files=[{data}]", TINY_CACHE,
+                 f"checkpoint.dir={tmp_path / 'run'}"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"data error: {data}:2: malformed record: invalid JSON"), err
+    assert err[0].endswith("Fix the record or set data.on_error=skip")
+    assert not no_ray.is_initialized()
+
+
+@pytest.mark.slow
+def test_malformed_data_line_cli_one_line(tmp_path) -> None:
+    data = _malformed_data(tmp_path)
+    line = _one_line(_train_cli(f"data.train_files=[{data}]", TINY_CACHE, f"checkpoint.dir={tmp_path / 'run'}"))
+    assert line.startswith(f"data error: {data}:2: malformed record")
+
+
+@pytest.mark.slow
+def test_prepare_exits_2_with_one_line_on_malformed_data(tmp_path) -> None:
+    data = _malformed_data(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "app.prepare", "--config", str(ROOT / "conf/tiny.yaml"),
+                           "--out", str(tmp_path / "out"), f"data.train_files=[{data}]", TINY_CACHE],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert _one_line(proc).startswith(f"data error: {data}:2: malformed record")
