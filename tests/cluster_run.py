@@ -1,0 +1,121 @@
+"""One multi-node rehearsal in its own process: a `ray.cluster_utils.Cluster` (head + workers, each with
+its own CPUs, fake GPUs and object store), the real driver submitted to it, optionally a worker node
+removed mid-run. Prints one `CLUSTER_RESULT {json}` line.
+
+Run by tests/test_cluster_ray.py as a subprocess, so the cluster never meets the test session's shared
+Ray instance: it has its own GCS port, temp dir, and does not write /tmp/ray/ray_current_cluster (which
+would make every other `ray.init()` on the machine join it).
+
+    python tests/cluster_run.py SPEC_JSON
+    SPEC: {"run_dir": str, "nodes": [{"cpus": f, "gpus": f}, ...] (first = head),
+           "overrides": [...], "timeout_s": f,
+           "remove_node": {"drafter_bundle": i, "after_checkpoint": bool} | null (the node holding that bundle)
+          }
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_cluster(nodes: list[dict], temp_dir: str):
+    import ray._private.utils
+    from ray.cluster_utils import Cluster
+
+    ray._private.utils.write_ray_address = lambda *a, **k: None  # keep other ray.init() calls off this cluster
+    def ports() -> dict:  # no fixed default port: another Ray on this machine may hold it
+        return dict(dashboard_agent_listen_port=_free_port(), metrics_export_port=_free_port(),
+                    runtime_env_agent_port=_free_port())
+
+    common = dict(object_store_memory=150 * 1024 * 1024, include_dashboard=False)
+    head, *workers = nodes
+    cluster = Cluster(initialize_head=True, head_node_args=dict(
+        num_cpus=head["cpus"], num_gpus=head.get("gpus", 0), gcs_server_port=_free_port(), temp_dir=temp_dir,
+        ray_client_server_port=_free_port(), **ports(), **common))
+    handles = [cluster.head_node]
+    for w in workers:
+        handles.append(cluster.add_node(num_cpus=w["cpus"], num_gpus=w.get("gpus", 0), **ports(), **common))
+    cluster.wait_for_nodes()
+    return cluster, handles
+
+
+def bundle_nodes(node_ids: list[str]) -> list[int]:
+    """Node index (into `node_ids`, head = 0) of each bundle of the run's placement group, [] if none yet."""
+    import ray
+
+    for pg in ray.util.placement_group_table().values():
+        if pg.get("name", "").startswith("dflash-") and pg.get("state") == "CREATED":
+            where = pg.get("bundles_to_node_id", {})
+            return [node_ids.index(where[i]) if where.get(i) in node_ids else -1 for i in sorted(where)]
+    return []
+
+
+def main(spec: dict) -> dict:
+    run_dir = Path(spec["run_dir"])
+    temp_dir = f"/tmp/rc{os.getpid()}"
+    cluster, nodes = start_cluster(spec["nodes"], temp_dir)
+    node_ids = [n.node_id for n in nodes]
+    import ray
+
+    ray.init(address=cluster.address, configure_logging=False, log_to_driver=False)  # to read the PG table
+    env = dict(os.environ, RAY_ADDRESS=cluster.address, PYTHONUNBUFFERED="1", RAY_AUTH_MODE="disabled")
+    log_path = run_dir.parent / f"{run_dir.name}.driver.log"
+    t0 = time.monotonic()
+    events: list[str] = []
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "app.train", "--config", "conf/tiny.yaml", f"checkpoint.dir={run_dir}",
+             f"tiny.cache_dir={ROOT / '.cache/tiny'}", *spec["overrides"]],
+            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        removal = spec.get("remove_node")
+        deadline = t0 + spec.get("timeout_s", 900)
+        placements: list[list[int]] = []
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(1.0)
+            now = bundle_nodes(node_ids)
+            if now and (not placements or now != placements[-1]):
+                placements.append(now)
+                events.append(f"{time.monotonic() - t0:.1f}s bundles on nodes {now}")
+            if removal and placements and _ready_to_remove(run_dir, log_path, removal):
+                # The victim: the node holding the first drafter's bundle (the one that hurts most).
+                index = placements[-1][removal["drafter_bundle"]]
+                events.append(f"{time.monotonic() - t0:.1f}s remove node {index} ({node_ids[index][:8]})")
+                cluster.remove_node(nodes[index], allow_graceful=False)
+                removal = None
+        if proc.poll() is None:
+            proc.kill()
+            events.append("driver timed out")
+        rc = proc.wait()
+    wall = time.monotonic() - t0
+    summary_path = run_dir / "summary.json"
+    ray.shutdown()
+    result = {"rc": rc, "wall_s": round(wall, 1), "events": events, "placements": placements,
+              "summary": json.loads(summary_path.read_text()) if summary_path.exists() else None,
+              "log": str(log_path)}
+    cluster.shutdown()
+    return result
+
+
+def _ready_to_remove(run_dir: Path, log_path: Path, removal: dict) -> bool:
+    """Remove the node once training is under way: a checkpoint exists (and a few steps went by)."""
+    if removal.get("after_checkpoint", True):
+        return any(p.name.startswith("ckpt-") for p in run_dir.glob("ckpt-*"))
+    return "drafter group of" in log_path.read_text()
+
+
+if __name__ == "__main__":
+    out = main(json.loads(sys.argv[1]))
+    print("CLUSTER_RESULT " + json.dumps(out), flush=True)

@@ -1,0 +1,117 @@
+"""Several nodes on one machine: `ray.cluster_utils.Cluster` runs in a subprocess (tests/cluster_run.py),
+so it never meets the session's shared Ray instance. Each node has its own CPUs, fake GPUs and object
+store; the tiny run uses `topology.device=auto`, so bundles reserve GPUs and the actors compute on CPU.
+
+Trained jobs are counted from the step log (`logging.step_log`: the job ids of every optimizer step as the
+ranks reported them, replayed by app/run/step_log.py), not from the pool's ledger.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.cluster]
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_RUN = ["topology.device=auto", "topology.gpus_per_target=1", "topology.gpus_per_drafter=1",
+           "train.epochs=2", "eval.num_prompts=2", "eval.max_new_tokens=16", "logging.status_every_s=5",
+           "logging.step_log=true", "supervision.stall_timeout_s=120"]
+
+
+def run_cluster(run_dir: Path, nodes: list[dict], overrides: list[str], remove_node: dict | None = None,
+                timeout_s: float = 1500) -> dict:
+    spec = {"run_dir": str(run_dir), "nodes": nodes, "overrides": overrides, "remove_node": remove_node,
+            "timeout_s": timeout_s}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests/cluster_run.py"), json.dumps(spec)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout_s + 180)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("CLUSTER_RESULT ")]
+    assert lines, f"cluster_run.py gave no result (rc {proc.returncode}): {proc.stderr[-3000:]}"
+    result = json.loads(lines[-1][len("CLUSTER_RESULT "):])
+    result["driver_log"] = Path(result["log"]).read_text()
+    print(f"\n[{run_dir.name}] wall {result['wall_s']} s; events: {result['events']}")
+    return result
+
+
+def trained_counts(run_dir: Path, summary: dict) -> dict[str, int]:
+    from app.run.step_log import FILE_NAME, count_trained
+
+    return count_trained(run_dir / FILE_NAME).count(summary["jobs_scheduled"])
+
+
+def test_three_node_run_spreads_and_trains_every_job_once(tmp_path: Path) -> None:
+    run_dir = tmp_path / "three"
+    nodes = [{"cpus": 1, "gpus": 0}, {"cpus": 2, "gpus": 4}, {"cpus": 2, "gpus": 4}]
+    r = run_cluster(run_dir, nodes, [*GPU_RUN, "topology.strategy=SPREAD"])
+    assert r["rc"] == 0, r["driver_log"][-3000:]
+    s = r["summary"]
+    counts = trained_counts(run_dir, s)
+    assert counts == {"trained_once": s["jobs_scheduled"], "trained_twice": 0, "never_trained": 0}
+    assert s["jobs_acked"] == s["jobs_scheduled"] > 0 and s["replicas_identical"] is True
+    where = r["placements"][0]
+    assert len(where) == 8 and set(where) == {1, 2}  # SPREAD: both GPU nodes hold bundles
+    assert {where[i] for i in range(5, 8)} | {where[i] for i in range(5)} == {1, 2}
+
+
+def test_losing_the_drafters_node_mid_run_completes_on_the_spare(tmp_path: Path) -> None:
+    run_dir = tmp_path / "loss"
+    # Head (driver, pool) + two 4-GPU nodes the 8 bundles fill under PACK + one spare 4-GPU node.
+    nodes = [{"cpus": 1, "gpus": 0}, {"cpus": 2, "gpus": 4}, {"cpus": 2, "gpus": 4}, {"cpus": 2, "gpus": 4}]
+    r = run_cluster(run_dir, nodes, [*GPU_RUN, "checkpoint.every_steps=2"],
+                    remove_node={"drafter_bundle": 5, "after_checkpoint": True})
+    log = r["driver_log"]
+    assert r["rc"] == 0, log[-4000:]
+    assert any("remove node" in e for e in r["events"])
+    s = r["summary"]
+    counts = trained_counts(run_dir, s)
+    assert counts["trained_twice"] == 0 and counts["never_trained"] == 0, counts
+    assert s["jobs_acked"] == s["jobs_scheduled"] and s["jobs_acked_twice"] == 0
+    assert "rebuilding the drafter group from" in log  # the drafters' node went away with them
+    assert s["tau_trained"] is not None  # the final evaluation found a live target
+    events = [l for l in log.splitlines() if "crashed" in l or "rebuild" in l or "restarted" in l or "lost" in l]
+    print("\n".join(events[:20]))
+
+
+def _last_status_loss(out: str) -> float:
+    import re
+
+    losses = [float(m) for m in re.findall(r"\| loss (\d+\.\d+) ", out) if float(m) > 0]
+    assert losses, out[-2000:]
+    return losses[-1]
+
+
+def test_resume_with_other_topologies_keeps_weights_ledger_and_schedule(ray_cluster, tmp_path: Path) -> None:
+    """Stopped at 5 targets / 3 drafters, resumed as 3/2 and (from a copy) as 6/4: every job trained
+    once across both halves, and the loss goes on from where it stopped (the LR schedule runs on jobs
+    consumed, which does not depend on the topology)."""
+    import shutil
+
+    from app.training.checkpoint import latest_checkpoint, read_ledger
+    from tests.e2e_helpers import run_in_process, sigterm_and_wait, start_driver, summary, wait_for
+
+    first = tmp_path / "elastic"
+    proc = start_driver(first, "checkpoint.every_steps=2", "logging.step_log=true")
+    wait_for(lambda: latest_checkpoint(first) is not None and read_ledger(latest_checkpoint(first))[0] >= 4,
+             900, "a checkpoint at step >= 4")
+    code, out = sigterm_and_wait(proc, timeout=300)
+    assert code == 0 and "stopped cleanly" in out, out[-3000:]
+    step, _, ledger = read_ledger(latest_checkpoint(first))
+    loss_at_stop = _last_status_loss(out)
+    copy = tmp_path / "elastic-64"
+    shutil.copytree(first, copy)
+
+    for run_dir, (targets, drafters) in ((first, (3, 2)), (copy, (6, 4))):
+        assert run_in_process(run_dir, f"topology.num_targets={targets}", f"topology.num_drafters={drafters}",
+                              "logging.step_log=true") == 0
+        s = summary(run_dir)
+        counts = trained_counts(run_dir, s)
+        print(f"\n[{targets}/{drafters}] resumed at step {step} ({len(ledger)} jobs); loss at stop {loss_at_stop:.3f}, "
+              f"first after resume {s['loss_first']:.3f}, last {s['loss_last']:.3f}; counts {counts}")
+        assert counts == {"trained_once": s["jobs_scheduled"], "trained_twice": 0, "never_trained": 0}
+        assert s["resumed_from_step"] == step and s["jobs_acked"] == s["jobs_scheduled"]
+        assert s["jobs_trained_this_run"] == s["jobs_scheduled"] - len(ledger)
+        # Continuous: the first loss after the resume is near the loss at the stop, far below a fresh start's.
+        assert s["loss_first"] < loss_at_stop * 1.25 and s["loss_last"] < s["loss_first"] * 1.1
