@@ -13,6 +13,8 @@ BENCHES = {
     "sched": ("app.bench.sched", "fair pool vs per-drafter queues vs random pulls (busy, mixing)"),
     "e2e": ("app.bench.e2e", "end-to-end training throughput"),
     "loss": ("app.bench.loss", "DFlash loss kernels"),
+    "flops": ("app.bench.flops", "target/drafter executed vs needed FLOPs and target peak memory at default shapes"),
+    "gpu": ("app.bench.gpu", "one CUDA GPU: target prefill and drafter step tok/s, MFU, copy overlap, peak memory"),
 }
 
 

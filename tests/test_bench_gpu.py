@@ -1,0 +1,43 @@
+"""The GPU bench: a clear exit without CUDA, and its --small rehearsal of the same code path on CPU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from app.bench import gpu
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_without_cuda_it_exits_nonzero_with_one_line(capsys):
+    assert gpu.main([]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs a CUDA GPU" in err[0] and "--small" in err[0]
+
+
+def test_jobs_mix_every_bucket_round_robin():
+    per_bucket = [[[10], [11]], [], [[30, 30]], [[40], [41], [42]]]
+    assert gpu._mixed(per_bucket, 5) == [[10], [30, 30], [40], [11], [41]]
+
+
+def test_drafter_training_flops_count_only_valid_anchors():
+    from types import SimpleNamespace
+
+    arch = SimpleNamespace(hidden_size=8, block_size=4, num_heads=2, num_kv_heads=1, head_dim=4, intermediate_size=16,
+                           feature_dim=24, num_layers=2, vocab_size=50)
+    hb = SimpleNamespace(lengths_B=np.array([10, 3]), loss_mask_BS=np.ones((2, 10), np.uint8))
+    one = gpu.drafter_train_flops(arch, hb, num_anchors=100)
+    # Row 1 (length 3 < block 4) has no anchor; row 0 has positions 0..6 -> 7 anchors.
+    hb1 = SimpleNamespace(lengths_B=np.array([10]), loss_mask_BS=np.ones((1, 10), np.uint8))
+    assert one == gpu.drafter_train_flops(arch, hb1, num_anchors=100) > 0
+    assert gpu.drafter_train_flops(arch, hb1, num_anchors=3) < one  # fewer anchors, less work
+
+
+@pytest.mark.slow
+def test_small_mode_runs_the_target_and_drafter_path_and_prints_result(capsys):
+    assert gpu.main(["--small", "--jobs", "3", "--drafter-jobs", "1"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    vals = dict(kv.split("=") for kv in line.split()[1:])
+    assert line.startswith("RESULT target_tok_s=")
+    assert float(vals["target_tok_s"]) > 0 and float(vals["drafter_tok_s"]) > 0
+    assert {"target_mfu", "drafter_mfu", "peak_gib"} <= set(vals)
