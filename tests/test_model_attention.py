@@ -99,3 +99,42 @@ def test_pack_blocks_keeps_only_visible_context():
     assert sub.plan.ctx_lo_M.tolist() == [0, 0, 7] and sub.plan.ctx_hi_M.tolist() == [3, 7, 11]
     assert sub.q_pos_R.tolist() == [3, 4, 7, 8, 5, 6]
     assert sub.k_pos_K.tolist() == list(range(7)) + list(range(4)) + [3, 4, 7, 8, 5, 6]
+
+
+def test_aligned_packing_gives_the_same_drafter_output():
+    # The flex layout pads each sequence's context to the tile; padding must stay invisible.
+    from app.model.drafter import DFlashDrafter
+    from app.model.toy import tiny_arch, tiny_qwen3_config
+
+    torch.manual_seed(0)
+    arch = tiny_arch(tiny_qwen3_config(), num_layers=2, block_size=4, target_layer_ids=(0, 2))
+    d = DFlashDrafter(arch).eval()
+    for p in d.parameters():
+        p.data.normal_(0, 0.3)
+    seq, anchors, lengths, S = np.array([0, 0, 1, 1, 1]), np.array([3, 9, 2, 5, 11]), np.array([16, 15]), 16
+    feats = torch.randn(2 * S, arch.feature_dim)
+    emb = torch.randn(len(seq) * 4, arch.hidden_size)
+    outs = []
+    with torch.no_grad():
+        for align in (1, 8):
+            sub = pack_blocks(seq, anchors, lengths, S, 4, CPU, "tiled", align=align)
+            assert sub.plan.num_ctx % align == 0 and (sub.plan.ctx_lo_M % align == 0).all()
+            outs.append(d.forward_packed(emb, feats[sub.ctx_index_T], sub))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_tiled_and_dense_flop_counts_match_torch_flop_counter():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    # The math backend runs the scores as two matmuls the counter sees (the fused CPU kernel it
+    # does not count); the pairs it computes are the kernel's, whichever backend runs them.
+    B, heads, d = 4, 4, 8
+    lo, hi, T = _ranges(B=B)
+    q, k, v = (t.detach().float() for t in _qkv(len(lo) * B, T, heads=heads, d=d))
+    for kernel in ("tiled", "dense"):
+        plan = build_plan(lo, hi, T, B, CPU, kernel)
+        with FlopCounterMode(display=False) as fc, sdpa_kernel(SDPBackend.MATH):
+            block_attention(q, k, v, plan, 0.3)
+        executed, _ = attention_flops(lo, hi, T, B, kernel)
+        assert fc.get_total_flops() == 4 * d * heads * executed, kernel

@@ -14,6 +14,7 @@ BENCHES = {
     "e2e": ("app.bench.e2e", "end-to-end training throughput"),
     "loss": ("app.bench.loss", "DFlash loss kernels"),
     "flops": ("app.bench.flops", "target/drafter executed vs needed FLOPs and target peak memory at default shapes"),
+    "memory": ("app.bench.memory", "drafter peak GPU memory per bucket (fake tensors, full width): now vs before"),
     "gpu": ("app.bench.gpu", "one CUDA GPU: target prefill and drafter step tok/s, MFU, copy overlap, peak memory"),
 }
 

@@ -46,7 +46,7 @@ class BlockPlan:
     block_size: int  # B
     ctx_lo_M: np.ndarray  # first visible context key of each block (= its sequence's offset)
     ctx_hi_M: np.ndarray  # one past the last visible context key (offset + min(anchor, length))
-    kernel: str  # "tiled" | "flex" | "dense"
+    kernel: str  # "tiled" | "flex" | "dense" | "none" (ranges only)
     tiles: list[Tile] = field(default_factory=list)
     flex_mask: object | None = None  # torch BlockMask on CUDA
     dense_mask: torch.Tensor | None = None  # [R, T+R] for the dense reference
@@ -75,7 +75,7 @@ def build_plan(ctx_lo_M, ctx_hi_M, num_ctx: int, block_size: int, device: torch.
         plan.flex_mask = _flex_block_mask(lo, hi, num_ctx, block_size, device)
     elif kernel == "dense":
         plan.dense_mask = dense_mask(lo, hi, num_ctx, block_size, device)
-    else:
+    elif kernel != "none":  # "none": ranges only, for counting and benches that bring their own kernel
         raise ValueError(f"attention kernel {kernel!r}: use auto | tiled | flex | dense")
     return plan
 

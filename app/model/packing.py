@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from app.model.attention import BlockPlan, build_plan
+from app.model.attention import FLEX_TILE, BlockPlan, build_plan
 
 
 @dataclass
@@ -33,8 +33,17 @@ class PackedSubBatch:
 
 
 def pack_blocks(seq_M, anchors_M, lengths_N, S: int, B: int, device: torch.device,
-                kernel: str = "auto") -> PackedSubBatch:
-    """Pack blocks (grouped by sequence, in the given order) with the context they can see."""
+                kernel: str = "auto", align: int | None = None) -> PackedSubBatch:
+    """Pack blocks (grouped by sequence, in the given order) with the context they can see.
+
+    `align`: each sequence's context starts at a multiple of it, and so do the block keys (default:
+    the flex tile on the flex kernel, so no 128x128 tile straddles two sequences' context or splits
+    a tile's own block keys; 1 elsewhere). Padding slots repeat the sequence's first token, and no
+    block ever sees them (its visible range ends at its anchor)."""
+    if kernel == "auto":
+        kernel = "flex" if device.type == "cuda" else "tiled"
+    if align is None:
+        align = FLEX_TILE if kernel == "flex" else 1
     seq_M = np.asarray(seq_M, dtype=np.int64)
     anchors_M = np.asarray(anchors_M, dtype=np.int64)
     lengths_N = np.asarray(lengths_N, dtype=np.int64)
@@ -43,13 +52,18 @@ def pack_blocks(seq_M, anchors_M, lengths_N, S: int, B: int, device: torch.devic
     seqs, first = np.unique(seq_M, return_index=True)
     seqs = seqs[np.argsort(first)]  # order of appearance
     T_n = np.array([vis_M[seq_M == n].max() for n in seqs], dtype=np.int64)
-    off_n = np.concatenate([[0], np.cumsum(T_n)[:-1]]).astype(np.int64)
+    slot_n = -(-T_n // align) * align  # each sequence's slots, padded to the alignment
+    off_n = np.concatenate([[0], np.cumsum(slot_n)[:-1]]).astype(np.int64)
     off_of = dict(zip(seqs.tolist(), off_n.tolist()))
     ctx_lo = np.array([off_of[n] for n in seq_M.tolist()], dtype=np.int64)
     ctx_hi = ctx_lo + vis_M
-    T = int(T_n.sum())
-    ctx_pos = np.concatenate([np.arange(t) for t in T_n]) if T else np.zeros(0, np.int64)
-    ctx_index = np.concatenate([n * S + np.arange(t) for n, t in zip(seqs, T_n)]) if T else np.zeros(0, np.int64)
+    T = int(slot_n.sum())
+    ctx_pos = np.zeros(T, np.int64)
+    ctx_index = np.zeros(T, np.int64)
+    for n, t, off in zip(seqs.tolist(), T_n.tolist(), off_n.tolist()):
+        ctx_pos[off:off + t] = np.arange(t)
+        ctx_index[off:off + t] = n * S + np.arange(t)
+        ctx_index[off + t:off + int(slot_n[seqs.tolist().index(n)])] = n * S  # padding: never visible
     q_pos = (anchors_M[:, None] + np.arange(B)).reshape(-1)
     plan = build_plan(ctx_lo, ctx_hi, T, B, device, kernel)
     return PackedSubBatch(
