@@ -79,11 +79,12 @@ class Topology:
     def make_target(self, i: int, model_dir: str, layer_ids: list[int], dataset_ref: Any, faults: Any) -> Any:
         import ray
 
-        from actors.target import TargetActor
+        from actors.target import TargetActor, target_concurrency
 
         topo, bundle = self.cfg.topology, self.plan.bundles[self.plan.target_bundle(i)]
+        concurrency = target_concurrency(topo.device, self.plan.use_gpu, self.cfg.pool.jobs_in_flight_per_target)
         return ray.remote(TargetActor).options(
-            num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0, max_concurrency=1,
+            num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0, max_concurrency=concurrency,
             scheduling_strategy=self._strategy(self.plan.target_bundle(i)),
         ).remote(i, model_dir, layer_ids, self.cfg.model, topo.device if self.plan.use_gpu else "cpu",
                  bundle["CPU"], dataset_ref, faults, self.cfg.checkpoint.dir)
