@@ -57,19 +57,36 @@ class DrafterResult:
 
 
 class _Prefetcher:
-    """Keeps one pull (and its payload fetch) in flight while the replica computes."""
+    """Keeps one pull (and its payload fetch) in flight while the replica computes. A step's acks
+    ride on the next pull it sends (one call per item), or go at once if a pull is still waiting."""
 
     def __init__(self, pool, rank: int, generation: int) -> None:
         self.pool, self.rank, self.generation = pool, rank, generation
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
         self.pending: Future | None = None
+        self.acks: list[int] = []
 
-    def _fetch(self):
+    def ack(self, job_ids: list[int]) -> None:
+        """After the optimizer step: these jobs go to the pool's ledger with the next pull."""
+        if self.pending is not None and not self.pending.done():
+            import ray  # the pull in flight waits for data: do not hold the acks behind it
+
+            ray.get(self.pool.ack.remote(self.rank, self.acks + job_ids))
+            self.acks = []
+        else:
+            self.acks += job_ids
+
+    def _submit(self) -> Future:
+        acks, self.acks = self.acks, []
+        return self.executor.submit(self._fetch, acks)
+
+    def _fetch(self, acks: list[int]):
         import ray
         from ray.exceptions import ObjectLostError
 
         while True:
-            pulled = ray.get(self.pool.pull.remote(self.rank, self.generation))
+            pulled = ray.get(self.pool.pull.remote(self.rank, self.generation, acks))
+            acks = []
             if isinstance(pulled, (EndOfStream, Drained)):
                 return pulled, None
             try:
@@ -80,12 +97,12 @@ class _Prefetcher:
     def next(self):
         """(item, payload, seconds waited); item is EndOfStream when the stream is over."""
         if self.pending is None:
-            self.pending = self.executor.submit(self._fetch)
+            self.pending = self._submit()
         t0 = time.perf_counter()
         item, payload = self.pending.result()
         waited = time.perf_counter() - t0
         # After end-of-stream or a drain, pull again only when asked (a drain clears after acks).
-        self.pending = None if isinstance(item, (EndOfStream, Drained)) else self.executor.submit(self._fetch)
+        self.pending = None if isinstance(item, (EndOfStream, Drained)) else self._submit()
         return item, payload, waited
 
 
@@ -162,7 +179,7 @@ class DrafterActor:
                 continue
             self._maybe_crash(stats.step)
             if job_ids:  # after the optimizer step: a crash before this re-issues the jobs
-                ray.get(self.pool.ack.remote(self.rank, job_ids))
+                fetch.ack(job_ids)
             gathered: list[list[int]] = [[] for _ in range(self.cfg.world_size)]
             dist.all_gather_object(gathered, job_ids)
             self.ledger.update(j for ids in gathered for j in ids)

@@ -39,15 +39,15 @@ def produce_all(pool: HSPool, targets: int = 8) -> int:
 
 def make_pool(**kw) -> HSPool:
     num_buckets = kw.pop("num_buckets", 6)
-    policy = kw.pop("pull_policy", "round_robin")
+    policy = kw.pop("pull_policy", None)  # None: the config's default (stratified)
     if policy == "random":
         policy = RandomPulls(num_buckets)
     return HSPool(PoolConfig(**kw), num_buckets, pull_policy=policy)
 
 
-def test_five_pulls_hit_five_different_buckets():
+def test_round_robin_five_pulls_hit_five_different_buckets():
     counts = [2, 0, 1, 3, 2, 12]
-    pool = make_pool(capacity=20, min_ready=6, jobs_in_flight_per_target=4)
+    pool = make_pool(capacity=20, min_ready=6, jobs_in_flight_per_target=4, pull_policy="round_robin")
     jobs = [b for b, c in enumerate(counts) for _ in range(c)]
     pool.add_jobs(job(i, b) for i, b in enumerate(jobs))
     produce_all(pool)

@@ -11,7 +11,7 @@ from app.pool.buffer import BucketBuffer, Item
 from app.pool.inflight import InFlight
 from app.pool.leases import LeaseTable
 from app.pool.ledger import Ledger
-from app.pool.pull_policy import RoundRobin, make_pull_policy
+from app.pool.pull_policy import PullContext, RoundRobin, make_pull_policy
 from app.pool.queue import JobQueue
 from app.pool.states import JobState, JobStates
 
@@ -127,11 +127,15 @@ def test_ledger_interface():
     assert led.not_in([1]) == [5]
 
 
+def ctx(drafter: int, counts: list[int], rnd: int = 0, step_items: int = 12, finished: bool = False) -> PullContext:
+    return PullContext(drafter, rnd, counts, step_items, finished)
+
+
 def test_round_robin_serves_every_nonempty_bucket_in_turn_per_drafter():
     rr = make_pull_policy("round_robin", 4)
     assert isinstance(rr, RoundRobin)
     rng = random.Random(0)
-    assert [rr.choose(0, [1, 0, 5, 2], rng) for _ in range(4)] == [0, 2, 3, 0]
-    assert rr.choose(1, [0, 0, 5, 2], rng) == 2  # per-drafter cursor
+    assert [rr.choose(ctx(0, [1, 0, 5, 2]), rng) for _ in range(4)] == [0, 2, 3, 0]
+    assert rr.choose(ctx(1, [0, 0, 5, 2]), rng) == 2  # per-drafter cursor
     rr.reset()
-    assert rr.choose(0, [1, 1, 1, 1], rng) == 0
+    assert rr.choose(ctx(0, [1, 1, 1, 1]), rng) == 0

@@ -1,13 +1,17 @@
-"""`python -m app.bench pool`: put+pull pairs per second, pool actor vs ray.util.queue.Queue.
+"""`python -m app.bench pool`: put+pull pairs per second, pool actor vs ray.util.queue.Queue, given the
+same advantages.
 
-A pair is one item put in by a producer and taken out by a consumer that reads its payload.
-Both sides do the same work in the same run: P producer actors make N items (meta + a numpy
-payload of --kib KiB), C consumer actors take them all and read every payload.
-- pool: the HSPoolActor calls each producer's `forward` (num_returns=2, so the pool owns the
-  refs); consumers `pull_many` up to 4 items and ack them in one call (one ack per grad-accum
-  window, as the drafters do).
-- queue: producers `put((meta, payload))` into one `ray.util.queue.Queue` (its default
-  put/get, the layout the pool replaces); consumers `get` and read the payload.
+A pair is one item made by a producer and taken by a consumer that reads its payload. Same work on
+both sides, in the same run: P producer actors make N items (meta + a numpy payload of --kib KiB),
+each producer with the same jobs in flight (4), and C consumers take them all and read every
+payload, B items per call:
+- pool: the HSPoolActor calls each producer's `forward` (num_returns=2, so the pool owns the refs);
+  consumers `pull_many` up to B items and their acks ride on the next call (as the drafters' do).
+- queue: a feeder (the driver) calls the same `forward`s with the same jobs in flight, owns the refs
+  as the pool does, and puts (meta, payload ref) pairs with `put_nowait_batch` (up to B at once);
+  consumers `get_nowait_batch(B)`, falling back to a blocking `get` when fewer are queued, and read
+  the payloads in one `ray.get`. Refs travel, not payloads, exactly as in the pool.
+Both run at B=1 and B=4; the RESULT ratio is at B=4 (the bench's default batch).
 """
 from __future__ import annotations
 
@@ -18,7 +22,10 @@ import time
 import numpy as np
 
 from app.config.schema import PoolConfig
-from app.messages import EndOfStream, HiddenBatch, ItemMeta, JobSpec, PulledItem
+from app.messages import Drained, EndOfStream, HiddenBatch, ItemMeta, JobSpec, PulledItem
+
+IN_FLIGHT = 4  # jobs per producer, both layouts
+CAPACITY = 64  # items buffered + in flight (pool), queue size + feeder backlog (queue)
 
 
 def make_item(job_id: int, bucket: int, floats: int, target_id: int) -> tuple[ItemMeta, HiddenBatch]:
@@ -35,7 +42,7 @@ def make_item(job_id: int, bucket: int, floats: int, target_id: int) -> tuple[It
 
 
 class BenchProducer:
-    """A zero-cost target: forward(job) for the pool, produce(queue, ids) for the queue."""
+    """A zero-cost target: forward(job) -> (meta, payload), called with num_returns=2 by both layouts."""
 
     def __init__(self, target_id: int, floats: int) -> None:
         self.target_id, self.floats = target_id, floats
@@ -45,11 +52,6 @@ class BenchProducer:
 
     def forward(self, job: JobSpec) -> tuple[ItemMeta, HiddenBatch]:
         return make_item(job.job_id, job.bucket, self.floats, self.target_id)
-
-    def produce(self, queue, job_ids: list[int], buckets: int) -> int:
-        for jid in job_ids:
-            queue.put(make_item(jid, jid % buckets, self.floats, self.target_id))
-        return len(job_ids)
 
 
 class BenchConsumer:
@@ -61,38 +63,47 @@ class BenchConsumer:
     def from_pool(self, pool, drafter_id: int, batch: int) -> int:
         import ray
 
-        n = 0
+        n, acks = 0, []
         while True:
-            got = ray.get(pool.pull_many.remote(drafter_id, batch))
+            got = ray.get(pool.pull_many.remote(drafter_id, batch, 0, acks))
             items = [g for g in got if isinstance(g, PulledItem)]
             for it, payload in zip(items, ray.get([it.payload_ref for it in items])):
                 assert payload.job_id == it.meta.job_id
-            if items:
-                pool.ack.remote(drafter_id, [it.meta.job_id for it in items])
-                n += len(items)
+            acks = [it.meta.job_id for it in items]  # ride on the next pull
+            n += len(items)
             if any(isinstance(g, EndOfStream) for g in got):
                 return n
-            if not items:
-                time.sleep(0.002)  # Drained: others hold the last leases
+            if any(isinstance(g, Drained) for g in got) and not items:
+                time.sleep(0.002)  # others hold the last leases
 
-    def from_queue(self, queue) -> int:
+    def from_queue(self, queue, batch: int) -> int:
+        import ray
+        from ray.util.queue import Empty
+
         n = 0
         while True:
-            got = queue.get()
-            if isinstance(got, EndOfStream):
+            try:
+                got = queue.get_nowait_batch(batch)
+            except Empty:
+                got = [queue.get()]
+            eos = [g for g in got if isinstance(g, EndOfStream)]
+            items = [g for g in got if not isinstance(g, EndOfStream)]
+            for (meta, _), payload in zip(items, ray.get([ref for _, ref in items])):
+                assert payload.job_id == meta.job_id
+            n += len(items)
+            if eos:
+                if len(eos) > 1:  # other consumers' end markers: give them back
+                    queue.put_nowait_batch(eos[1:])
                 return n
-            meta, payload = got
-            assert payload.job_id == meta.job_id
-            n += 1
 
 
-def run_pool(ray, n: int, prods: list, cons: list, floats: int, buckets: int, batch: int = 4) -> float:
+def run_pool(ray, n: int, prods: list, cons: list, floats: int, buckets: int, batch: int) -> float:
     from actors.hs_pool import HSPoolActor, pool_max_concurrency
 
-    cfg = PoolConfig(capacity=64, min_ready=1, jobs_in_flight_per_target=4, metrics_every_s=5.0)
+    cfg = PoolConfig(capacity=CAPACITY, min_ready=1, jobs_in_flight_per_target=IN_FLIGHT, metrics_every_s=5.0)
     pool = ray.remote(HSPoolActor).options(
         max_concurrency=pool_max_concurrency(len(prods), len(cons))
-    ).remote(cfg, buckets, "bench-pool")
+    ).remote(cfg, buckets, "bench-pool", None, len(cons), batch)
     ray.get(pool.ledger.remote())
     jobs = [JobSpec(i, 0, i, i % buckets, (i,), 4, floats * 4 + 4096) for i in range(n)]
     t0 = time.perf_counter()
@@ -108,32 +119,66 @@ def run_pool(ray, n: int, prods: list, cons: list, floats: int, buckets: int, ba
     return n / dt
 
 
-def run_queue(ray, n: int, prods: list, cons: list, floats: int, buckets: int) -> float:
-    from ray.util.queue import Queue
+def run_queue(ray, n: int, prods: list, cons: list, floats: int, buckets: int, batch: int) -> float:
+    from ray.util.queue import Full, Queue
 
-    queue = Queue(maxsize=64)
+    queue = Queue(maxsize=CAPACITY)
     queue.size()
+    jobs = iter(JobSpec(i, 0, i, i % buckets, (i,), 4, 0) for i in range(n))
     t0 = time.perf_counter()
-    runs = [c.from_queue.remote(queue) for c in cons]
-    ids = list(range(n))
-    ray.get([p.produce.remote(queue, ids[t :: len(prods)], buckets) for t, p in enumerate(prods)])
-    for _ in cons:
-        queue.put(EndOfStream())
+    runs = [c.from_queue.remote(queue, batch) for c in cons]
+    inflight: dict = {}  # meta ref -> (producer, payload ref)
+
+    def submit(p: int) -> None:
+        job = next(jobs, None)
+        if job is not None:
+            meta_ref, payload_ref = prods[p].forward.options(num_returns=2).remote(job)
+            inflight[meta_ref] = (p, payload_ref)
+
+    for p in range(len(prods)):
+        for _ in range(IN_FLIGHT):
+            submit(p)
+    ready: list = []  # made, not yet in the queue
+    while inflight or ready:
+        if inflight and len(ready) < CAPACITY - IN_FLIGHT * len(prods):
+            done, _ = ray.wait(list(inflight), num_returns=1, timeout=0.01 if ready else None)
+            done += ray.wait([r for r in inflight if r not in done], num_returns=len(inflight) - len(done),
+                             timeout=0)[0] if len(inflight) > len(done) else []
+            for ref, meta in zip(done, ray.get(done)):
+                p, payload_ref = inflight.pop(ref)
+                ready.append((meta, payload_ref))
+                submit(p)
+        while ready:
+            chunk = ready[:batch]
+            try:
+                queue.put_nowait_batch(chunk)
+            except Full:
+                if not inflight:
+                    time.sleep(0.001)
+                break
+            del ready[:len(chunk)]
+    while True:
+        try:
+            queue.put_nowait_batch([EndOfStream() for _ in cons])
+            break
+        except Full:
+            time.sleep(0.001)
     took = sum(ray.get(runs))
     dt = time.perf_counter() - t0
-    assert took == n
+    assert took == n, took
     queue.shutdown()
     return n / dt
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m app.bench pool", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m app.bench pool", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--items", type=int, default=1000)
     ap.add_argument("--producers", type=int, default=5)
     ap.add_argument("--consumers", type=int, default=3)
     ap.add_argument("--kib", type=int, default=256, help="payload size per item")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--pull-batch", type=int, default=4, help="items per pull_many call (acks: one per call)")
+    ap.add_argument("--batches", default="1,4", help="items per consumer call; the last one gives RESULT's ratio")
     args = ap.parse_args(argv)
     import ray
 
@@ -145,16 +190,23 @@ def main(argv: list[str] | None = None) -> int:
     cons = [ray.remote(BenchConsumer).remote() for _ in range(args.consumers)]
     ray.get([a.ready.remote() for a in prods + cons])
     shape = (args.items, prods, cons, floats, 6)
-    print(f"pair = one item put by a producer and pulled by a consumer that reads its {args.kib} KiB payload")
-    print(f"{args.items} items, {args.producers} producers, {args.consumers} consumers, {args.repeats} rounds")
-    pool_rates, queue_rates = [], []
-    for r in range(args.repeats):  # alternate so drift hits both alike
-        pool_rates.append(run_pool(ray, *shape, batch=args.pull_batch))
-        queue_rates.append(run_queue(ray, *shape))
-        print(f"round {r}: pool {pool_rates[-1]:.0f} pairs/s   queue {queue_rates[-1]:.0f} pairs/s")
-    pool_best, queue_best = max(pool_rates), max(queue_rates)
-    ratio = pool_best / queue_best
-    print(f"best of {args.repeats}: pool {pool_best:.0f} pairs/s, ray.util.queue.Queue {queue_best:.0f} pairs/s")
-    print(f"RESULT pool_pairs_per_s={pool_best:.1f} queue_pairs_per_s={queue_best:.1f} ratio={ratio:.3f}")
+    print(f"pair = one item made by a producer and taken by a consumer that reads its {args.kib} KiB payload; "
+          f"{args.items} items, {args.producers} producers x {IN_FLIGHT} in flight, {args.consumers} consumers, "
+          f"best of {args.repeats}")
+    best: dict[int, tuple[float, float]] = {}
+    for batch in [int(b) for b in args.batches.split(",")]:
+        pool_rates, queue_rates = [], []
+        for r in range(args.repeats):  # alternate so drift hits both alike
+            pool_rates.append(run_pool(ray, *shape, batch=batch))
+            queue_rates.append(run_queue(ray, *shape, batch=batch))
+            print(f"batch {batch} round {r}: pool {pool_rates[-1]:.0f} pairs/s   queue {queue_rates[-1]:.0f} pairs/s")
+        best[batch] = (max(pool_rates), max(queue_rates))
+        print(f"batch {batch}: pool {best[batch][0]:.0f} pairs/s, ray.util.queue.Queue (refs, batch calls) "
+              f"{best[batch][1]:.0f} pairs/s, ratio {best[batch][0] / best[batch][1]:.3f}")
     ray.shutdown()
+    last = list(best)[-1]
+    pool_best, queue_best = best[last]
+    others = " ".join(f"ratio_b{b}={p / q:.3f}" for b, (p, q) in best.items() if b != last)
+    print(f"RESULT pool_pairs_per_s={pool_best:.1f} queue_pairs_per_s={queue_best:.1f} ratio={pool_best / queue_best:.3f}"
+          + (f" {others}" if others else ""))
     return 0

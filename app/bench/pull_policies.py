@@ -4,7 +4,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from app.pool.pull_policy import PullPolicy
+from app.pool.pull_policy import PullContext, PullPolicy
 
 
 class RandomPulls:
@@ -16,9 +16,12 @@ class RandomPulls:
     def __init__(self, num_buckets: int) -> None:
         self.num_buckets = num_buckets
 
-    def choose(self, drafter_id: int, counts: Sequence[int], rng: random.Random) -> int:
-        k = rng.randrange(sum(counts))
-        for b, n in enumerate(counts):
+    def add_jobs(self, per_bucket: Sequence[int]) -> None:
+        pass
+
+    def choose(self, ctx: PullContext, rng: random.Random) -> int:
+        k = rng.randrange(sum(ctx.counts))
+        for b, n in enumerate(ctx.counts):
             if k < n:
                 return b
             k -= n
@@ -36,9 +39,13 @@ class TracedPulls:
         self.name = f"traced-{inner.name}"
         self.trace: list[tuple[int, int, int]] = []
 
-    def choose(self, drafter_id: int, counts: Sequence[int], rng: random.Random) -> int:
-        b = self.inner.choose(drafter_id, counts, rng)
-        self.trace.append((drafter_id, b, sum(1 << i for i, n in enumerate(counts) if n)))
+    def add_jobs(self, per_bucket: Sequence[int]) -> None:
+        self.inner.add_jobs(per_bucket)
+
+    def choose(self, ctx: PullContext, rng: random.Random) -> int | None:
+        b = self.inner.choose(ctx, rng)
+        if b is not None:
+            self.trace.append((ctx.drafter_id, b, sum(1 << i for i, n in enumerate(ctx.counts) if n)))
         return b
 
     def reset(self) -> None:

@@ -1,16 +1,27 @@
-"""`python -m app.bench sched`: who starves and who mixes, on the real pool actor.
+"""`python -m app.bench sched`: does each step mix the buckets as the data does, does a bucket pile up,
+do the drafters stay fed? Four layouts on the same sleeping actors, same schedule, one run each:
+  stratified: the HSPoolActor with its default pull policy (each bucket at its own rate);
+  rr:         the HSPoolActor with per-drafter round-robin over non-empty buckets;
+  random:     the HSPoolActor with uniformly random pulls over buffered items;
+  queue:      one ray.util.queue.Queue per drafter, targets assigned round-robin (t -> t % 3), the
+              seed's original layout.
+5 targets produce the schedule (app/data/schedule.py's interleave of the mix) and 3 drafter ranks
+consume it in lockstep, as the real group does: each prefetches its next pull while it sleeps the
+item's cost, steps every 4 items (or on Drained), waits at a barrier for the other ranks (the
+all-reduce), and sends its acks with its next pull. Item costs by bucket span 50-300 ms (short
+buckets cost the drafter most, as query rows do), targets supply 10% more than the drafters eat.
 
-Sleeping producers (5 targets) and consumers (3 drafters); both costs grow with the tokens of a
-job's bucket, the longest bucket dominates the job mix, and the targets out-supply the drafters
-by 10% on average. Three layouts, same actors, same schedule, one run:
-  (a) fair:   the HSPoolActor, bucket-fair pulls (round-robin over non-empty buckets);
-  (b) rr:     one ray.util.queue.Queue per drafter, targets assigned round-robin (t -> t % 3);
-  (c) random: the HSPoolActor with uniformly random pulls over buffered items.
-Each drafter prefetches one pull while it computes and acks every 4 items (one grad-accum step).
-busy = compute time / measured window; mixing = share of 4-pull windows (one step each) that
-cover min(4, buckets non-empty at every pull of the window) distinct buckets: what the policy
-could have mixed. Also printed: the stricter count against buckets non-empty at the window's
-first pull, which other drafters may drain during the window (scarce short buckets are shared).
+Measures (app/pool/measures.py, the same for every layout): step_tv (mean TV distance of each global
+step's bucket mix from the data's shares), step_tv_floor (the schedule's own order cut into steps),
+backlog (time-averaged share of the buffer held by its largest bucket, buffer = landed but not yet
+pulled, from the targets' and drafters' own timestamps), tail_single (share of the last 15% of
+steps drawn from one bucket), busy_min (least fed rank: 1 - its share of time blocked waiting for an
+item; waiting at the barrier for a slower rank is not data starvation and is reported as
+`barrier_idle`, the rank balance that issue 17's dealing addresses). busy and backlog cover the
+window from --warmup seconds to the last job produced.
+
+`--fast` scales costs to 20-80 ms (the pull round trip matters more); `--sim` runs the same setups
+in the discrete-event simulation (app/bench/simulate.py) instead of Ray, in seconds.
 """
 from __future__ import annotations
 
@@ -21,221 +32,294 @@ import time
 import numpy as np
 
 from app.config.schema import PoolConfig
-from app.messages import EndOfStream, HiddenBatch, ItemMeta, JobSpec, PulledItem
+from app.messages import Drained, EndOfStream, HiddenBatch, ItemMeta, JobSpec, PulledItem
+from app.pool.measures import BacklogMeter, bucket_counts, shares_of, step_tv, step_tv_floor, tail_single
 
-TOKENS = [256, 512, 1024, 1536, 2048, 3072]  # per job, by bucket
-WEIGHTS = [1, 1, 1, 1, 2, 6]  # the longest bucket dominates
 NUM_TARGETS, NUM_DRAFTERS, ACCUM = 5, 3, 4
+DRAFTER_COST = [0.30, 0.25, 0.20, 0.15, 0.10, 0.05]  # s per item by bucket (short sequences: more rows)
+MIXES = {  # jobs per bucket: conf/tiny.yaml's own mix (the longest bucket dominates) and a middle-heavy one
+    "long": [1, 4, 5, 6, 7, 11],
+    "middle": [3, 5, 10, 6, 4, 3],
+}
+SUPPLY = 1.10
+LAYOUTS = ("stratified", "rr", "random", "queue")
 
 
-def consume_cost(bucket: int, scale: float) -> float:
-    return scale * (0.02 + 0.08 * TOKENS[bucket] / TOKENS[-1])
+def costs(mix: list[int], scale: float) -> tuple[list[float], list[float]]:
+    """(drafter cost, target cost) per bucket: targets out-supply the drafters' nominal rate by 10%,
+    a job of a longer bucket costs the target a little more (attention)."""
+    drafter = [c * scale for c in DRAFTER_COST]
+    mean = sum(m * c for m, c in zip(mix, drafter)) / sum(mix)
+    shape = [0.7 + 0.12 * b for b in range(6)]
+    mean_shape = sum(m * s for m, s in zip(mix, shape)) / sum(mix)
+    per_job = NUM_TARGETS * mean / (NUM_DRAFTERS * SUPPLY)
+    return drafter, [per_job * s / mean_shape for s in shape]
 
 
-def mean_consume_cost(scale: float) -> float:
-    return sum(w * consume_cost(b, scale) for b, w in enumerate(WEIGHTS)) / sum(WEIGHTS)
-
-
-def produce_factor(supply: float = 1.10) -> float:
-    """Producer cost / consumer cost so that 5 targets make `supply` x what 3 drafters eat."""
-    return NUM_TARGETS / (supply * NUM_DRAFTERS)
-
-
-def interleave(weights: list[int], n: int) -> list[int]:
-    """Smooth weighted round-robin: a linear interleave of buckets in proportion to weights."""
-    cur, total, out = [0] * len(weights), sum(weights), []
-    for _ in range(n):
-        cur = [c + w for c, w in zip(cur, weights)]
-        b = max(range(len(cur)), key=cur.__getitem__)
-        cur[b] -= total
-        out.append(b)
-    return out
-
-
-def item(job: JobSpec, target_id: int, cost: float) -> tuple[ItemMeta, HiddenBatch]:
+def _payload(job: JobSpec, target_id: int, cost: float) -> tuple[ItemMeta, HiddenBatch]:
     hb = HiddenBatch(job.job_id, np.zeros((1, 4, 4), np.float32), "float32",
                      np.zeros((1, 4), np.int64), np.ones((1, 4), np.uint8), np.array([4]))
-    return ItemMeta(job.job_id, job.bucket, 1, TOKENS[job.bucket], TOKENS[job.bucket], 64, target_id, cost), hb
+    return ItemMeta(job.job_id, job.bucket, 1, 4, 4, 64, target_id, cost), hb
 
 
 class SleepTarget:
-    """Sleeps cost(bucket) x factor per job; serves the pool (forward) or a queue (produce)."""
+    """Sleeps its cost per job; serves the pool (forward) or its queue (produce); logs when each lands."""
 
-    def __init__(self, target_id: int, scale: float, factor: float) -> None:
-        self.target_id, self.scale, self.factor = target_id, scale, factor
+    def __init__(self, target_id: int, target_cost: list[float], seed: int) -> None:
+        import random
+
+        self.target_id, self.cost, self.rng = target_id, target_cost, random.Random(seed)
+        self.log: list[tuple[int, int, float]] = []  # (job id, bucket, time done)
 
     def ready(self) -> bool:
         return True
 
-    def forward(self, job: JobSpec) -> tuple[ItemMeta, HiddenBatch]:
-        cost = consume_cost(job.bucket, self.scale) * self.factor
+    def forward(self, job: JobSpec):
+        cost = self.cost[job.bucket] * (0.85 + 0.3 * self.rng.random())
         time.sleep(cost)
-        return item(job, self.target_id, cost)
+        self.log.append((job.job_id, job.bucket, time.time()))
+        return _payload(job, self.target_id, cost)
 
-    def produce(self, queue, jobs: list[JobSpec], t_end: float) -> int:
-        from ray.util.queue import Full
-
-        done = 0
+    def produce(self, queue, jobs: list[JobSpec]) -> int:
         for job in jobs:
-            if time.time() > t_end:
-                break
             got = self.forward(job)
-            while time.time() < t_end:
-                try:
-                    queue.put(got, timeout=0.25)
-                    done += 1
-                    break
-                except Full:
-                    continue
-        return done
+            queue.put(got)
+            self.log[-1] = (job.job_id, job.bucket, time.time())  # in the buffer once the put returns
+        return len(jobs)
+
+    def take_log(self) -> list[tuple[int, int, float]]:
+        out, self.log = self.log, []
+        return out
+
+
+class Barrier:
+    """The all-reduce of one optimizer step: returns once every rank arrived, with the step's totals."""
+
+    def __init__(self, ranks: int) -> None:
+        self.ranks, self.steps = ranks, {}
+
+    async def arrive(self, step: int, items: int, eos: bool) -> tuple[int, int]:
+        import asyncio
+
+        st = self.steps.setdefault(step, {"n": 0, "items": 0, "eos": 0, "ev": asyncio.Event()})
+        st["n"] += 1
+        st["items"] += items
+        st["eos"] += int(eos)
+        if st["n"] == self.ranks:
+            st["ev"].set()
+        await st["ev"].wait()
+        return st["items"], st["eos"]
 
 
 class SleepDrafter:
-    """Pulls (one prefetched), sleeps cost(bucket), acks every ACCUM items; records compute spans."""
+    """One lockstep rank: the loop of actors/drafter.py with sleeps for compute."""
 
     def ready(self) -> bool:
         return True
 
-    def run(self, source, is_pool: bool, drafter_id: int, scale: float, t_end: float) -> list:
+    def run(self, source, is_pool: bool, rank: int, cost: list[float], barrier) -> dict:
         from concurrent.futures import ThreadPoolExecutor
 
         import ray
 
-        def fetch():  # pull and read the payload, in the background while the last item computes
-            ref = source.pull.remote(drafter_id) if is_pool else source.actor.get.remote(None)
-            ready, _ = ray.wait([ref], timeout=max(0.0, t_end - time.time()))
-            if not ready:
-                return EndOfStream("bench over")
-            got = ray.get(ref)
-            if isinstance(got, PulledItem):
-                return got.meta, ray.get(got.payload_ref)
-            return got
-
-        spans, held = [], []
         ex = ThreadPoolExecutor(1)
-        nxt = ex.submit(fetch)
-        while time.time() < t_end:
-            got = nxt.result()
-            if isinstance(got, EndOfStream):
+        pending, acks = None, []
+
+        def fetch(send: list[int]):
+            if not is_pool:
+                return source.get(), time.time()
+            got = ray.get(source.pull.remote(rank, 0, send))
+            if isinstance(got, PulledItem):
+                ray.get(got.payload_ref)
+                return (got.meta, None), time.time()
+            return got, time.time()
+
+        def submit():
+            nonlocal acks
+            send, acks = acks, []
+            return ex.submit(fetch, send)
+
+        items, waits, step, eos = [], [], 0, False  # items: (step, job id, bucket, time received)
+        while True:
+            mine = []
+            for _ in range(ACCUM):
+                if eos:
+                    break
+                if pending is None:
+                    pending = submit()
+                t0 = time.time()
+                got, _t = pending.result()
+                waits.append((t0, time.time()))
+                if isinstance(got, (EndOfStream, Drained)):
+                    pending = None
+                    eos = isinstance(got, EndOfStream)
+                    break
+                pending = submit()  # prefetch the next while this one computes
+                meta, _payload = got
+                items.append((step, meta.job_id, meta.bucket, _t))
+                mine.append(meta.job_id)
+                time.sleep(cost[meta.bucket])
+            total, eos_ranks = ray.get(barrier.arrive.remote(step, len(mine), eos))
+            step += 1
+            if eos_ranks == NUM_DRAFTERS:
                 break
-            nxt = ex.submit(fetch)  # prefetch the next while this one computes
-            meta, _payload = got
-            t0 = time.time()
-            time.sleep(consume_cost(meta.bucket, scale))
-            spans.append((meta.bucket, t0, time.time(), meta.num_tokens))
-            held.append(meta.job_id)
-            if is_pool and len(held) == ACCUM:
-                source.ack.remote(drafter_id, held)
-                held = []
-        ex.shutdown(wait=False)  # a last prefetch may still wait; it ends with the bench window
-        return spans
+            if total == 0:
+                time.sleep(0.05)
+                continue
+            if pending is not None and not pending.done():
+                if is_pool and mine:
+                    ray.get(source.ack.remote(rank, acks + mine))
+                    acks = []
+            else:
+                acks += mine
+        ex.shutdown(wait=False)
+        return {"items": items, "waits": waits}
 
 
-def busy_and_tokens(spans: list, t0: float, t1: float) -> tuple[float, float]:
-    busy = tokens = 0.0
-    for _, a, b, tok in spans:
-        overlap = max(0.0, min(b, t1) - max(a, t0))
-        busy += overlap
-        tokens += tok * overlap / (b - a) if b > a else 0.0
-    return busy / (t1 - t0), tokens / (t1 - t0)
-
-
-def mixing(trace: list[tuple[int, int, int]], drafter: int, at_start_only: bool = False) -> float:
-    """Share of this drafter's 4-pull windows (one grad-accum step each) that cover
-    min(4, available) distinct buckets. available = buckets non-empty at every pull of the window
-    (what the policy could have given throughout), or with at_start_only at the first pull."""
-    mine = [(b, mask) for d, b, mask in trace if d == drafter]
-    windows = [mine[i : i + ACCUM] for i in range(0, len(mine) - ACCUM + 1, ACCUM)]
-    if not windows:
-        return float("nan")
-    ok = 0
-    for w in windows:
-        avail = w[0][1]
-        if not at_start_only:
-            for _, mask in w[1:]:
-                avail &= mask
-        ok += len({b for b, _ in w}) >= min(ACCUM, bin(avail).count("1"))
-    return ok / len(windows)
-
-
-def run_layout(ray, layout: str, targets, drafters, jobs, scale: float, dur: float, warm: float) -> dict:
+def run_layout(ray, layout: str, targets, drafters, jobs: list[JobSpec], dcost: list[float]) -> dict:
     from actors.hs_pool import HSPoolActor, pool_max_concurrency
 
-    t_start = time.time()
-    t_end = t_start + dur
-    if layout == "rr":
+    barrier = ray.remote(Barrier).remote(NUM_DRAFTERS)
+    t0 = time.time()
+    if layout == "queue":
         from ray.util.queue import Queue
 
-        queues = [Queue(maxsize=8) for _ in range(NUM_DRAFTERS)]
+        queues = [Queue(maxsize=PoolConfig().capacity // NUM_DRAFTERS) for _ in range(NUM_DRAFTERS)]
         [q.size() for q in queues]
-        t_start = time.time()
-        t_end = t_start + dur
-        mine = [jobs[t::NUM_TARGETS] for t in range(NUM_TARGETS)]
-        prods = [tg.produce.remote(queues[t % NUM_DRAFTERS], mine[t], t_end) for t, tg in enumerate(targets)]
-        runs = [d.run.remote(queues[i], False, i, scale, t_end) for i, d in enumerate(drafters)]
-        spans = ray.get(runs)
-        ray.get(prods)
-        trace = None
+        t0 = time.time()
+        prods = {t: tg.produce.remote(queues[t % NUM_DRAFTERS], jobs[t::NUM_TARGETS]) for t, tg in enumerate(targets)}
+        runs = [d.run.remote(queues[i], False, i, dcost, barrier) for i, d in enumerate(drafters)]
+        open_q = {q: [t for t in prods if t % NUM_DRAFTERS == q] for q in range(NUM_DRAFTERS)}
+        while open_q:  # a queue's stream ends when every target feeding it is done
+            for q, ts in list(open_q.items()):
+                if all(ray.wait([prods[t]], timeout=0)[0] for t in ts):
+                    queues[q].put(EndOfStream())
+                    del open_q[q]
+            time.sleep(0.05)
+        out = ray.get(runs)
         for q in queues:
             q.shutdown()
+        pool_stats = None
     else:
-        from app.bench.pull_policies import RandomPulls, TracedPulls
-        from app.pool.pull_policy import RoundRobin
+        from app.bench.pull_policies import RandomPulls
 
-        inner = RoundRobin(len(TOKENS)) if layout == "fair" else RandomPulls(len(TOKENS))
+        policy = {"stratified": None, "rr": "round_robin", "random": RandomPulls(6)}[layout]
         pool = ray.remote(HSPoolActor).options(
             max_concurrency=pool_max_concurrency(NUM_TARGETS, NUM_DRAFTERS)
-        ).remote(PoolConfig(), len(TOKENS), f"bench-sched-{layout}", TracedPulls(inner))
+        ).remote(PoolConfig(), 6, f"bench-sched-{layout}", policy, NUM_DRAFTERS, ACCUM)
         ray.get(pool.add_jobs.remote(jobs))
-        t_start = time.time()
-        t_end = t_start + dur
+        ray.get(pool.finish_adding.remote())
+        t0 = time.time()
         for t, tg in enumerate(targets):
             pool.add_target.remote(t, tg)
-        spans = ray.get([d.run.remote(pool, True, i, scale, t_end) for i, d in enumerate(drafters)])
-        trace = ray.get(pool.pull_policy.remote()).trace
+        out = ray.get([d.run.remote(pool, True, i, dcost, barrier) for i, d in enumerate(drafters)])
+        pool_stats = ray.get(pool.stats.remote())
         ray.kill(pool)
-    out = {"busy": [], "tok_s": [], "mix": [], "mix_start": []}
-    for i, sp in enumerate(spans):
-        b, tok = busy_and_tokens(sp, t_start + warm, t_end)
-        out["busy"].append(b)
-        out["tok_s"].append(tok)
-        out["mix"].append(mixing(trace, i) if trace is not None else float("nan"))
-        out["mix_start"].append(mixing(trace, i, True) if trace is not None else float("nan"))
-    time.sleep(max(0.0, 2 * consume_cost(len(TOKENS) - 1, scale) * produce_factor()))  # targets drain
+    landed = [e for tg in targets for e in ray.get(tg.take_log.remote())]
+    ray.kill(barrier)
+    return {"t0": t0, "drafters": out, "landed": landed, "pool_stats": pool_stats}
+
+
+def measure(raw: dict, schedule: list[int], warmup: float) -> dict:
+    shares = shares_of(bucket_counts(schedule, 6))
+    by_step: dict[int, list[int]] = {}
+    for d in raw["drafters"]:
+        for step, _jid, b, _t in d["items"]:
+            by_step.setdefault(step, []).append(b)
+    steps = [bucket_counts(by_step[s], 6) for s in sorted(by_step)]
+    t_lo = raw["t0"] + warmup
+    t_hi = max(t for _, _, t in raw["landed"])
+    events = sorted([(t, b, +1) for _, b, t in raw["landed"]] +
+                    [(t, b, -1) for d in raw["drafters"] for _, _, b, t in d["items"]])
+    meter, counts = BacklogMeter(), [0] * 6
+    for t, b, delta in events:
+        counts[b] += delta
+        meter.update(t, [max(0, c) for c in counts], t_lo <= t < t_hi)
+    window = t_hi - t_lo
+    busy = []
+    for d in raw["drafters"]:
+        waited = sum(max(0.0, min(b, t_hi) - max(a, t_lo)) for a, b in d["waits"])
+        busy.append(1.0 - waited / window)
+    return {"step_tv": step_tv(steps, shares), "backlog": meter.value(), "tail_single": tail_single(steps),
+            "busy_min": min(busy), "busy": busy, "steps": len(steps), "window_s": window,
+            "pool_backlog": raw["pool_stats"].backlog_share if raw["pool_stats"] else float("nan")}
+
+
+def run_sim(mix: list[int], jobs: int, dcost: list[float], tcost: list[float], warmup: float) -> dict:
+    from app.bench.pull_policies import RandomPulls
+    from app.bench.simulate import SimSetup, simulate
+
+    setup = SimSetup(mix, jobs, dcost, tcost, NUM_DRAFTERS, ACCUM, NUM_TARGETS, warmup=warmup)
+    out = {}
+    for layout, pol in (("stratified", None), ("rr", "round_robin"), ("random", RandomPulls(6))):
+        r = simulate(setup, pol)
+        m = r.measures()
+        out[layout] = m | {"busy": r.busy, "steps": len(r.steps), "window_s": r.t_produced - warmup,
+                           "pool_backlog": r.pool_stats.backlog_share}
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m app.bench sched", description=__doc__)
-    ap.add_argument("--seconds", type=float, default=9.0, help="per layout")
-    ap.add_argument("--warmup", type=float, default=2.0, help="excluded from busy (the pool fills)")
-    ap.add_argument("--scale", type=float, default=1.0, help="multiplies every sleep")
+    ap = argparse.ArgumentParser(prog="python -m app.bench sched", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--jobs", type=int, default=0, help="jobs per layout (default: 600; 1200 with --fast)")
+    ap.add_argument("--fast", action="store_true", help="item costs of 20-80 ms instead of 50-300 ms")
+    ap.add_argument("--scale", type=float, default=0.0, help="multiplies every cost (overrides --fast)")
+    ap.add_argument("--warmup", type=float, default=0.0, help="seconds left out of busy and backlog (default 2, 1 fast)")
+    ap.add_argument("--mixes", default="", help="comma list of " + ",".join(MIXES) + " (default: all; --fast: long)")
+    ap.add_argument("--sim", action="store_true", help="discrete-event simulation instead of Ray (no queue layout)")
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    import ray
+    scale = args.scale or (80 / 300 if args.fast else 1.0)
+    jobs_n = args.jobs or (1200 if args.fast else 600)
+    warmup = args.warmup or (1.0 if args.fast else 2.0)
+    mixes = [m for m in (args.mixes or ("long" if args.fast else ",".join(MIXES))).split(",") if m]
+    from app.bench.simulate import schedule_of
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=16, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    factor = produce_factor()
-    targets = [ray.remote(SleepTarget).remote(t, args.scale, factor) for t in range(NUM_TARGETS)]
-    drafters = [ray.remote(SleepDrafter).remote() for _ in range(NUM_DRAFTERS)]
-    ray.get([a.ready.remote() for a in targets + drafters])
-    buckets = interleave(WEIGHTS, 4000)
-    jobs = [JobSpec(i, 0, i, b, (i,), TOKENS[b], 64) for i, b in enumerate(buckets)]
-    tc = mean_consume_cost(args.scale)
-    print(f"job mix {WEIGHTS} over buckets of {TOKENS} tokens; drafter cost {tc * 1e3:.0f} ms/job on "
-          f"average, target cost x{factor:.3f} -> targets supply {NUM_TARGETS / (tc * factor):.1f} "
-          f"jobs/s vs drafters {NUM_DRAFTERS / tc:.1f} jobs/s")
-    res = {}
-    for layout in ("fair", "rr", "random"):
-        res[layout] = r = run_layout(ray, layout, targets, drafters, jobs, args.scale, args.seconds, args.warmup)
-        for i in range(NUM_DRAFTERS):
-            mix = (f"mixing {r['mix'][i]:.3f} (vs non-empty at the window's start: {r['mix_start'][i]:.3f})"
-                   if layout != "rr" else "mixing n/a (no shared pool)")
-            print(f"{layout:6s} drafter {i}: busy {r['busy'][i]:.3f}  tokens/s {r['tok_s'][i]:8.0f}  {mix}")
-    ray.shutdown()
-    fair, rr, rnd = res["fair"], res["rr"], res["random"]
-    print(f"fair vs rr: min busy {min(fair['busy']):.3f} vs {min(rr['busy']):.3f}; "
-          f"fair vs random: mixing {min(fair['mix']):.3f} vs {min(rnd['mix']):.3f}")
-    print(f"RESULT fair_busy_min={min(fair['busy']):.3f} fair_mixing={min(fair['mix']):.3f} "
-          f"rr_busy_min={min(rr['busy']):.3f} random_mixing={min(rnd['mix']):.3f}")
+    res: dict[str, dict] = {}
+    ray = None
+    if not args.sim:
+        import ray
+
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray.init(num_cpus=16, include_dashboard=False, configure_logging=False, log_to_driver=False)
+        import sys
+
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+        drafters = [ray.remote(SleepDrafter).options(max_concurrency=2).remote() for _ in range(NUM_DRAFTERS)]
+    for mix_name in mixes:
+        mix = MIXES[mix_name]
+        dcost, tcost = costs(mix, scale)
+        schedule = schedule_of(mix, jobs_n)
+        jobs = [JobSpec(i, 0, i, b, (i,), 64, 64) for i, b in enumerate(schedule)]
+        floor = step_tv_floor(schedule, NUM_DRAFTERS * ACCUM, 6)
+        print(f"mix {mix_name} {mix}: {jobs_n} jobs, drafter {min(dcost) * 1e3:.0f}-{max(dcost) * 1e3:.0f} ms/item, "
+              f"targets {min(tcost) * 1e3:.0f}-{max(tcost) * 1e3:.0f} ms/job ({SUPPLY:.2f}x supply), "
+              f"{NUM_TARGETS} targets, {NUM_DRAFTERS} ranks x {ACCUM} accum, step_tv_floor {floor:.3f}")
+        if args.sim:
+            got = run_sim(mix, jobs_n, dcost, tcost, warmup)
+        else:
+            got = {}
+            for layout in LAYOUTS:
+                targets = [ray.remote(SleepTarget).remote(t, tcost, args.seed * 100 + t) for t in range(NUM_TARGETS)]
+                ray.get([a.ready.remote() for a in targets + drafters])
+                got[layout] = measure(run_layout(ray, layout, targets, drafters, jobs, dcost), schedule, warmup)
+                for a in targets:
+                    ray.kill(a)
+        for layout, m in got.items():
+            m["step_tv_floor"] = floor
+            print(f"  {layout:10s} step_tv {m['step_tv']:.3f} (floor {floor:.3f})  backlog {m['backlog']:.3f}  "
+                  f"tail_single {m['tail_single']:.3f}  busy_min {m['busy_min']:.3f}  "
+                  f"busy {' '.join(f'{b:.3f}' for b in m['busy'])}  steps {m['steps']}  window {m['window_s']:.0f} s"
+                  + (f"  (pool's own backlog {m['pool_backlog']:.3f})" if m['pool_backlog'] == m['pool_backlog'] else ""))
+        res[mix_name] = got
+    if ray is not None:
+        ray.shutdown()
+    r = res[mixes[0]]
+    s = r["stratified"]
+    q = r.get("queue", {"busy_min": float("nan")})
+    print(f"RESULT step_tv={s['step_tv']:.3f} step_tv_floor={s['step_tv_floor']:.3f} backlog={s['backlog']:.3f} "
+          f"tail_single={s['tail_single']:.3f} busy_min={s['busy_min']:.3f} rr_step_tv={r['rr']['step_tv']:.3f} "
+          f"rr_backlog={r['rr']['backlog']:.3f} random_step_tv={r['random']['step_tv']:.3f} "
+          f"queue_busy_min={q['busy_min']:.3f}")
     return 0

@@ -174,8 +174,10 @@ class PoolConfig:
     jobs_in_flight_per_target: int = 2
     seed: int = 0
     metrics_every_s: float = 2.0
+    pull_policy: str = "stratified"  # stratified | round_robin (app/pool/pull_policy.py)
 
     def __post_init__(self) -> None:
+        _one_of("pool.pull_policy", self.pull_policy, ("stratified", "round_robin"))
         _at_least("pool.capacity", self.capacity, 1, "the pool must hold at least one item")
         _at_least("pool.capacity_bytes", self.capacity_bytes, 1, "the pool needs a positive byte budget")
         _at_least("pool.min_ready", self.min_ready, 0, "0 = pulls take whatever is buffered")

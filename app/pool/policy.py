@@ -4,7 +4,8 @@
 module: the job queue (`queue.py`), jobs on targets (`inflight.py`), the bucket buffer
 (`buffer.py`), the lease table with its generation fences (`leases.py`), the capacity budget in
 items and bytes (`budget.py`), the ledger of acked jobs (`ledger.py`), the explicit job states
-(`states.py`) and the bucket choice of a pull (`pull_policy.py`). Everything here is synchronous
+(`states.py`), the bucket choice of a pull (`pull_policy.py`) and which global step a pull belongs
+to (`rounds.py`); `measures.py` computes the mixing measures. Everything here is synchronous
 except `pull` / `wait_changed`, which only await an asyncio.Event, so the class is usable (and
 tested) without Ray.
 
@@ -30,8 +31,10 @@ from app.pool.buffer import BucketBuffer, Item
 from app.pool.inflight import InFlight
 from app.pool.leases import LeaseRevoked, LeaseTable
 from app.pool.ledger import Ledger
-from app.pool.pull_policy import PullPolicy, make_pull_policy
+from app.pool.measures import BacklogMeter, StepMix, shares_of
+from app.pool.pull_policy import PullContext, PullPolicy, make_pull_policy
 from app.pool.queue import JobQueue
+from app.pool.rounds import RoundTracker
 from app.pool.states import JobState, JobStates
 from app.pool.stats import PoolStats, WaitStats
 
@@ -52,13 +55,18 @@ class HSPool:
         self,
         cfg: PoolConfig,
         num_buckets: int,
-        pull_policy: str | PullPolicy = "round_robin",
+        pull_policy: str | PullPolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
+        ranks: int | None = None,
+        accum: int = 1,
     ) -> None:
+        """`pull_policy`: None = `cfg.pull_policy`. `ranks` (drafters in the group; None = as many
+        as pull) and `accum` (train.grad_accum) size a global step for the policy."""
         assert num_buckets >= 1, num_buckets
         self.cfg = cfg
         self.num_buckets = num_buckets
-        self.policy = make_pull_policy(pull_policy, num_buckets)
+        self.policy = make_pull_policy(cfg.pull_policy if pull_policy is None else pull_policy, num_buckets)
+        self._rounds = RoundTracker(accum, ranks)
         self._clock = clock
         self._rng = random.Random(cfg.seed)
         self._states = JobStates()
@@ -71,10 +79,13 @@ class HSPool:
         self._budget = Budget(cfg.capacity, cfg.capacity_bytes, num_buckets)
         self._adding_finished = False
         self._eos_drafters: set[int] = set()
+        self._scheduled = [0] * num_buckets  # jobs added per bucket
         self._served = [0] * num_buckets
         self._produced = [0] * num_buckets
         self._targets: dict[int, _TargetTally] = {}
         self._waits = WaitStats()
+        self._backlog = BacklogMeter()
+        self._step_mix = StepMix(num_buckets)
         self.acked_twice = 0
         self.stale_results = 0
         self.stale_acks = 0
@@ -88,7 +99,7 @@ class HSPool:
         were queued."""
         if self._adding_finished:
             raise ValueError("add_jobs after finish_adding: add every job of the run first")
-        added = 0
+        added = [0] * self.num_buckets
         for job in jobs:
             if job.job_id in self._ledger:
                 continue
@@ -96,9 +107,11 @@ class HSPool:
             self._states.move(job.job_id, JobState.PENDING)
             self._specs[job.job_id] = job
             self._queue.append(job)
-            added += 1
+            added[job.bucket] += 1
+        self._scheduled = [a + b for a, b in zip(self._scheduled, added)]
+        self.policy.add_jobs(added)
         self._wake()
-        return added
+        return sum(added)
 
     def finish_adding(self) -> None:
         """No more jobs will be added: once all are produced pulls drain, once all are acked EOS."""
@@ -147,6 +160,7 @@ class HSPool:
         tally.done += 1
         tally.tokens += meta.num_tokens
         tally.forward_s += meta.forward_s
+        self._buffer_changed()
         self._wake()
         return True
 
@@ -176,26 +190,37 @@ class HSPool:
         if buffered == 0:
             # Also drain when leases hold the byte budget and nothing is in flight: the rank must
             # step with what it has and ack, or its own leases would block the next job forever.
-            return Drained() if draining else None
+            return self._drained(drafter_id) if draining else None
         if buffered < self.cfg.min_ready and not draining:
             return None
-        bucket = self.policy.choose(drafter_id, self._buffer.counts(), self._rng)
+        ctx = PullContext(drafter_id, self._rounds.round(drafter_id), self._buffer.counts(),
+                          self._rounds.step_items, self.producing_finished, self._rounds.open_slots(),
+                          self._rounds.ranks is not None)
+        bucket = self.policy.choose(ctx, self._rng)
+        if bucket is None:  # the policy ends this step early (equal steps over the last items)
+            return self._drained(drafter_id)
         item = self._buffer.take(bucket, self._rng)
         self._budget.lease(item.meta.nbytes)
         self._leases.lease(item, drafter_id, self._clock())
         self._states.move(item.meta.job_id, JobState.LEASED)
+        self._rounds.took(drafter_id)
         self._served[bucket] += 1
+        self._buffer_changed()
         self._wake()  # a freed item slot may let a job be issued
         return PulledItem(meta=item.meta, payload_ref=item.payload)
 
-    async def pull(self, drafter_id: int, generation: int = 0) -> PulledItem | EndOfStream | Drained:
-        """Wait until `try_pull` gives something. Raises LeaseRevoked if this drafter's leases
-        are released while it waits (its caller is presumed dead), or if the call comes from an
-        incarnation older than the drafter's current `generation(drafter_id)`: Ray still runs a
-        call that a dead caller sent, and it must not lease an item to nobody."""
+    async def pull(self, drafter_id: int, generation: int = 0,
+                   acks: Iterable[int] = ()) -> PulledItem | EndOfStream | Drained:
+        """Ack `acks` (the drafter's previous step: acks ride on its next pull, one call), then wait
+        until `try_pull` gives something. Raises LeaseRevoked if this drafter's leases are released
+        while it waits (its caller is presumed dead), or if the call comes from an incarnation older
+        than the drafter's current `generation(drafter_id)`: Ray still runs a call that a dead
+        caller sent, and it must neither ack nor lease an item to nobody."""
         self._leases.see(drafter_id)
         if generation < self._leases.generation(drafter_id):
             raise LeaseRevoked(f"drafter {drafter_id} generation {generation} was released")
+        if acks:
+            self.ack(drafter_id, acks)
         fence = self._leases.fence(drafter_id)
         t0 = self._clock()
         while True:
@@ -230,6 +255,7 @@ class HSPool:
         if self._leases.holder(job_id) != drafter_id:
             return False
         self._requeue_leases([job_id])
+        self._rounds.untake(drafter_id)  # it pulls again for the same micro-batch
         self.lost_payloads += 1
         self._wake()
         return True
@@ -240,6 +266,7 @@ class HSPool:
         ids = [ls.item.meta.job_id for ls in self._leases.of(drafter_id)]
         self._requeue_leases(ids)  # oldest lease first at the front
         self._leases.bump(drafter_id)
+        self._rounds.restart(drafter_id)
         self._wake()
         return ids
 
@@ -251,6 +278,7 @@ class HSPool:
             ids += self.release(d)
         self._leases.bump_group()
         self._eos_drafters.clear()
+        self._rounds.reset()
         self.policy.reset()
         self._wake()
         return ids
@@ -258,8 +286,14 @@ class HSPool:
     def rollback(self, keep_ids: Iterable[int]) -> int:
         """A drafter group rebuilt from a checkpoint whose ledger is `keep_ids`: every lease and every
         job acked after that checkpoint goes back to the front of the queue (in schedule order),
-        since the restored weights never saw them. Returns how many were re-queued."""
+        since the restored weights never saw them. A lease whose job is in `keep_ids` was trained
+        into the checkpoint before its ack reached the pool (acks ride on the next pull): it is acked
+        now, not re-queued. Returns how many were re-queued."""
         keep = set(keep_ids)
+        for d in self._leases.drafters():
+            for lease in self._leases.of(d):
+                if lease.item.meta.job_id in keep:
+                    self._ack_lease(lease.item.meta.job_id)
         n = len(self.reset_drafters())
         undo = sorted((self._specs[j] for j in self._ledger.not_in(keep) if j in self._specs),
                       key=lambda job: job.job_id)
@@ -309,10 +343,19 @@ class HSPool:
     def eos_drafters(self) -> list[int]:
         return sorted(self._eos_drafters)
 
+    def record_step(self, step: int, job_ids: Iterable[int]) -> None:
+        """One rank's step report (the jobs it trained): feeds the step-mix measure."""
+        self._step_mix.add(step, (self._specs[j].bucket for j in job_ids if j in self._specs))
+
+    def data_shares(self) -> list[float]:
+        """Each bucket's share of the scheduled jobs."""
+        return shares_of(self._scheduled)
+
     def stats(self) -> PoolStats:
         now = self._clock()
         by_target = self._in_flight.by_target()
         n = self._states.counts()
+        shares = self.data_shares()
         return PoolStats(
             q_hsb=self._buffer.counts(),
             pool_bytes=self.pool_bytes,
@@ -341,6 +384,12 @@ class HSPool:
             producing_finished=self.producing_finished,
             done=self.done,
             eos_drafters=self.eos_drafters(),
+            data_shares=shares,
+            step_mix_tv=self._step_mix.mean_tv(shares),
+            steps_measured=self._step_mix.count,
+            backlog_share=self._backlog.value(now),
+            backlog_integral=self._backlog.integral,
+            backlog_seconds=self._backlog.seconds,
         )
 
     # ---- change notification --------------------------------------------------------------
@@ -365,6 +414,13 @@ class HSPool:
     def _items_held(self) -> int:
         """Items that count against pool.capacity: buffered + in flight."""
         return len(self._buffer) + len(self._in_flight)
+
+    def _drained(self, drafter_id: int) -> Drained:
+        self._rounds.step_ended(drafter_id)
+        return Drained()
+
+    def _buffer_changed(self) -> None:
+        self._backlog.update(self._clock(), self._buffer.counts(), active=not self.producing_finished)
 
     def _stalled(self) -> bool:
         """Nothing in flight and the next job does not fit: waiting for min_ready would deadlock

@@ -1,40 +1,70 @@
-"""Which bucket the next pull takes from. The pool takes a uniformly random item within it.
+"""Which bucket the next pull takes from. The pool then takes a uniformly random item within it.
 
-A policy sees the buffered counts per bucket (never empty when asked) and the pulling drafter.
+`stratified` (the default): each bucket is served at the rate the schedule produces it, and every
+global step (all ranks' micro-batches of one optimizer step) is as close to a stratified sample of
+the schedule's bucket shares as the items on hand allow. Per step ("round", see rounds.py) it owes
+each bucket step_items x share items, carries what it could not serve into the next steps (a
+deficit, bounded by one step's worth), and apportions the round's items by what is owed (largest
+remainder); each pull takes, among the non-empty buckets this round still owes, the one with the
+most items buffered (so the buffer's largest bucket stays small), else the most owed one on hand. Once production is over it stratifies what
+is left (the buffer's own mix) and splits it into equal steps, so the last steps still mix.
+
+`round_robin`: per drafter, the next non-empty bucket after the last one it got. Every non-empty
+bucket is served at the same rate whatever its share, so the dominant bucket piles up in the buffer
+while short buckets are served the moment they land (kept for comparison).
 """
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
+
+
+@dataclass(frozen=True)
+class PullContext:
+    """What a policy sees for one pull."""
+
+    drafter_id: int
+    round: int  # the drafter's step as the pool counts it (rounds.py)
+    counts: Sequence[int]  # buffered items per bucket; at least one is non-empty
+    step_items: int  # items in one global step: ranks x grad_accum
+    producing_finished: bool  # nothing more will land (until something is re-queued)
+    open_slots: Mapping[int, int] = field(default_factory=dict)  # round -> pulls its ranks may still make
+    ranks_known: bool = False  # step_items counts the group's real ranks (else only who pulled so far)
 
 
 class PullPolicy(Protocol):
     name: str
 
-    def choose(self, drafter_id: int, counts: Sequence[int], rng: random.Random) -> int:
-        """A bucket with counts[bucket] > 0."""
+    def add_jobs(self, per_bucket: Sequence[int]) -> None:
+        """Jobs were scheduled, `per_bucket[b]` of bucket b: the shares to serve at."""
+
+    def choose(self, ctx: PullContext, rng: random.Random) -> int | None:
+        """A bucket with ctx.counts[bucket] > 0, or None to end the drafter's step early (it gets
+        `Drained`, steps with what it holds and pulls again)."""
 
     def reset(self) -> None:
-        """The drafter group is rebuilt: forget per-drafter state."""
+        """The drafter group is rebuilt: forget per-drafter and per-step state."""
 
 
 class RoundRobin:
-    """Per drafter, the next non-empty bucket after the last one it got: every non-empty bucket is
-    served at the same rate, whatever share of the data it holds."""
-
     name = "round_robin"
 
     def __init__(self, num_buckets: int) -> None:
         self.num_buckets = num_buckets
         self._cursor: dict[int, int] = {}  # drafter -> last bucket served
 
-    def choose(self, drafter_id: int, counts: Sequence[int], rng: random.Random) -> int:
-        last = self._cursor.get(drafter_id, -1)
+    def add_jobs(self, per_bucket: Sequence[int]) -> None:
+        pass
+
+    def choose(self, ctx: PullContext, rng: random.Random) -> int:
+        last = self._cursor.get(ctx.drafter_id, -1)
         for step in range(1, self.num_buckets + 1):
             b = (last + step) % self.num_buckets
-            if counts[b]:
-                self._cursor[drafter_id] = b
+            if ctx.counts[b]:
+                self._cursor[ctx.drafter_id] = b
                 return b
         raise AssertionError("choose called with every bucket empty")
 
@@ -42,11 +72,110 @@ class RoundRobin:
         self._cursor.clear()
 
 
-POLICIES = {RoundRobin.name: RoundRobin}
+def apportion(weights: Sequence[float], total: int) -> list[int]:
+    """`total` items split in proportion to the non-negative part of `weights`, largest remainder
+    first (ties to the lower bucket); all zero weights: an even split."""
+    w = [max(0.0, x) for x in weights]
+    s = sum(w)
+    if s <= 0:
+        w, s = [1.0] * len(weights), float(len(weights))
+    exact = [x * total / s for x in w]
+    out = [math.floor(x) for x in exact]
+    for b in sorted(range(len(w)), key=lambda i: (out[i] - exact[i], i))[: total - sum(out)]:
+        out[b] += 1
+    return out
+
+
+@dataclass
+class _Round:
+    quota: list[int]  # items per bucket this step still plans
+    size: int | None = None  # only while draining: pulls beyond it end the step early
+    taken: int = 0
+
+
+@dataclass
+class Stratified:
+    num_buckets: int
+    name: str = "stratified"
+    jobs: list[int] = field(default_factory=list)  # scheduled per bucket
+    shares: list[float] = field(default_factory=list)
+    owed: list[float] = field(default_factory=list)  # items each bucket is owed (deficit), |.| <= a step
+    draining: bool = False
+    _rounds: dict[int, _Round] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = self.num_buckets
+        self.jobs = self.jobs or [0] * n
+        self.shares = self.shares or [1.0 / n] * n
+        self.owed = self.owed or [0.0] * n
+
+    def add_jobs(self, per_bucket: Sequence[int]) -> None:
+        self.jobs = [a + b for a, b in zip(self.jobs, per_bucket)]
+        self._data_shares()
+
+    def _data_shares(self) -> None:
+        total = sum(self.jobs)
+        if total:
+            self.shares = [j / total for j in self.jobs]
+
+    def choose(self, ctx: PullContext, rng: random.Random) -> int | None:
+        if ctx.producing_finished != self.draining:
+            self.draining = ctx.producing_finished
+            self.owed = [0.0] * self.num_buckets
+            if self.draining:  # stratify what is left: the buffer's own mix becomes the shares
+                self.shares = [c / sum(ctx.counts) for c in ctx.counts]
+            else:  # jobs were re-queued after all: back to the data's shares
+                self._data_shares()
+            for r in self._rounds.values():
+                r.size = ctx.step_items if self.draining and ctx.ranks_known else None
+        rnd = self._rounds.get(ctx.round) or self._open_round(ctx)
+        if rnd is None or (rnd.size is not None and rnd.taken >= rnd.size):
+            return None
+        live = [b for b in range(self.num_buckets) if ctx.counts[b] > 0]
+        with_quota = [b for b in live if rnd.quota[b] > 0]
+        # The step's composition is its quota; its order takes the fullest bucket first, which
+        # keeps the largest bucket of the buffer small (backlog). No owed bucket on hand: the most
+        # owed one that is.
+        if with_quota:
+            b = max(with_quota, key=lambda c: (ctx.counts[c], rnd.quota[c], -c))
+        else:
+            b = max(live, key=lambda c: (self.owed[c], ctx.counts[c], -c))
+        if rnd.quota[b] > 0:
+            rnd.quota[b] -= 1
+        rnd.taken += 1
+        self.owed[b] = max(-ctx.step_items, self.owed[b] - 1)
+        return b
+
+    def _open_round(self, ctx: PullContext) -> _Round | None:
+        k = ctx.step_items
+        size = None
+        if self.draining and ctx.ranks_known:  # equal steps over what is left, no lone straggler
+            # Items the ranks still inside earlier rounds will take are not this round's.
+            left = sum(ctx.counts) - sum(min(max(0, (r.size or k) - r.taken), ctx.open_slots.get(n, 0))
+                                         for n, r in self._rounds.items() if n < ctx.round)
+            if left <= 0:
+                return None
+            size = k = math.ceil(left / math.ceil(left / max(1, ctx.step_items)))
+        self.owed = [min(ctx.step_items, o + k * s) for o, s in zip(self.owed, self.shares)]
+        # What open rounds still plan to serve is owed already: do not plan it twice.
+        planned = [sum(r.quota[b] for r in self._rounds.values()) for b in range(self.num_buckets)]
+        rnd = _Round(apportion([o - p for o, p in zip(self.owed, planned)], k), size)
+        self._rounds[ctx.round] = rnd
+        for r in [r for r in self._rounds if r < ctx.round - 2]:
+            del self._rounds[r]
+        return rnd
+
+    def reset(self) -> None:
+        self._rounds.clear()
+
+
+POLICIES = {Stratified.name: Stratified, RoundRobin.name: RoundRobin}
+DEFAULT_POLICY = Stratified.name
 
 
 def make_pull_policy(policy: "str | PullPolicy", num_buckets: int) -> PullPolicy:
-    """A policy by name (the config's choice), or an instance as given (benches bring their own)."""
+    """A policy by name (the config's `pool.pull_policy`), or an instance as given (benches bring
+    their own)."""
     if isinstance(policy, str):
         return POLICIES[policy](num_buckets)
     return policy

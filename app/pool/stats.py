@@ -77,6 +77,12 @@ class PoolStats:
     producing_finished: bool
     done: bool
     eos_drafters: list[int] = field(default_factory=list)
+    data_shares: list[float] = field(default_factory=list)  # each bucket's share of the scheduled jobs
+    step_mix_tv: float = float("nan")  # mean TV of the recent global steps' mix from data_shares
+    steps_measured: int = 0
+    backlog_share: float = float("nan")  # time-averaged share of the buffer held by its largest bucket
+    backlog_integral: float = 0.0  # that share x seconds, and the seconds averaged over (for windows)
+    backlog_seconds: float = 0.0
     # Filled in by the actor shell (the pure pool knows nothing about Ray):
     target_failures: list = field(default_factory=list)  # app.messages.TargetFailure, oldest first
     targets: list[int] = field(default_factory=list)

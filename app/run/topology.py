@@ -74,7 +74,7 @@ class Topology:
         return ray.remote(HSPoolActor).options(
             num_cpus=0, max_concurrency=pool_max_concurrency(topo.num_targets, topo.num_drafters),
             name=f"dflash-pool-{self.run_name}", max_restarts=0,
-        ).remote(self.cfg.pool, num_buckets, self.run_name)
+        ).remote(self.cfg.pool, num_buckets, self.run_name, ranks=topo.num_drafters, accum=self.cfg.train.grad_accum)
 
     def make_target(self, i: int, model_dir: str, layer_ids: list[int], dataset_ref: Any, faults: Any) -> Any:
         import ray
