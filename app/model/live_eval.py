@@ -69,7 +69,7 @@ def evaluate_drafter(target_model, model_dir: str, layer_ids: list[int], step: i
     drafter, head, arch = build_or_load_drafter(model_dir, folder, drafter_cfg, layer_ids, mask_token_id, device,
                                                 dtype, seed)
     if folder is None:
-        drafter.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in weights.items()})
+        drafter.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in weights.items()})  # copies: the store is read-only
     with torch.no_grad():
         res = measure_tau(target_model, drafter.eval(), head, prompts[: eval_cfg.num_prompts],
                           eval_cfg.max_new_tokens, list(arch.target_layer_ids), arch.block_size, eos_token_id)

@@ -25,7 +25,10 @@ class EvalRunner:
         self.eos_token_id = eos_token_id
         self.schedule = EvalSchedule(timeout_s=sup.cfg.supervision.stall_timeout_s)
         self.book = TauBook()
-        self.best_dir = str(Path(self.cfg.checkpoint.dir) / BEST_DIR_NAME)
+        from app.training.storage import is_uri
+
+        # Targets write drafter-best/ themselves: on a URI checkpoint.dir they have no path to write to.
+        self.best_dir = None if is_uri(self.cfg.checkpoint.dir) else str(Path(self.cfg.checkpoint.dir) / BEST_DIR_NAME)
         self._ref: Any = None
         self._handle: Any = None
 
@@ -58,7 +61,10 @@ class EvalRunner:
     # ---- steps ----------------------------------------------------------------------------
 
     def _alive(self) -> dict[int, Any]:
-        return {t: self.sup.targets[t] for t in self.sup.policy.alive() if t in self.sup.targets}
+        """Live targets by id, as the supervisor's own end-of-run evaluation picks them."""
+        sup = self.sup
+        alive = sup.policy.alive() if hasattr(sup, "policy") else [t for t in sup.targets if t not in sup.given_up]
+        return {t: sup.targets[t] for t in alive if t in sup.targets}
 
     def _launch(self, offer: EvalOffer, tid: int, handle: Any) -> None:
         self.sup._pool_call(self.sup.pool.pause_target, tid)
@@ -103,28 +109,31 @@ class EvalRunner:
                  + (f", best so far: exported to {result['exported_to']}" if best and result["exported_to"] else ""))
 
     def finish(self, final_step: int, export_dir: str | None, timeout_s: float = 600.0) -> None:
-        """End of the run: let the running evaluation land, then evaluate the exported drafter/ (what
-        `python -m app.evaluate --drafter` measures) unless its step was just evaluated."""
+        """End of the run: let the running evaluation land, evaluate the newest offer still pending, then
+        the exported drafter/ (what `python -m app.evaluate --drafter` measures) unless its step was evaluated."""
         import ray
         from ray.exceptions import RayError
 
         if not self.enabled:
             return
         self._poll(timeout=timeout_s)
-        alive = self._alive()
-        done = {r["step"] for r in self.book.history}
-        if not export_dir or not alive or final_step in done:
-            return
-        handle = next(iter(alive.values()))
-        try:
-            result = ray.get(handle.evaluate_weights.remote(
-                final_step, export_dir, self.plan.eval_prompts, self.cfg.drafter, self.cfg.eval,
-                self.plan.mask_token_id, self.cfg.train.seed, self.eos_token_id, self.best_dir, self.book.best_tau),
-                timeout=timeout_s)
-        except (RayError, ray.exceptions.GetTimeoutError) as exc:
-            self.log(f"final evaluation of {export_dir} failed: {type(exc).__name__}")
-            return
-        self._record(result)
+        offers = [self.schedule.pending] if self.schedule.pending is not None else []
+        self.schedule.pending = None
+        if export_dir and final_step not in {o.step for o in offers}:
+            offers.append(EvalOffer(final_step, export_dir))
+        for offer in offers:  # the newest offer training outran (its owner, rank 0, is still up), then drafter/
+            alive = self._alive()
+            if not alive or offer.step in {r["step"] for r in self.book.history}:
+                continue
+            try:
+                result = ray.get(next(iter(alive.values())).evaluate_weights.remote(
+                    offer.step, offer.weights, self.plan.eval_prompts, self.cfg.drafter, self.cfg.eval,
+                    self.plan.mask_token_id, self.cfg.train.seed, self.eos_token_id, self.best_dir,
+                    self.book.best_tau), timeout=timeout_s)
+            except (RayError, ray.exceptions.GetTimeoutError) as exc:
+                self.log(f"evaluation of step {offer.step} at the end failed: {type(exc).__name__}")
+                continue
+            self._record(result)
 
     def summary(self) -> dict:
         return {**self.book.summary(), "eval_superseded": self.schedule.superseded}

@@ -7,6 +7,8 @@
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from app.run.advice import SplitAdvisor
 from app.run.timeline import Timeline
 
@@ -15,8 +17,13 @@ class RunOutputs:
     """Listeners of the run's monitor, and what they add to the summary at the end."""
 
     def __init__(self, cfg, run_name: str, monitor, resumed_step: int, log=print) -> None:
+        from app.training.storage import is_uri, local_cache_dir
+
         self.cfg, self.monitor, self.log = cfg, monitor, log
-        self.timeline = Timeline(cfg.checkpoint.dir, pool_every_s=min(2.0, cfg.logging.status_every_s))
+        # A URI checkpoint.dir: the files live in its local cache and are uploaded by close().
+        self.uri = is_uri(cfg.checkpoint.dir)
+        self.run_dir = local_cache_dir(cfg.checkpoint.dir) if self.uri else cfg.checkpoint.dir
+        self.timeline = Timeline(self.run_dir, pool_every_s=min(2.0, cfg.logging.status_every_s))
         self.timeline.start(cfg.topology, run_name, resumed_step)
         monitor.advisor = SplitAdvisor.for_topology(cfg.topology)
         monitor.listeners += [monitor.advisor, self.timeline]
@@ -44,11 +51,17 @@ class RunOutputs:
         """Close the timeline and write report.html (a report that cannot be drawn is a warning, not a failure)."""
         from app.run.report import write_report
 
+        from app.training.storage import open_storage
+
         self.timeline.close()
         try:
-            path = write_report(self.cfg.checkpoint.dir)
+            path = write_report(self.run_dir)
+            if self.uri:
+                store = open_storage(self.cfg.checkpoint.dir)
+                for name in ("timeline.jsonl", "report.html"):
+                    store.write_file(name, (Path(self.run_dir) / name).read_bytes())
         except (OSError, ValueError, RuntimeError) as exc:
             self.log(f"WARNING: report.html not written ({type(exc).__name__}: {exc}); "
-                     f"python -m app.report {self.cfg.checkpoint.dir} retries")
+                     f"python -m app.report {self.run_dir} retries")
             return
         self.log(f"report: {path}")
