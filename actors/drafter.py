@@ -42,6 +42,7 @@ class DrafterSetup:
     total_steps: int
     resume_from: str | None  # checkpoint folder, or None for a fresh start
     data_fingerprint: str = ""  # saved with each checkpoint; resume refuses other data
+    eval_every_steps: int = 0  # rank 0 offers its weights for an evaluation every N steps (eval.every_steps)
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,8 @@ class DrafterActor:
                 break
             if self.rank == 0 and self.trainer.step % self.cfg.checkpoint.every_steps == 0:
                 last_ckpt = self.save()
+            if self.rank == 0 and self.cfg.eval_every_steps and self.trainer.step % self.cfg.eval_every_steps == 0:
+                self._offer_eval()
         if self.rank == 0:
             last_ckpt = self.save()
         return DrafterResult(self.rank, self.trainer.step, stopped, self.weights_checksum(), last_ckpt,
@@ -230,6 +233,15 @@ class DrafterActor:
             lr=stats.lr, grad_norm=stats.grad_norm, job_ids=tuple(job_ids),
         )
         self.pool.report_step.remote(rec)  # fire and forget: telemetry must not slow the step
+
+    def _offer_eval(self) -> None:
+        """Rank 0: put the current weights in the object store for an evaluation on a target; the pool
+        keeps the newest offer. Fire and forget: training goes on at once (app/run/eval_runner.py)."""
+        import ray
+
+        from app.model.live_eval import weights_to_numpy
+
+        self.pool.offer_eval.remote(self.trainer.step, [ray.put(weights_to_numpy(self.trainer.drafter))])
 
     def save(self) -> str:
         """Rank 0: write the checkpoint (weights, optimizer, scheduler, RNG, step, epoch, ledger)."""

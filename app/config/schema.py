@@ -299,9 +299,11 @@ class EvalConfig:
 
     num_prompts: int = 64
     max_new_tokens: int = 256
+    every_steps: int = 500  # optimizer steps between evaluations during the run (0 = only the final one)
 
     def __post_init__(self) -> None:
         _at_least("eval.num_prompts", self.num_prompts, 0, "a count cannot be negative")
+        _at_least("eval.every_steps", self.every_steps, 0, "use 0 to turn evaluation during the run off")
         _at_least("eval.max_new_tokens", self.max_new_tokens, 1, "tau needs at least one generated token")
 
 

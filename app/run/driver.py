@@ -102,6 +102,7 @@ def install_stop_handler():
 
 
 def supervise(plan, use_gpu: bool, stop: threading.Event) -> int:
+    from app.run.outputs import RunOutputs
     from app.run.plan import run_name
     from app.run.supervisor import Supervisor
     from app.run.topology import Topology, plan_bundles
@@ -111,12 +112,14 @@ def supervise(plan, use_gpu: bool, stop: threading.Event) -> int:
     name = run_name(cfg)
     topo = Topology(cfg, plan_bundles(cfg.topology, use_gpu), name)
     monitor = RunMonitor()
+    outputs = RunOutputs(cfg, name, monitor, plan.resume_step, log=log)  # timeline, advice, evaluations, report
     wandb = WandbLogger(cfg.logging, name, cfg)
     sup = Supervisor(plan, topo, monitor, stop, log=log)
     sup.on_status = wandb.log
     t0 = time.monotonic()
     try:
         sup.start()
+        outputs.attach(sup)
         log(f"{cfg.topology.num_targets} targets and {cfg.topology.num_drafters} drafters running (run '{name}')")
         outcome = sup.run()
         if outcome.stopped:
@@ -125,6 +128,7 @@ def supervise(plan, use_gpu: bool, stop: threading.Event) -> int:
         export_dir = next((r.export_dir for r in outcome.drafter_results if r.export_dir), None)
         tau_u, tau_t = sup.evaluate(export_dir)
         summary = build_summary(plan, sup, monitor, outcome, tau_u, tau_t, time.monotonic() - t0)
+        summary.update(outputs.finish(outcome.steps, export_dir))  # tau_history, tau_best, split_advice
         write_summary(cfg, summary)
         wandb.finish(summary)
         log(f"exported drafter to {export_dir}")
@@ -132,6 +136,7 @@ def supervise(plan, use_gpu: bool, stop: threading.Event) -> int:
               flush=True)
         return 0
     finally:
+        outputs.close()  # report.html, for a stopped or failed run too
         sup.shutdown()
         topo.remove()
 

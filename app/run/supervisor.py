@@ -101,6 +101,7 @@ class Supervisor:
             device=self.cfg.topology.device if self.topo.plan.use_gpu else "cpu",
             num_cpus=self.cfg.topology.cpus_per_drafter, dtype=self.cfg.model.dtype,
             total_steps=p.total_steps, resume_from=resume_from, data_fingerprint=p.data_fingerprint,
+            eval_every_steps=self.cfg.eval.every_steps,
         )
         from ray.exceptions import GetTimeoutError, RayError
 
