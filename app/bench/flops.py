@@ -181,7 +181,7 @@ def meta_target(shape: Shape, dtype=torch.bfloat16):
 
 def peak_bytes(model, lengths: list[int], path: str) -> int:
     """Live activation bytes at the peak of one job's target call on meta tensors: old | new."""
-    from app.data.batching import packed_inputs, unpack_features
+    from app.data.batching import packed_inputs, padded_rows, unpack_features
     from app.model.features import target_features
     from app.model.target_trunk import TargetTrunk
 
@@ -200,7 +200,8 @@ def peak_bytes(model, lengths: list[int], path: str) -> int:
         try:
             row = packed_inputs(ids_BS, lengths_B, meta)
             with LiveBytes() as mem:
-                feats = unpack_features(trunk.features(attention_mask_BS=no_mask, **row)[0], ids_BS.shape, lengths_B)
+                rows_T = padded_rows(ids_BS.shape, lengths_B, meta)
+                feats = unpack_features(trunk.features(attention_mask_BS=no_mask, **row)[0], ids_BS.shape, rows_T)
             del feats
             return mem.peak
         finally:

@@ -62,18 +62,25 @@ def run_target(trunk, ids_BS: np.ndarray, lengths_B: np.ndarray, device: torch.d
         ids = torch.from_numpy(ids_BS).to(device)
         attn_BS = (torch.arange(ids.shape[1])[None, :] < torch.from_numpy(lengths_B)[:, None]).long().to(device)
         return trunk.features(ids, attn_BS)
-    feats_1TD = trunk.features(**packed_inputs(ids_BS, lengths_B, device))
-    return unpack_features(feats_1TD[0], ids_BS.shape, lengths_B)
+    # Inputs and row indices go to the device before the forward: a copy from pageable host memory waits
+    # for the stream, and after the forward it would hold this thread until the forward is done.
+    inputs, rows_T = packed_inputs(ids_BS, lengths_B, device), padded_rows(ids_BS.shape, lengths_B, device)
+    feats_1TD = trunk.features(**inputs)
+    return unpack_features(feats_1TD[0], ids_BS.shape, rows_T)
 
 
-def unpack_features(feats_TD: torch.Tensor, shape_BS: tuple[int, int], lengths_B: np.ndarray) -> torch.Tensor:
-    """Packed [T, D] rows back to right-padded [B, S, D] (zeros past each length). The row indices come from
-    the host lengths, so nothing waits on the device (and it runs on meta tensors, for the flops bench)."""
+def padded_rows(shape_BS: tuple[int, int], lengths_B: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Row of each packed token in the flattened [B * S] padded layout, computed on the host."""
     B, S = shape_BS
-    valid_rows = np.flatnonzero(np.arange(S)[None, :] < np.asarray(lengths_B)[:, None])
+    return torch.from_numpy(np.flatnonzero(np.arange(S)[None, :] < np.asarray(lengths_B)[:, None])).to(device)
+
+
+def unpack_features(feats_TD: torch.Tensor, shape_BS: tuple[int, int], rows_T: torch.Tensor) -> torch.Tensor:
+    """Packed [T, D] rows back to right-padded [B, S, D] (zeros past each length). No boolean mask, so nothing
+    waits on the device (and it runs on meta tensors, for the flops bench)."""
+    B, S = shape_BS
     feats_BSD = feats_TD.new_zeros(B, S, feats_TD.shape[-1])
-    rows = torch.from_numpy(valid_rows).to(feats_TD.device)
-    feats_BSD.view(B * S, -1).index_copy_(0, rows, feats_TD)
+    feats_BSD.view(B * S, -1).index_copy_(0, rows_T, feats_TD)
     return feats_BSD
 
 
