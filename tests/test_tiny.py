@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -148,10 +147,9 @@ def test_batched_greedy_with_left_padding_matches_one_by_one(loaded):
 def test_reuses_the_cache_and_keys_it_by_settings(small):
     tiny, art = small
     before = os.stat(art.train_file).st_mtime_ns
-    t0 = time.perf_counter()
     again = ensure_tiny_target(tiny)
-    assert again == art and time.perf_counter() - t0 < 0.5
-    assert os.stat(art.train_file).st_mtime_ns == before
+    assert again == art
+    assert os.stat(art.train_file).st_mtime_ns == before  # not rebuilt: the cached files are untouched
     assert settings_hash(replace(tiny, cache_dir="elsewhere")) == settings_hash(tiny)
     assert settings_hash(replace(tiny, seed=1)) != settings_hash(tiny)
 
@@ -199,12 +197,3 @@ def test_bad_tiny_settings_name_the_fix(tmp_path):
         ensure_tiny_target(replace(TinyConfig(), cache_dir=str(tmp_path), chain_words=9999))
     with pytest.raises(ValueError, match="tiny.chain_top_prob=0.5"):
         ensure_tiny_target(replace(TinyConfig(), cache_dir=str(tmp_path), chain_top_prob=0.5))
-
-
-@pytest.mark.slow
-def test_default_tiny_build_is_fast(tmp_path):
-    t0 = time.perf_counter()
-    ensure_tiny_target(replace(TinyConfig(), cache_dir=str(tmp_path)))
-    took = time.perf_counter() - t0
-    print(f"RESULT tiny_build_s={took:.1f}")
-    assert took < 30
