@@ -126,16 +126,20 @@ def _artifacts(root: Path) -> TinyArtifacts:
 
 
 def synthetic_words(count: int) -> list[str]:
-    """`count` distinct pronounceable words (consonant-vowel syllables), deterministic."""
+    """`count` distinct pronounceable words (consonant-vowel syllables), deterministic.
+
+    One- and two-syllable words first (4,970; small vocabularies get exactly these), then three-syllable
+    ones, so a real-sized vocabulary (151,936 for conf/medium.yaml) has a word per row."""
+    import itertools
+
     cons, vows = "bdfgklmnprstvz", "aeiou"
     syll = [c + v for c in cons for v in vows]
-    words = list(syll)
-    for a in syll:
-        for b in syll:
-            if len(words) >= count:
-                return words[:count]
-            words.append(a + b)
-    return words[:count]
+    shapes = itertools.chain(syll, (a + b for a in syll for b in syll),
+                             (a + b + c for a in syll for b in syll for c in syll))
+    words = list(itertools.islice(shapes, count))
+    if len(words) < count:
+        raise ValueError(f"tiny.vocab_size asks for {count} words; at most {len(words)} exist")
+    return words
 
 
 def build_tokenizer(vocab_size: int):
