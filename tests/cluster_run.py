@@ -9,7 +9,8 @@ would make every other `ray.init()` on the machine join it).
     python tests/cluster_run.py SPEC_JSON
     SPEC: {"run_dir": str, "nodes": [{"cpus": f, "gpus": f}, ...] (first = head),
            "overrides": [...], "timeout_s": f,
-           "remove_node": {"drafter_bundle": i, "after_checkpoint": bool} | null (the node holding that bundle)
+           "remove_node": {"drafter_bundle": i, "after_checkpoint": bool, "split_drafters": bool,
+                           "drafter_bundles": [i, ...]} | null (see _victim)
           }
 """
 from __future__ import annotations
@@ -90,8 +91,7 @@ def main(spec: dict) -> dict:
                 placements.append(now)
                 events.append(f"{time.monotonic() - t0:.1f}s bundles on nodes {now}")
             if removal and placements and _ready_to_remove(run_dir, log_path, removal):
-                # The victim: the node holding the first drafter's bundle (the one that hurts most).
-                index = placements[-1][removal["drafter_bundle"]]
+                index = _victim(placements[-1], removal)
                 events.append(f"{time.monotonic() - t0:.1f}s remove node {index} ({node_ids[index][:8]})")
                 cluster.remove_node(nodes[index], allow_graceful=False)
                 removal = None
@@ -107,6 +107,17 @@ def main(spec: dict) -> dict:
               "log": str(log_path)}
     cluster.shutdown()
     return result
+
+
+def _victim(where: list[int], removal: dict) -> int:
+    """The node to remove: the one holding bundle `drafter_bundle`; with `split_drafters`, a node holding
+    some but not all of the drafter bundles (so the group can only come back smaller), if there is one."""
+    if removal.get("split_drafters"):
+        drafter_nodes = [where[b] for b in removal["drafter_bundles"]]
+        for node in sorted(set(drafter_nodes)):
+            if 0 < drafter_nodes.count(node) < len(drafter_nodes):
+                return node
+    return where[removal["drafter_bundle"]]
 
 
 def _ready_to_remove(run_dir: Path, log_path: Path, removal: dict) -> bool:

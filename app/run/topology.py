@@ -65,6 +65,27 @@ class Topology:
 
         return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=bundle)
 
+    @staticmethod
+    def _driver_node() -> Any:
+        """The driver's node (soft): the pool shares its fate, so losing a worker node never loses the pool."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
+
+    def wait_bundles(self, bundles: list[int], timeout_s: float) -> list[int]:
+        """Wait until each bundle sits on a live node again; returns those that did not within `timeout_s`.
+
+        When a node is lost, Ray re-places its bundles on nodes with room, but only once the GCS has
+        noticed the death (seconds later); an actor created into such a bundle before that is cancelled.
+        A resource-free probe task per bundle runs as soon as the bundle is placed on a live node."""
+        import ray
+
+        probe = ray.remote(num_cpus=0, max_retries=-1)(_bundle_probe)
+        refs = {b: probe.options(scheduling_strategy=self._strategy(b)).remote() for b in bundles}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        return [b for b, ref in refs.items() if ref not in ready]
+
     def make_pool(self, num_buckets: int) -> Any:
         import ray
 
@@ -73,7 +94,7 @@ class Topology:
         topo = self.cfg.topology
         return ray.remote(HSPoolActor).options(
             num_cpus=0, max_concurrency=pool_max_concurrency(topo.num_targets, topo.num_drafters),
-            name=f"dflash-pool-{self.run_name}", max_restarts=0,
+            name=f"dflash-pool-{self.run_name}", max_restarts=0, scheduling_strategy=self._driver_node(),
         ).remote(self.cfg.pool, num_buckets, self.run_name, ranks=topo.num_drafters, accum=self.cfg.train.grad_accum)
 
     def make_target(self, i: int, model_dir: str, layer_ids: list[int], dataset_ref: Any, faults: Any) -> Any:
@@ -89,17 +110,21 @@ class Topology:
         ).remote(i, model_dir, layer_ids, self.cfg.model, topo.device if self.plan.use_gpu else "cpu",
                  bundle["CPU"], dataset_ref, faults, self.cfg.checkpoint.dir)
 
-    def make_drafters(self, setup: Any, pool: Any) -> list[Any]:
+    def make_drafters(self, setup: Any, pool: Any, bundles: list[int] | None = None) -> list[Any]:
+        """One rank per bundle index in `bundles` (default: every drafter bundle); rank r sits in bundles[r].
+        A group rebuilt after a node loss may get fewer bundles than the topology has (their GPUs are gone)."""
         import ray
 
         from actors.drafter import DrafterActor
 
+        if bundles is None:
+            bundles = [self.plan.drafter_bundle(r) for r in range(self.plan.num_drafters)]
         actors = []
-        for rank in range(self.plan.num_drafters):
-            bundle = self.plan.bundles[self.plan.drafter_bundle(rank)]
+        for rank, index in enumerate(bundles):
+            bundle = self.plan.bundles[index]
             actors.append(ray.remote(DrafterActor).options(
                 num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0,
-                scheduling_strategy=self._strategy(self.plan.drafter_bundle(rank)),
+                scheduling_strategy=self._strategy(index),
             ).remote(rank, setup, pool))
         return actors
 
@@ -107,3 +132,8 @@ class Topology:
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(self.pg)
+
+
+def _bundle_probe() -> bool:
+    """Runs in a bundle to show it is placed on a live node (see Topology.wait_bundles)."""
+    return True
