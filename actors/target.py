@@ -44,6 +44,7 @@ class TargetActor:
 
         self.trunk = TargetTrunk(self.model, self.layer_ids)
         self.compute_lock = threading.Lock()  # one forward at a time; host copies wait outside it
+        self._time_lock, self._last_done = threading.Lock(), 0.0
         self.jobs_done = 0
 
     def ping(self) -> int:
@@ -52,18 +53,27 @@ class TargetActor:
     def forward(self, job: JobSpec) -> tuple[ItemMeta, HiddenBatch]:
         """Hidden states of `hidden_states[l + 1]` for each configured layer, per sequence of the job."""
         self._maybe_inject_fault(job)
-        t0 = time.perf_counter()
         seqs = [self.dataset.sequence(i) for i in job.seq_indices]
         with self.compute_lock:
+            t0 = time.perf_counter()
             pending = start_job(self.trunk, seqs, job.job_id, self.device)
             self.jobs_done += 1
         batch = pending.result()  # CUDA: waits for the pinned copy while the next job computes
         meta = ItemMeta(
             job_id=job.job_id, bucket=job.bucket, num_seqs=len(seqs), num_tokens=int(batch.lengths_B.sum()),
             loss_tokens=int(batch.loss_mask_BS.sum()), nbytes=batch_nbytes(batch), target_id=self.target_id,
-            forward_s=time.perf_counter() - t0,
+            forward_s=self._busy_since(t0),
         )
         return meta, batch
+
+    def _busy_since(self, t0: float) -> float:
+        """This job's share of busy time: from its start or the previous job's end, whichever is later, so
+        two overlapping jobs never count the same second twice (tokens / forward_s stays a true rate)."""
+        with self._time_lock:
+            now = time.perf_counter()
+            busy = max(0.0, now - max(t0, self._last_done))
+            self._last_done = now
+        return busy
 
     def _maybe_inject_fault(self, job: JobSpec) -> None:
         if job.index == self.faults.kill_target_at_job and job.epoch == 0 and fire_once(self.run_dir, "kill_target"):
