@@ -43,3 +43,25 @@ def test_tau_book_keeps_history_and_the_strict_best():
     assert s["tau_history"] == [[20, 1.8], [40, 2.6], [60, 2.6], [80, 2.1]]
     assert s["tau_best"] == {"step": 40, "tau": 2.6, "dir": "best"}
     assert s["tau_last_per_pos_accept"] == [0.21] and s["tau_matches_greedy"] is True
+
+
+def test_a_resumed_run_keeps_its_earlier_taus_and_best(tmp_path):
+    import json
+    from types import SimpleNamespace
+
+    from app.config.load import load_config
+    from app.model.live_eval import META_KEY
+    from app.run.eval_runner import EvalRunner
+    from app.run.monitor import RunMonitor
+
+    cfg = load_config("conf/tiny.yaml", [f"checkpoint.dir={tmp_path}"])
+    (tmp_path / "drafter-best").mkdir()
+    (tmp_path / "drafter-best" / "config.json").write_text(json.dumps({META_KEY: {"step": 40, "tau": 3.0}}))
+    earlier = [{"k": "eval", "step": s, "tau": t, "per_pos_accept": [0.5], "matches_greedy": True}
+               for s, t in ((20, 2.0), (40, 3.0), (60, 2.5))]
+    mon = RunMonitor()
+    runner = EvalRunner(SimpleNamespace(cfg=cfg, plan=SimpleNamespace(eval_prompts=[[1, 2]])), mon, None, print,
+                        None, earlier)
+    assert runner.book.best_tau == 3.0 and runner.book.best["exported_to"] == str(tmp_path / "drafter-best")
+    assert mon.tau_best == (40, 3.0) and mon.tau_history[-1] == (60, 2.5)
+    assert runner.summary()["tau_history"] == [[20, 2.0], [40, 3.0], [60, 2.5]]

@@ -19,7 +19,8 @@ BEST_DIR_NAME = "drafter-best"
 class EvalRunner:
     """Owns the evaluation in flight (one at most) and the book of results."""
 
-    def __init__(self, sup, monitor, timeline, log, eos_token_id: int | None, clock=time.monotonic) -> None:
+    def __init__(self, sup, monitor, timeline, log, eos_token_id: int | None, earlier: list[dict] = (),
+                 clock=time.monotonic) -> None:
         self.sup, self.monitor, self.timeline, self.log, self.clock = sup, monitor, timeline, log, clock
         self.cfg, self.plan = sup.cfg, sup.plan
         self.eos_token_id = eos_token_id
@@ -31,6 +32,21 @@ class EvalRunner:
         self.best_dir = None if is_uri(self.cfg.checkpoint.dir) else str(Path(self.cfg.checkpoint.dir) / BEST_DIR_NAME)
         self._ref: Any = None
         self._handle: Any = None
+        self._resume(list(earlier))
+
+    def _resume(self, earlier: list[dict]) -> None:
+        """A resumed run goes on with the evaluations of its earlier starts (timeline `eval` rows) and
+        the best drafter already exported, so a lower tau never replaces drafter-best/."""
+        from app.model.live_eval import read_best_meta
+
+        for row in earlier:
+            self.book.record({k: row.get(k) for k in ("step", "tau", "per_pos_accept", "matches_greedy")}
+                             | {"exported_to": None})
+            self.monitor.add_tau(row["step"], row["tau"])
+        meta = read_best_meta(self.best_dir) if self.best_dir else None
+        if meta is not None and meta["tau"] >= self.book.best_tau:
+            self.book.best = {"step": meta["step"], "tau": meta["tau"], "exported_to": self.best_dir}
+            self.monitor.tau_best = (meta["step"], meta["tau"])
 
     @property
     def enabled(self) -> bool:

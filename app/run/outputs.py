@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from app.run.advice import SplitAdvisor
-from app.run.timeline import Timeline
+from app.run.timeline import Timeline, read_timeline
 
 
 class RunOutputs:
@@ -23,6 +23,8 @@ class RunOutputs:
         # A URI checkpoint.dir: the files live in its local cache and are uploaded by close().
         self.uri = is_uri(cfg.checkpoint.dir)
         self.run_dir = local_cache_dir(cfg.checkpoint.dir) if self.uri else cfg.checkpoint.dir
+        # Evaluations of earlier starts of this run (a resume): the tau history and best go on from them.
+        self.earlier_evals = [r for r in read_timeline(self.run_dir) if r.get("k") == "eval"]
         self.timeline = Timeline(self.run_dir, pool_every_s=min(2.0, cfg.logging.status_every_s))
         self.timeline.start(cfg.topology, run_name, resumed_step)
         monitor.advisor = SplitAdvisor.for_topology(cfg.topology)
@@ -36,7 +38,7 @@ class RunOutputs:
 
         info = read_target_info(sup.plan.model_dir)
         self.evals = EvalRunner(sup, self.monitor, self.timeline, self.log,
-                                info.eos_token_ids[0] if info.eos_token_ids else None)
+                                info.eos_token_ids[0] if info.eos_token_ids else None, self.earlier_evals)
         self.monitor.listeners.append(self.evals)
 
     def finish(self, final_step: int, export_dir: str | None) -> dict:
