@@ -61,8 +61,9 @@ class _Prefetcher:
     """Keeps one pull (and its payload fetch) in flight while the replica computes. A step's acks
     ride on the next pull it sends (one call per item), or go at once if a pull is still waiting."""
 
-    def __init__(self, pool, rank: int, generation: int) -> None:
+    def __init__(self, pool, rank: int, generation: int, stage=None) -> None:
         self.pool, self.rank, self.generation = pool, rank, generation
+        self.stage = stage or (lambda payload: payload)  # CUDA: pinned copy to the GPU, in this thread
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
         self.pending: Future | None = None
         self.acks: list[int] = []
@@ -91,7 +92,7 @@ class _Prefetcher:
             if isinstance(pulled, (EndOfStream, Drained)):
                 return pulled, None
             try:
-                return pulled, ray.get(pulled.payload_ref)
+                return pulled, self.stage(ray.get(pulled.payload_ref))
             except ObjectLostError:  # the node holding it died: recompute that job, pull another
                 ray.get(self.pool.payload_lost.remote(self.rank, pulled.meta.job_id))
 
@@ -130,6 +131,7 @@ class DrafterActor:
         import torch.distributed as dist
 
         from app.model.build import build_or_load_drafter
+        from app.training.transfer import PayloadStager
         from app.training.trainer import DrafterTrainer
 
         backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -143,6 +145,7 @@ class DrafterActor:
         self.trainer = DrafterTrainer(drafter, head, self.cfg.drafter, self.cfg.train, self.cfg.total_steps,
                                       self.device, reducer=lambda flat: dist.all_reduce(flat),
                                       autocast=self.dtype if self.dtype != torch.float32 else None)
+        self.stager = PayloadStager(self.device, self.dtype)
         self.ledger: set[int] = set()
         self.epoch = 0
         if self.cfg.resume_from:
@@ -166,7 +169,8 @@ class DrafterActor:
         import torch.distributed as dist
 
         # This incarnation's generation: pulls a dead predecessor sent are refused, not served.
-        fetch = _Prefetcher(self.pool, self.rank, ray.get(self.pool.generation.remote(self.rank)))
+        fetch = _Prefetcher(self.pool, self.rank, ray.get(self.pool.generation.remote(self.rank)),
+                            stage=self.stager.stage)
         eos, stopped, last_ckpt = False, False, None
         while True:
             t_step = time.perf_counter()
@@ -214,7 +218,10 @@ class DrafterActor:
             if isinstance(item, Drained):
                 break  # nothing buffered, others hold the last leases: step with what we have
             self.epoch = max(self.epoch, split_job_id(item.meta.job_id)[0])
-            batch = TrainBatch.from_hidden_batch(payload, self.device, self.dtype)
+            if isinstance(payload, TrainBatch):  # staged on the GPU by the prefetch thread
+                batch = self.stager.ready(payload)
+            else:
+                batch = TrainBatch.from_hidden_batch(payload, self.device, self.dtype)
             self.trainer.micro_step(batch, item.meta.job_id)
             job_ids.append(item.meta.job_id)
         return job_ids, wait_s, eos

@@ -144,3 +144,18 @@ def test_rmsnorm_and_swiglu_gradients():
     assert torch.autograd.gradcheck(mlp, (x,))
     y = norm(x.float().to(torch.bfloat16))
     assert y.dtype == torch.bfloat16  # never promoted to the fp64/fp32 weight's dtype
+
+
+def test_payload_keeps_host_copies_and_cpu_staging_is_a_no_op():
+    from app.messages import HiddenBatch
+    from app.training.transfer import PayloadStager
+
+    hb = HiddenBatch(job_id=1, hidden_BSD=np.zeros((2, 5, 8), np.float32), hidden_dtype="float32",
+                     input_ids_BS=np.arange(10).reshape(2, 5), loss_mask_BS=np.ones((2, 5), np.uint8),
+                     lengths_B=np.array([5, 4]))
+    stager = PayloadStager(torch.device("cpu"), torch.float32)
+    assert stager.stage(hb) is hb  # CPU: converted on the compute thread, as before
+    tb = TrainBatch.from_hidden_batch(hb, "cpu", torch.float32)
+    ids, mask, lens = tb.host()  # anchors and labels are sampled from these, not from the device
+    assert ids.tolist() == hb.input_ids_BS.tolist() and mask.dtype == np.float32 and lens.tolist() == [5, 4]
+    assert stager.ready(tb) is tb

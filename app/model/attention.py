@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 FLEX_TILE = 128  # flex_attention's BlockMask granularity (query and key tiles)
 MAX_TILE_ROWS = 256  # a CPU tile holds at most this many query rows
-SMALL_TILE_SCORES = 64 * 256  # below this many scores a tile merges freely (call overhead dominates)
+SMALL_TILE_SCORES = 128 * 512  # below this many scores a tile merges freely (call overhead dominates on CPU)
 TILE_WASTE = 1.3  # merge the next block while executed/needed scores of the tile stay below this
 
 

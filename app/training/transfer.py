@@ -1,0 +1,78 @@
+"""Host-to-device staging of a drafter's next payload, off the compute thread.
+
+On CUDA the prefetch thread copies the payload's features into a reused pinned buffer (two, used
+in turn: one may still feed the batch being computed) and from there onto the GPU on a side stream,
+non-blocking; the compute thread makes its stream wait for that copy's event before using the batch.
+The small arrays (ids, loss mask, lengths) go along on the same stream, and their host copies stay
+with the batch so anchors and labels are sampled on the host (no per-sequence device syncs).
+On CPU nothing is staged: the compute thread converts the payload as before.
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+
+
+class PayloadStager:
+    """Turns `HiddenBatch` payloads into device `TrainBatch`es; `stage` runs in the prefetch thread."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device, self.dtype = device, dtype
+        self.enabled = device.type == "cuda"
+        self._pinned: list[torch.Tensor | None] = [None, None]
+        self._copied: list = [None, None]  # each buffer's last copy-out event
+        self._turn = 0
+        self._stream = torch.cuda.Stream(device=device) if self.enabled else None
+
+    def stage(self, hb):
+        """The payload as a device TrainBatch whose copy is in flight (CUDA), or `hb` unchanged (CPU)."""
+        if not self.enabled or hb is None:
+            return hb
+        from app.model.loss import TrainBatch
+
+        hidden_np = hb.hidden_BSD.view(np.int16) if hb.hidden_dtype == "bfloat16" else np.asarray(hb.hidden_BSD)
+        buf = self._buffer(hidden_np.nbytes)
+        with warnings.catch_warnings():  # the object store's buffers are read-only; we only read them
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.from_numpy(hidden_np)
+        host = buf[: hidden_np.nbytes].view(src.dtype).view(src.shape)
+        host.copy_(src)  # pageable (object store) -> pinned, on this thread
+        with torch.cuda.stream(self._stream):
+            dev = host.to(self.device, non_blocking=True)
+            if hb.hidden_dtype == "bfloat16":
+                dev = dev.view(torch.bfloat16)
+            hidden = dev.to(self.dtype)
+            small = [torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)
+                     for a in (hb.input_ids_BS, hb.loss_mask_BS, hb.lengths_B)]
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        self._copied[self._turn] = event
+        batch = TrainBatch(input_ids_BS=small[0].long(), loss_mask_BS=small[1].float(), hidden_BSD=hidden,
+                           lengths_B=small[2].long(), input_ids_host=np.asarray(hb.input_ids_BS),
+                           loss_mask_host=np.asarray(hb.loss_mask_BS), lengths_host=np.asarray(hb.lengths_B))
+        batch.ready_event = event
+        return batch
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        # Two buffers in turn (the prefetcher holds at most one batch ahead); before a buffer is
+        # refilled, the host waits for its previous copy-out to have finished on the GPU.
+        self._turn ^= 1
+        if self._copied[self._turn] is not None:
+            self._copied[self._turn].synchronize()  # long done in practice; never overwrite a live copy
+        buf = self._pinned[self._turn]
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(int(nbytes * 1.25), dtype=torch.uint8, pin_memory=True)
+            self._pinned[self._turn] = buf
+        return buf
+
+    def ready(self, batch):
+        """On the compute thread: make its stream wait for the batch's copy; returns the batch."""
+        event = getattr(batch, "ready_event", None)
+        if event is not None:
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(event)
+            for t in (batch.input_ids_BS, batch.loss_mask_BS, batch.hidden_BSD, batch.lengths_B):
+                t.record_stream(stream)  # memory made on the side stream, used on this one
+        return batch
