@@ -87,8 +87,9 @@ class EndOfStream:
 @dataclass(frozen=True)
 class Drained:
     """Nothing to hand out now: every job is produced and none is buffered, but leases are
-    still unacked. The drafter should finish its step with what it holds (zero gradients if
-    nothing), ack, and pull again; end-of-stream follows once every lease is acked."""
+    still unacked (or, once production is over, the pull policy ends this step early so the last
+    items split into equal steps). The drafter should finish its step with what it holds (zero
+    gradients if nothing), ack, and pull again; end-of-stream follows once every lease is acked."""
 
     reason: str = "all produced, nothing buffered, leases outstanding"
 
