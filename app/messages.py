@@ -37,6 +37,7 @@ class JobSpec:
     seq_indices: tuple[int, ...]  # rows of the tokenized dataset
     padded_tokens: int  # longest sequence x number of sequences
     est_bytes: int = 0  # expected payload size, for the pool's byte budget before it exists
+    cost: int = 0  # drafter query rows: sum over sequences of min(num_anchors, valid anchors) x block_size; 0 = unknown
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,8 @@ class SimSetup:
     warmup: float = 2.0  # seconds left out of busy and backlog (the pool fills)
     pool: PoolConfig = field(default_factory=PoolConfig)
     seed: int = 0
+    rows: Sequence[float] = ()  # mean query rows of a job per bucket: jobs carry their cost (JobSpec.cost)
+    # and the pool deals for it; () = costs unknown to the pool. A job's time scales with its rows.
 
 
 @dataclass
@@ -56,13 +58,25 @@ class SimResult:
     def measures(self) -> dict[str, float]:
         n = len(self.steps[0]) if self.steps else 0
         shares = shares_of(bucket_counts(self.schedule, n))
+        spreads = self.rank_cost_spreads()
         return {
             "step_tv": step_tv(self.steps, shares),
             "step_tv_floor": step_tv_floor(self.schedule, self.step_items, n, shares),
             "backlog": self.backlog,
             "tail_single": tail_single(self.steps),
             "busy_min": min(self.busy),
+            "rank_cost_spread": max(spreads, default=float("nan")),
+            "rank_cost_spread_mean": sum(spreads) / len(spreads) if spreads else float("nan"),
+            "barrier_idle": 1.0 - min(b + c - 1.0 for b, c in zip(self.busy, self.compute_share)) - 0.0,
         }
+
+    def rank_cost_spreads(self) -> list[float]:
+        """(max - min) / mean of the ranks' drafter cost, per full step (every rank took its share)."""
+        out = []
+        for step, costs in zip(self.steps, self.step_costs):
+            if sum(step) == self.step_items and min(costs) > 0:
+                out.append((max(costs) - min(costs)) / (sum(costs) / len(costs)))
+        return out
 
 
 def schedule_of(mix: Sequence[int], jobs: int) -> list[int]:
@@ -85,10 +99,12 @@ class _Sim:
         self.pool = HSPool(s.pool, len(s.mix), pull_policy=policy, clock=lambda: self.now,
                            ranks=s.ranks, accum=s.accum)
         self.schedule = schedule_of(s.mix, s.jobs)
-        self.jobs = [JobSpec(i, 0, i, b, (i,), 64, 1) for i, b in enumerate(self.schedule)]
+        jit = [self._jit() for _ in self.schedule]
+        self.jobs = [JobSpec(i, 0, i, b, (i,), 64, 1, round(s.rows[b] * jit[i]) if s.rows else 0)
+                     for i, b in enumerate(self.schedule)]
         self.pool.add_jobs(self.jobs)
         self.pool.finish_adding()
-        self.cost = {j.job_id: (job_cost(j) if job_cost else s.drafter_cost[j.bucket]) * self._jit() for j in self.jobs}
+        self.cost = {j.job_id: (job_cost(j) if job_cost else s.drafter_cost[j.bucket]) * jit[j.job_id] for j in self.jobs}
         self.events: list = []
         self.seq = itertools.count()
         self.target_free = [0.0] * s.targets

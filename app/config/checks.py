@@ -132,3 +132,21 @@ def check_resources(cfg: Config, available: dict[str, float], use_gpu: bool) -> 
             f"topology.cpus_per_drafter={topo.cpus_per_drafter:g}) but the cluster has {have_cpu:g}; "
             "lower them (fractions are fine) or add nodes"
         )
+
+
+def check_object_store(cfg: Config, job_bytes: int, object_store_bytes: float) -> None:
+    """The pool's byte budget plus the leased items must fit the cluster's object store, or Ray spills
+    hidden states to disk and throughput collapses. Leased: every drafter holds up to grad_accum jobs
+    of its step plus one prefetched, outside pool.capacity_bytes until acked."""
+    pool_bytes = min(cfg.pool.capacity_bytes, cfg.pool.capacity * job_bytes)
+    leased = cfg.topology.num_drafters * (cfg.train.grad_accum + 1) * job_bytes
+    need = pool_bytes + leased
+    if object_store_bytes and need > object_store_bytes:
+        gib = 2**30
+        raise ConfigError(
+            f"pool.capacity_bytes={cfg.pool.capacity_bytes} (pool holds {pool_bytes / gib:.1f} GiB) plus leased "
+            f"items ({cfg.topology.num_drafters} drafters x {cfg.train.grad_accum + 1} jobs of {job_bytes / gib:.2f} "
+            f"GiB) need {need / gib:.1f} GiB but the cluster's object store holds {object_store_bytes / gib:.1f} GiB "
+            "and would spill; lower pool.capacity_bytes or pool.capacity, or start Ray with a larger "
+            "--object-store-memory"
+        )

@@ -21,22 +21,47 @@ class BucketBuffer:
     def __init__(self, num_buckets: int) -> None:
         self._buckets: list[list[Item]] = [[] for _ in range(num_buckets)]
         self._count = 0
+        self._cost_sum = [0] * num_buckets  # drafter cost (JobSpec.cost) of the buffered items
+        self._seen = [[0, 0] for _ in range(num_buckets)]  # (cost sum, items) of every item ever put
 
     def put(self, item: Item) -> None:
-        self._buckets[item.meta.bucket].append(item)
+        b = item.meta.bucket
+        self._buckets[b].append(item)
         self._count += 1
+        self._cost_sum[b] += item.job.cost
+        self._seen[b][0] += item.job.cost
+        self._seen[b][1] += 1
 
-    def take(self, bucket: int, rng: random.Random) -> Item:
+    def take(self, bucket: int, rng: random.Random, index: int | None = None) -> Item:
+        """A uniformly random item of the bucket, or the one at `index` of `costs(bucket)`."""
         items = self._buckets[bucket]
         assert items, f"take from empty bucket {bucket}"
-        k = rng.randrange(len(items))
+        k = rng.randrange(len(items)) if index is None else index
         items[k], items[-1] = items[-1], items[k]  # swap-remove keeps it O(1)
         self._count -= 1
-        return items.pop()
+        item = items.pop()
+        self._cost_sum[bucket] -= item.job.cost
+        return item
 
     def counts(self) -> list[int]:
         """Items per bucket: the q_hsb vector."""
         return [len(b) for b in self._buckets]
+
+    def costs(self, bucket: int) -> list[int]:
+        """The drafter cost of each buffered item of the bucket (indices for `take`)."""
+        return [it.job.cost for it in self._buckets[bucket]]
+
+    def mean_costs(self) -> list[float]:
+        """Expected drafter cost of an item of each bucket: the buffered items' mean, else the mean of
+        every item the bucket has held, else 0 (unknown)."""
+        out = []
+        for b, items in enumerate(self._buckets):
+            if items:
+                out.append(self._cost_sum[b] / len(items))
+            else:
+                total, n = self._seen[b]
+                out.append(total / n if n else 0.0)
+        return out
 
     def nonempty(self) -> list[int]:
         return [b for b, items in enumerate(self._buckets) if items]

@@ -193,13 +193,15 @@ class HSPool:
             return self._drained(drafter_id) if draining else None
         if buffered < self.cfg.min_ready and not draining:
             return None
-        ctx = PullContext(drafter_id, self._rounds.round(drafter_id), self._buffer.counts(),
-                          self._rounds.step_items, self.producing_finished, self._rounds.open_slots(),
-                          self._rounds.ranks is not None)
+        rnd = self._rounds.round(drafter_id)
+        ctx = PullContext(drafter_id, rnd, self._buffer.counts(), self._rounds.step_items, self.producing_finished,
+                          self._rounds.open_slots(), self._rounds.ranks is not None, self._buffer.mean_costs(),
+                          self._rounds.slots_in(rnd))
         bucket = self.policy.choose(ctx, self._rng)
         if bucket is None:  # the policy ends this step early (equal steps over the last items)
             return self._drained(drafter_id)
-        item = self._buffer.take(bucket, self._rng)
+        item = self._buffer.take(bucket, self._rng, self.policy.pick(ctx, bucket, self._buffer.costs(bucket), self._rng))
+        self.policy.served(ctx, bucket, item.job.cost)
         self._budget.lease(item.meta.nbytes)
         self._leases.lease(item, drafter_id, self._clock())
         self._states.move(item.meta.job_id, JobState.LEASED)

@@ -1,4 +1,5 @@
-"""Which bucket the next pull takes from. The pool then takes a uniformly random item within it.
+"""Which bucket the next pull takes from (and, when dealing for cost, which item; else the pool takes
+a uniformly random item of the bucket, seeded).
 
 `stratified` (the default): each bucket is served at the rate the schedule produces it, and every
 global step (all ranks' micro-batches of one optimizer step) is as close to a stratified sample of
@@ -6,8 +7,14 @@ the schedule's bucket shares as the items on hand allow. Per step ("round", see 
 each bucket step_items x share items, carries what it could not serve into the next steps (a
 deficit, bounded by one step's worth), and apportions the round's items by what is owed (largest
 remainder); each pull takes, among the non-empty buckets this round still owes, the one with the
-most items buffered (so the buffer's largest bucket stays small), else the most owed one on hand. Once production is over it stratifies what
-is left (the buffer's own mix) and splits it into equal steps, so the last steps still mix.
+most items buffered (so the buffer's largest bucket stays small), else the most owed one on hand.
+When jobs carry their drafter cost (JobSpec.cost, query rows) it also deals: of the buckets the step
+owes, a rank takes the one (and of that bucket the item) after which the rest of the step's quota,
+dealt largest first to the least-loaded rank, leaves the ranks' step costs closest, so ranks do not
+wait for each other at the all-reduce; only if every owed bucket would leave them more than
+BALANCE_SLACK apart does it take an item the step does not owe. Once production is over it
+stratifies what is left (the buffer's own mix) and splits it into equal steps, so the last steps
+still mix.
 
 `round_robin`: per drafter, the next non-empty bucket after the last one it got. Every non-empty
 bucket is served at the same rate whatever its share, so the dominant bucket piles up in the buffer
@@ -33,6 +40,8 @@ class PullContext:
     producing_finished: bool  # nothing more will land (until something is re-queued)
     open_slots: Mapping[int, int] = field(default_factory=dict)  # round -> pulls its ranks may still make
     ranks_known: bool = False  # step_items counts the group's real ranks (else only who pulled so far)
+    costs: Sequence[float] = ()  # expected drafter cost (query rows) of an item of each bucket; 0 = unknown
+    round_slots: Mapping[int, int] = field(default_factory=dict)  # rank -> pulls it will still make this round
 
 
 class PullPolicy(Protocol):
@@ -44,6 +53,12 @@ class PullPolicy(Protocol):
     def choose(self, ctx: PullContext, rng: random.Random) -> int | None:
         """A bucket with ctx.counts[bucket] > 0, or None to end the drafter's step early (it gets
         `Drained`, steps with what it holds and pulls again)."""
+
+    def pick(self, ctx: PullContext, bucket: int, costs: Sequence[int], rng: random.Random) -> int | None:
+        """Which item of the chosen bucket (an index into `costs`), or None for a random one."""
+
+    def served(self, ctx: PullContext, bucket: int, cost: int) -> None:
+        """The item the pull took from `bucket` costs `cost` (JobSpec.cost)."""
 
     def reset(self) -> None:
         """The drafter group is rebuilt: forget per-drafter and per-step state."""
@@ -68,6 +83,12 @@ class RoundRobin:
                 return b
         raise AssertionError("choose called with every bucket empty")
 
+    def pick(self, ctx: PullContext, bucket: int, costs: Sequence[int], rng: random.Random) -> None:
+        return None
+
+    def served(self, ctx: PullContext, bucket: int, cost: int) -> None:
+        pass
+
     def reset(self) -> None:
         self._cursor.clear()
 
@@ -86,11 +107,18 @@ def apportion(weights: Sequence[float], total: int) -> list[int]:
     return out
 
 
+# Projected (max - min) / mean of the ranks' step costs above which a rank may take an item its step
+# does not owe. Lower balances harder and bends the mix more (simulated: 0.1 costs step_tv 1.14x the
+# floor, 0.2 1.04x; both keep the mean spread near 0.03).
+BALANCE_SLACK = 0.20
+
+
 @dataclass
 class _Round:
     quota: list[int]  # items per bucket this step still plans
     size: int | None = None  # only while draining: pulls beyond it end the step early
     taken: int = 0
+    rank_cost: dict[int, float] = field(default_factory=dict)  # drafter cost dealt to each rank so far
 
 
 @dataclass
@@ -138,6 +166,8 @@ class Stratified:
         # owed one that is.
         if with_quota:
             b = max(with_quota, key=lambda c: (ctx.counts[c], rnd.quota[c], -c))
+            if ctx.ranks_known and any(ctx.costs):
+                b = self._balanced(rnd, ctx, with_quota, b, live)
         else:
             b = max(live, key=lambda c: (self.owed[c], ctx.counts[c], -c))
         if rnd.quota[b] > 0:
@@ -145,6 +175,60 @@ class Stratified:
         rnd.taken += 1
         self.owed[b] = max(-ctx.step_items, self.owed[b] - 1)
         return b
+
+    def _balanced(self, rnd: _Round, ctx: PullContext, candidates: list[int], fullest: int, live: list[int]) -> int:
+        """Deal for cost: the candidate after which the step's remaining quota, dealt largest first
+        to the rank with the least cost and a free slot, leaves the ranks' costs closest together
+        (ties: the fullest bucket); the step's composition is unchanged, only who gets what. Only
+        when every owed bucket on hand would leave the ranks more than BALANCE_SLACK apart does the
+        rank take an item the step does not owe (the owed one stays for another rank or step)."""
+        def key(c: int) -> tuple:
+            return round(self._spread_after(rnd, ctx, c, ctx.costs[c]), 3), c != fullest, -ctx.counts[c], c
+        best = min(candidates, key=key)
+        if key(best)[0] > BALANCE_SLACK:
+            others = [c for c in live if c not in candidates]
+            if others and key(alt := min(others, key=key))[0] < key(best)[0]:
+                return alt
+        return best
+
+    def _spread_after(self, rnd: _Round, ctx: PullContext, bucket: int, cost: float) -> float:
+        """(max - min) / mean of the ranks' step costs if this rank takes an item of `bucket` costing
+        `cost` and the rest of the quota is dealt largest first to the least-loaded rank with a slot."""
+        loads = {d: rnd.rank_cost.get(d, 0.0) for d in ctx.round_slots}
+        slots = dict(ctx.round_slots)
+        loads[ctx.drafter_id] = loads.get(ctx.drafter_id, 0.0) + cost
+        slots[ctx.drafter_id] = slots.get(ctx.drafter_id, 1) - 1
+        rest = sorted((ctx.costs[c] for c in range(self.num_buckets)
+                       for _ in range(rnd.quota[c] - (c == bucket))), reverse=True)
+        for c in rest:
+            free = [d for d in loads if slots[d] > 0]
+            if not free:
+                break
+            d = min(free, key=lambda x: loads[x])
+            loads[d] += c
+            slots[d] -= 1
+        mean = sum(loads.values()) / len(loads)
+        return (max(loads.values()) - min(loads.values())) / mean if mean > 0 else 0.0
+
+    def pick(self, ctx: PullContext, bucket: int, costs: Sequence[int], rng: random.Random) -> int | None:
+        """While dealing for cost: of the bucket's items, one that leaves the ranks' projected step
+        costs closest (a random one among equals); otherwise a random item."""
+        rnd = self._rounds.get(ctx.round)
+        if rnd is None or not (ctx.ranks_known and any(ctx.costs)) or len(costs) < 2:
+            return None
+        # The chosen bucket's quota unit is already taken off: project with it added back.
+        rnd.quota[bucket] += 1
+        try:
+            score = [round(self._spread_after(rnd, ctx, bucket, c), 3) for c in costs]
+        finally:
+            rnd.quota[bucket] -= 1
+        best = min(score)
+        return rng.choice([i for i, x in enumerate(score) if x == best])
+
+    def served(self, ctx: PullContext, bucket: int, cost: int) -> None:
+        rnd = self._rounds.get(ctx.round)
+        if rnd is not None:
+            rnd.rank_cost[ctx.drafter_id] = rnd.rank_cost.get(ctx.drafter_id, 0.0) + cost
 
     def _open_round(self, ctx: PullContext) -> _Round | None:
         k = ctx.step_items

@@ -33,6 +33,15 @@ class RoundTracker:
             out[r] = out.get(r, 0) + self.accum - self._taken.get(d, 0)
         return out
 
+    def slots_in(self, rnd: int) -> dict[int, int]:
+        """rank -> items it will still pull in round `rnd` (ranks not seen yet count as -1, -2, ...)."""
+        out = {}
+        for d, r in self._round.items():
+            out[d] = self.accum - self._taken.get(d, 0) if r == rnd else (self.accum if r < rnd else 0)
+        for k in range(max(0, (self.ranks or 0) - len(out))):
+            out[-1 - k] = self.accum
+        return out
+
     def took(self, drafter_id: int) -> None:
         r = self.round(drafter_id)
         n = self._taken.get(drafter_id, 0) + 1

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from app.config.schema import Config
-from app.config.checks import check_resources
+from app.config.checks import check_object_store, check_resources
 from app.config.errors import UserError
 from app.run.monitor import RunMonitor
 
@@ -27,6 +27,8 @@ def run(cfg: Config) -> int:
         plan = make_plan(cfg)  # before ray.init: a mistake in the config or the data never waits for the cluster
         use_gpu = connect(cfg)
         plan.use_device(use_gpu)
+        check_object_store(cfg, max(cfg.data.tokens_per_job, cfg.data.max_length) * plan.bytes_per_token,
+                           _object_store_bytes())  # a job pads to at most that many tokens
     except UserError as exc:  # ConfigError, DataError
         print(f"{exc.kind} error: {exc}", file=sys.stderr)
         return 2
@@ -59,6 +61,13 @@ def connect(cfg: Config) -> bool:
 
     check_cluster_fits(cfg, use_gpu, ray.nodes())  # per node: names what is short where, before any actor
     return use_gpu
+
+
+def _object_store_bytes() -> float:
+    """The cluster's object store, all nodes together (0 when Ray does not say)."""
+    import ray
+
+    return float(ray.cluster_resources().get("object_store_memory", 0.0))
 
 
 def make_plan(cfg: Config):

@@ -65,8 +65,12 @@ class Supervisor:
         self.dataset_ref = ray.put(self.plan.dataset)
         self.pool = self.topo.make_pool(len(self.cfg.data.bucket_boundaries))
         self._pool_call(self.pool.restore_ledger, self.plan.resume_ledger)
+        from app.data.costs import sequence_rows, with_costs
+
+        ds, dcfg = self.plan.dataset, self.cfg.drafter  # each job carries its query rows: the pool deals them
+        rows = sequence_rows(ds.loss_mask, ds.offsets, dcfg.block_size, dcfg.num_anchors)
         for i in range(0, len(self.plan.jobs), 4096):  # chunks keep each call's message small
-            self._pool_call(self.pool.add_jobs, self.plan.jobs[i:i + 4096])
+            self._pool_call(self.pool.add_jobs, with_costs(self.plan.jobs[i:i + 4096], rows))
         self._pool_call(self.pool.finish_adding)
         self._start_targets(list(range(self.cfg.topology.num_targets)))
         self._start_drafters(self.plan.resume_from)
