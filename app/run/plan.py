@@ -119,7 +119,9 @@ def data_fingerprint(dataset, cfg: Config) -> str:
     for arr in (dataset.tokens, dataset.loss_mask, dataset.offsets):
         h.update(np.ascontiguousarray(arr).tobytes())
     d = cfg.data
-    h.update(json.dumps([d.seed, d.tokens_per_job, list(d.bucket_boundaries), d.max_length]).encode())
+    # The target and its layers too: the same job ids over another target's features are other data.
+    h.update(json.dumps([d.seed, d.tokens_per_job, list(d.bucket_boundaries), d.max_length, cfg.model.target,
+                         list(cfg.model.target_layer_ids)]).encode())
     return h.hexdigest()[:16]
 
 
@@ -129,7 +131,7 @@ def _check_same_data(cfg: Config, ckpt: Path, fingerprint: str) -> None:
         raise ConfigError(
             f"checkpoint.dir={cfg.checkpoint.dir!r} holds a run on different data or a different schedule "
             f"(fingerprint {saved} != {fingerprint}: data files, data.seed, data.tokens_per_job, "
-            "data.bucket_boundaries or data.max_length changed); restore them or use a new checkpoint.dir"
+            "data.bucket_boundaries, data.max_length, model.target or model.target_layer_ids changed); restore them or use a new checkpoint.dir"
         )
 
 

@@ -1,7 +1,8 @@
 """Atomic, rotating checkpoints of the drafter's training state and the ledger of trained jobs.
 
 Layout of `<dir>/ckpt-<step>/`: `drafter.safetensors` (weights), `trainer.pt` (optimizer, scheduler,
-RNG states), `state.json` (step, epoch, ledger of acked job ids, extra counters). A checkpoint is
+RNG states), `state.json` (step, epoch, ledger of acked job ids as per-epoch bitmaps, `app/pool/ledger.py`;
+older checkpoints hold a sorted id list, still read; extra counters). A checkpoint is
 written into a temp folder and renamed into place, so a crash mid-write never leaves a half
 checkpoint that resume would pick up. `<dir>` may also be a URI (`s3://...`): then the files go under
 a fresh prefix and a marker written last publishes them (`app/training/storage.py`); only marked
@@ -10,7 +11,9 @@ checkpoints are listed, and a checkpoint's location is then a URI string instead
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from app.pool.ledger import ids_from_state as ledger_ids, to_json as ledger_json
 from app.training.storage import fetch_dir, is_uri, open_storage, read_text
 
 PREFIX = "ckpt-"
@@ -39,13 +43,18 @@ class TrainState:
 
 
 def rng_state() -> dict[str, Any]:
-    """Python, numpy and torch RNG states (anchors are seeded per job; this covers everything else)."""
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Python, numpy and torch RNG states (anchors are seeded per job; this covers everything else).
+    Plain lists and tensors only, so `torch.load(weights_only=True)` reads them back."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": random.getstate(), "numpy": [name, keys.tolist(), pos, has_gauss, cached],
+            "torch": torch.get_rng_state()}
 
 
 def restore_rng(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
 
 
@@ -57,11 +66,56 @@ def save_checkpoint(root: str | Path, state: TrainState, keep: int) -> Path | st
     weights = {k: v.detach().contiguous().cpu() for k, v in state.drafter.items()}
     save_file(weights, str(tmp / "drafter.safetensors"))
     torch.save({"optimizer": state.optimizer, "scheduler": state.scheduler, "rng": state.rng}, tmp / "trainer.pt")
-    meta = {"step": state.step, "epoch": state.epoch, "ledger": sorted(state.ledger), "extra": state.extra}
+    meta = {"step": state.step, "epoch": state.epoch, "ledger_bitmaps": ledger_json(state.ledger), "extra": state.extra}
     (tmp / "state.json").write_text(json.dumps(meta))
+    if not is_uri(root):  # on disk before the rename publishes them: a power cut never leaves empty files
+        _fsync_tree(tmp)
     final = store.publish(tmp, name)
+    if not is_uri(root):
+        _fsync(Path(root))  # the rename itself
     _prune(root, keep)
     return final if is_uri(root) else Path(final)
+
+
+def state_checksum(tensors: dict[str, torch.Tensor]) -> float:
+    """sum(x + x^2) over every value in float64: equal weights give equal sums (a cheap identity check)."""
+    with torch.no_grad():
+        return float(sum(t.double().sum() + (t.double() ** 2).sum() for t in tensors.values()))
+
+
+def _fsync_tree(folder: Path) -> None:
+    for f in folder.iterdir():
+        _fsync(f)
+    _fsync(folder)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def clean_orphans(root: str | Path) -> list[str]:
+    """Remove what a crash mid-save leaves in a local checkpoint dir (`.tmp-ckpt-*` folders); put back a
+    `.old-ckpt-N` set aside for a rewrite of step N whose new copy never landed. Returns what it did."""
+    if is_uri(root) or not Path(root).is_dir():
+        return []
+    done = []
+    for p in sorted(Path(root).iterdir()):
+        if p.is_dir() and p.name.startswith(f".tmp-{PREFIX}"):
+            shutil.rmtree(p, ignore_errors=True)
+            done.append(f"removed {p.name}")
+        elif p.is_dir() and p.name.startswith(f".old-{PREFIX}"):
+            final = p.with_name(p.name[len(".old-"):])
+            if final.exists():
+                shutil.rmtree(p, ignore_errors=True)
+                done.append(f"removed {p.name}")
+            else:
+                p.rename(final)
+                done.append(f"restored {final.name}")
+    return done
 
 
 def _prune(root: str | Path, keep: int) -> None:
@@ -106,16 +160,20 @@ def read_extra(path: str | Path) -> dict[str, Any]:
 def read_ledger(path: str | Path) -> tuple[int, int, list[int]]:
     """(step, epoch, ledger) of a checkpoint, without loading tensors (the driver needs only these)."""
     meta = json.loads(read_text(path, "state.json"))
-    return int(meta["step"]), int(meta["epoch"]), [int(j) for j in meta["ledger"]]
+    return int(meta["step"]), int(meta["epoch"]), ledger_ids(meta)
 
 
 def load_checkpoint(path: str | Path, map_location: str = "cpu") -> TrainState:
     """The full state of a checkpoint (a URI's files are downloaded to a local cache first)."""
     path = fetch_dir(path)
     meta = json.loads((path / "state.json").read_text())
-    trainer = torch.load(path / "trainer.pt", map_location=map_location, weights_only=False)
+    # weights_only: a checkpoint folder (shared storage) must not be a way to run code in the driver
+    # and every drafter. Older checkpoints hold numpy's RNG state as an array: allow exactly that.
+    safe = [getattr(np, "_core", np).multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    with torch.serialization.safe_globals(safe):
+        trainer = torch.load(path / "trainer.pt", map_location=map_location, weights_only=True)
     return TrainState(
-        step=int(meta["step"]), epoch=int(meta["epoch"]), ledger=[int(j) for j in meta["ledger"]],
+        step=int(meta["step"]), epoch=int(meta["epoch"]), ledger=ledger_ids(meta),
         drafter=load_file(str(path / "drafter.safetensors"), device=map_location),
         optimizer=trainer["optimizer"], scheduler=trainer["scheduler"], rng=trainer["rng"], extra=meta.get("extra", {}),
     )

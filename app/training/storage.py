@@ -132,6 +132,9 @@ class LocalStorage(Storage):
 
     def publish(self, staged: Path, name: str) -> str:
         final, old = self.path / name, self.path / f".old-{name}"
+        if final.exists() and _exchange(staged, final):  # one atomic swap: never a moment without `name`
+            shutil.rmtree(staged, ignore_errors=True)  # now holds the previous copy
+            return str(final)
         if final.exists():  # same entry written twice (e.g. a stop right after a periodic save)
             shutil.rmtree(old, ignore_errors=True)
             final.rename(old)  # set aside, not deleted, until the new one is in place
@@ -164,6 +167,19 @@ class LocalStorage(Storage):
 
     def location(self, rel: str) -> str:
         return str(self.path / rel)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported, and the
+    caller falls back to set-aside-then-rename (a crash in between is repaired by checkpoint.clean_orphans)."""
+    import ctypes
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
 class UriStorage(Storage):
