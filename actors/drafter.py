@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from app.training.checkpoint import TrainState, load_checkpoint, restore_rng, rng_state, save_checkpoint
+from app.training.checkpoint import TrainState, load_checkpoint, restore_rng, rng_state, save_checkpoint, state_checksum
 from app.config.schema import CheckpointConfig, DrafterConfig, FaultsConfig, TrainConfig
 from app.devices import compute_dtype, limit_threads, pick_device
 from app.faults import fire_once
-from app.messages import Drained, EndOfStream, StepRecord, split_job_id
+from app.messages import Drained, DrafterPhase, DrafterProgress, EndOfStream, StepRecord, split_job_id
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ class DrafterSetup:
     num_cpus: float
     dtype: str
     total_steps: int
+    total_jobs: int  # the LR schedule runs on jobs consumed (app/training/trainer.py)
     resume_from: str | None  # checkpoint folder, or None for a fresh start
     data_fingerprint: str = ""  # saved with each checkpoint; resume refuses other data
     eval_every_steps: int = 0  # rank 0 offers its weights for an evaluation every N steps (eval.every_steps)
@@ -116,6 +117,17 @@ class DrafterActor:
         self.rank, self.cfg, self.pool = rank, setup, pool
         self.device = pick_device(setup.device)
         self.dtype = compute_dtype(setup.dtype, self.device)
+        self.step_now = 0
+        self._phase = (DrafterPhase.SETUP, time.monotonic())
+
+    def _enter(self, phase: str) -> None:
+        """Record where the loop is, for the supervisor's watchdog (one tuple: read atomically)."""
+        self._phase = (phase, time.monotonic())
+
+    def progress(self) -> DrafterProgress:
+        """Answered from a second actor thread while `run` trains (the actor has max_concurrency=2)."""
+        phase, since = self._phase
+        return DrafterProgress(self.rank, phase, time.monotonic() - since, self.step_now)
 
     def address(self) -> tuple[str, int]:
         """Rank 0's rendezvous address for torch.distributed."""
@@ -126,8 +138,9 @@ class DrafterActor:
             sock.bind(("", 0))
             return ip, sock.getsockname()[1]
 
-    def setup(self, master_addr: str, master_port: int) -> int:
-        """Join the process group, build the drafter, restore the checkpoint; returns the start step."""
+    def setup(self, master_addr: str, master_port: int) -> tuple[int, float]:
+        """Join the process group, build the drafter, restore the checkpoint; returns the start step and
+        the checksum of the weights this rank starts from (the supervisor logs it)."""
         import torch.distributed as dist
 
         from app.model.build import build_or_load_drafter
@@ -144,7 +157,8 @@ class DrafterActor:
             self.device, self.dtype, self.cfg.train.seed, param_dtype=torch.float32)
         self.trainer = DrafterTrainer(drafter, head, self.cfg.drafter, self.cfg.train, self.cfg.total_steps,
                                       self.device, reducer=lambda flat: dist.all_reduce(flat),
-                                      autocast=self.dtype if self.dtype != torch.float32 else None)
+                                      autocast=self.dtype if self.dtype != torch.float32 else None,
+                                      total_jobs=self.cfg.total_jobs)
         self.stager = PayloadStager(self.device, self.dtype)
         self.ledger: set[int] = set()
         self.epoch = 0
@@ -152,7 +166,7 @@ class DrafterActor:
             self._restore(self.cfg.resume_from)
         for p in drafter.parameters():  # start identical on every rank, whatever the init did
             dist.broadcast(p.data, src=0)
-        return self.trainer.step
+        return self.trainer.step, state_checksum(drafter.state_dict())
 
     def _restore(self, path: str) -> None:
         state = load_checkpoint(path, map_location=str(self.device))
@@ -168,6 +182,8 @@ class DrafterActor:
         import ray
         import torch.distributed as dist
 
+        if self.device.type == "cuda":  # run may execute on another actor thread than setup did
+            torch.cuda.set_device(self.device)
         # This incarnation's generation: pulls a dead predecessor sent are refused, not served.
         fetch = _Prefetcher(self.pool, self.rank, ray.get(self.pool.generation.remote(self.rank)),
                             stage=self.stager.stage)
@@ -175,8 +191,11 @@ class DrafterActor:
         while True:
             t_step = time.perf_counter()
             job_ids, wait_s, eos = self._accumulate(fetch, eos)
+            self._maybe_stall(eos)
             stop = self.rank == 0 and bool(ray.get(self.pool.stop_requested.remote()))
+            self._enter(DrafterPhase.COLLECTIVE)
             stats = self.trainer.finish_step(stop_requested=stop, eos=eos)
+            self.step_now = self.trainer.step
             if stats.eos_ranks == self.cfg.world_size:
                 break  # every rank's stream is over
             if stats.active_ranks == 0 and not stats.stop:
@@ -193,13 +212,17 @@ class DrafterActor:
                 stopped = True
                 break
             if self.rank == 0 and self.trainer.step % self.cfg.checkpoint.every_steps == 0:
+                self._enter(DrafterPhase.COMPUTE)
                 last_ckpt = self.save()
             if self.rank == 0 and self.cfg.eval_every_steps and self.trainer.step % self.cfg.eval_every_steps == 0:
                 self._offer_eval()
+        self._enter(DrafterPhase.COMPUTE)
         if self.rank == 0:
             last_ckpt = self.save()
-        return DrafterResult(self.rank, self.trainer.step, stopped, self.weights_checksum(), last_ckpt,
-                             self.export() if (self.rank == 0 and not stopped) else None)
+        result = DrafterResult(self.rank, self.trainer.step, stopped, self.weights_checksum(), last_ckpt,
+                               self.export() if (self.rank == 0 and not stopped) else None)
+        self._enter(DrafterPhase.DONE)
+        return result
 
     def _accumulate(self, fetch: "_Prefetcher", eos: bool) -> tuple[list[int], float, bool]:
         """Up to grad_accum micro-batches: (job ids trained, seconds waiting for data, stream ended)."""
@@ -210,7 +233,9 @@ class DrafterActor:
         for _ in range(self.cfg.train.grad_accum):
             if eos:
                 break
+            self._enter(DrafterPhase.WAIT_DATA)
             item, payload, waited = fetch.next()
+            self._enter(DrafterPhase.COMPUTE)
             wait_s += waited
             if isinstance(item, EndOfStream):
                 eos = True
@@ -225,6 +250,15 @@ class DrafterActor:
             self.trainer.micro_step(batch, item.meta.job_id)
             job_ids.append(item.meta.job_id)
         return job_ids, wait_s, eos
+
+    def _maybe_stall(self, eos: bool) -> None:
+        # The last rank hangs outside any collective (the others wait in the all-reduce): at the
+        # configured step, or when its stream ended first (then nothing is buffered any more).
+        at = self.cfg.faults.stall_drafter_at_step
+        if at >= 0 and self.rank == self.cfg.world_size - 1 and (self.trainer.step + 1 >= at or eos) \
+                and fire_once(self.cfg.checkpoint.dir, "stall_drafter"):
+            self._enter(DrafterPhase.COMPUTE)
+            time.sleep(10**6)  # only the watchdog gets us out
 
     def _maybe_crash(self, step: int) -> None:
         # After the step's update but before its ack: the jobs are trained and not yet in the ledger.

@@ -126,3 +126,24 @@ class TargetFailure:
 
     def __str__(self) -> str:
         return f"target {self.target_id} job {self.job_id}: {self.error}"
+
+
+class DrafterPhase:
+    """Where a drafter rank is inside its loop; the supervision watchdog reads it (app/run/supervision.py)."""
+
+    SETUP = "setup"
+    WAIT_DATA = "wait_data"      # blocked in a pull: legitimately idle when nothing is servable
+    COMPUTE = "compute"          # forward/backward or a checkpoint, outside any collective
+    COLLECTIVE = "collective"    # in the step's all-reduce / all-gather, waiting for the other ranks
+    DONE = "done"
+    UNRESPONSIVE = "unresponsive"  # set by the supervisor: the rank did not answer a progress query
+
+
+@dataclass(frozen=True)
+class DrafterProgress:
+    """A drafter rank's answer to the supervisor's progress query: `phase` for `age_s` seconds, at `step`."""
+
+    rank: int
+    phase: str
+    age_s: float
+    step: int

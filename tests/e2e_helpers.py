@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The tiny config, shortened for tests: two epochs, tau on four prompts. The tiny target's own
 # settings stay as in conf/tiny.yaml so the demo and the tests share one cached build.
 FAST = ["train.epochs=2", "eval.num_prompts=4", "eval.max_new_tokens=32", "logging.status_every_s=2",
-        "checkpoint.every_steps=4", "supervision.stall_timeout_s=30"]
+        "checkpoint.every_steps=4", "supervision.stall_timeout_s=30", "logging.step_log=true"]
 
 
 def tiny_overrides(run_dir: Path, *extra: str) -> list[str]:
@@ -32,6 +32,15 @@ def run_in_process(run_dir: Path, *extra: str) -> int:
 
 def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
+
+
+def trained_counts(run_dir: Path) -> dict[str, int]:
+    """trained_once / trained_twice / never_trained from the step log (the job ids the ranks reported
+    per optimizer step), independent of the pool's ledger."""
+    from app.run.step_log import FILE_NAME, count_trained
+
+    s = summary(run_dir)
+    return count_trained(run_dir / FILE_NAME).count(s["jobs_scheduled"], s.get("jobs_quarantined") or 0)
 
 
 def start_driver(run_dir: Path, *extra: str) -> subprocess.Popen:

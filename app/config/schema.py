@@ -261,6 +261,7 @@ class LoggingConfig:
     wandb_project: str = "dflash-ray"
     run_name: str = ""  # empty = derived from checkpoint.dir; also the metrics' run label
     status_every_s: float = 10.0
+    step_log: bool = False  # append each step record's job ids to <checkpoint.dir>/steps.jsonl (app/run/step_log.py)
 
     def __post_init__(self) -> None:
         _one_of("logging.wandb_mode", self.wandb_mode, ("offline", "online", "disabled"))
@@ -291,6 +292,8 @@ class FaultsConfig:
     kill_target_at_job: int = -1
     kill_drafter_at_step: int = -1
     stall_target_at_job: int = -1
+    stall_drafter_at_step: int = -1  # the last rank hangs outside any collective at this step (or its stream's end)
+    fail_target_restarts: bool = False  # every start of a target after its first in this run dir fails in __init__
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,10 @@ def _object_store_bytes() -> float:
 def make_plan(cfg: Config):
     from app.run.plan import device_known, plan_run
 
+    from app.training.checkpoint import clean_orphans
+
+    for what in clean_orphans(cfg.checkpoint.dir):  # before the resume point is looked up
+        log(f"checkpoint dir after a crash mid-save: {what}")
     t0 = time.monotonic()
     plan = plan_run(cfg, device_known(cfg))
     resumed = f", resuming from {plan.resume_from} (step {plan.resume_step}, {len(plan.resume_ledger)} jobs done)" \
@@ -135,8 +139,10 @@ def supervise(plan, use_gpu: bool, stop: threading.Event) -> int:
             log(f"stopped cleanly at step {outcome.steps}; resubmit the same command to resume")
             return 0
         export_dir = next((r.export_dir for r in outcome.drafter_results if r.export_dir), None)
-        tau_u, tau_t = sup.evaluate(export_dir)
-        summary = build_summary(plan, sup, monitor, outcome, tau_u, tau_t, time.monotonic() - t0)
+        tau = sup.evaluate(export_dir)  # never raises: a dead or hung target gives None and the reason
+        if tau.reason:
+            log(f"WARNING: tau not fully measured ({tau.reason})")
+        summary = build_summary(plan, sup, monitor, outcome, tau, time.monotonic() - t0)
         summary.update(outputs.finish(outcome.steps, export_dir))  # tau_history, tau_best, split_advice
         write_summary(cfg, summary)
         wandb.finish(summary)
@@ -150,7 +156,7 @@ def supervise(plan, use_gpu: bool, stop: threading.Event) -> int:
         topo.remove()
 
 
-def build_summary(plan, sup, monitor: RunMonitor, outcome, tau_u, tau_t, elapsed: float) -> dict:
+def build_summary(plan, sup, monitor: RunMonitor, outcome, tau, elapsed: float) -> dict:
     ledger = sup.ledger_report()
     checksums = {round(r.weights_checksum, 6) for r in outcome.drafter_results}
     return {
@@ -167,8 +173,9 @@ def build_summary(plan, sup, monitor: RunMonitor, outcome, tau_u, tau_t, elapsed
         "data_wait": monitor.data_wait_share(),
         "restarts": sum(outcome.restarts.values()),
         "faults": len(monitor.events),
-        "tau_untrained": tau_u,
-        "tau_trained": tau_t,
+        "tau_untrained": tau.untrained,
+        "tau_trained": tau.trained,
+        "tau_error": tau.reason,
         "replicas_identical": len(checksums) == 1,
         "resumed_from_step": plan.resume_step,
         "elapsed_s": elapsed,

@@ -123,7 +123,8 @@ class Topology:
         for rank, index in enumerate(bundles):
             bundle = self.plan.bundles[index]
             actors.append(ray.remote(DrafterActor).options(
-                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0,
+                # Two threads: `run` trains on one, the supervisor's `progress` query is answered on the other.
+                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0, max_concurrency=2,
                 scheduling_strategy=self._strategy(index),
             ).remote(rank, setup, pool))
         return actors

@@ -19,7 +19,7 @@ from app.config.schema import DrafterConfig, TrainConfig, default_gamma
 
 # Layout of the statistics that ride along with the gradients in the step's all-reduce.
 _STATS = ("weight_sum", "loss_sum", "correct_sum", "topk_correct_sum", "tokens", "accept_len_sum", "num_blocks",
-          "active", "stop", "eos")
+          "active", "stop", "eos", "jobs")
 TOPK = 5  # the expensive metric: top-5 accuracy over the full vocabulary, every train.sample_every steps
 
 
@@ -88,6 +88,7 @@ class StepAccumulator:
         self.pos_correct += out.per_pos_correct.detach().double().cpu()
         self.pos_count += out.per_pos_count.detach().double().cpu()
         self.job_ids.append(job_id)
+        self.sums["jobs"] += 1.0
         self.sums["active"] = 1.0
 
 
@@ -101,8 +102,11 @@ class DrafterTrainer:
 
     def __init__(self, drafter: torch.nn.Module, head: torch.nn.Module, dcfg: DrafterConfig,
                  tcfg: TrainConfig, total_steps: int, device: torch.device, reducer: Reducer = local_reducer,
-                 autocast: torch.dtype | None = None):
-        """`drafter` holds float32 master weights; `autocast` (bf16 on GPU) is the compute dtype."""
+                 autocast: torch.dtype | None = None, total_jobs: int = 0):
+        """`drafter` holds float32 master weights; `autocast` (bf16 on GPU) is the compute dtype.
+
+        With `total_jobs` > 0 the LR schedule runs on jobs consumed (summed over ranks), not on steps:
+        steps made smaller by drains then do not push the schedule past its end (LR 0 for the rest)."""
         self.drafter, self.head, self.dcfg, self.tcfg = drafter, head, dcfg, tcfg
         # fp16 has no loss scaling here: the drafter computes in bf16 whenever a half dtype is asked.
         self.autocast = torch.bfloat16 if autocast is not None else None
@@ -110,7 +114,9 @@ class DrafterTrainer:
         self.gamma = dcfg.loss_gamma or default_gamma(dcfg.block_size)
         params = [p for p in drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.95))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_cosine(total_steps, tcfg.warmup_ratio))
+        self.jobs_per_unit = total_jobs > 0  # the scheduler's last_epoch counts jobs instead of steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, warmup_cosine(total_jobs if self.jobs_per_unit else total_steps, tcfg.warmup_ratio))
         self.step = 0
         self.acc = StepAccumulator(dcfg.block_size)
         drafter.activation_checkpointing = tcfg.activation_checkpointing
@@ -159,7 +165,7 @@ class DrafterTrainer:
         # Weighted top-5 accuracy on sampling steps (weights as the loss); -1 on other steps.
         topk_acc = g_stats["topk_correct_sum"] / weight if self.sampling_step() and weight > 0 else -1.0
         if weight > 0:
-            grad_norm = self._apply(params, flat[:n_grad] / weight)
+            grad_norm = self._apply(params, flat[:n_grad] / weight, jobs=int(g_stats["jobs"]))
         else:  # nothing to learn this step; do not carry stale gradients into the next one
             self.optimizer.zero_grad(set_to_none=True)
         half = g_pos.numel() // 2
@@ -175,7 +181,7 @@ class DrafterTrainer:
         self.acc = StepAccumulator(self.dcfg.block_size)
         return result
 
-    def _apply(self, params: list[torch.nn.Parameter], flat_grad: torch.Tensor) -> float:
+    def _apply(self, params: list[torch.nn.Parameter], flat_grad: torch.Tensor, jobs: int = 1) -> float:
         offset = 0
         for p in params:
             n = p.numel()
@@ -184,6 +190,8 @@ class DrafterTrainer:
         norm = float(torch.nn.utils.clip_grad_norm_(params, self.tcfg.max_grad_norm))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.jobs_per_unit:  # advance by the jobs this step consumed (LambdaLR.step adds the last one)
+            self.scheduler.last_epoch += max(1, jobs) - 1
         self.scheduler.step()
         self.step += 1
         return norm
