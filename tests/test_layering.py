@@ -14,7 +14,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ENTRY_POINTS = {"app.train", "app.prepare", "app.regenerate", "app.evaluate", "app.advise", "app.report"}
+ENTRY_POINTS = {"app.train", "app.chaos", "app.prepare", "app.regenerate", "app.evaluate", "app.advise", "app.report"}
 TOP_LEVEL_LEAVES = {"app", "app.messages", "app.devices", "app.faults"}
 UPPER_PACKAGES = ("app.run", "app.bench")
 

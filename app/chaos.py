@@ -1,0 +1,215 @@
+"""Chaos rehearsal: train while a separate thread kills actors from outside, then count honestly.
+
+    python -m app.chaos --config conf/tiny.yaml --faults 8 --seed 0 [key=value ...]
+
+Starts a local Ray cluster, submits the driver (`python -m app.train`) as its own process, and
+meanwhile injects `--faults` faults at random times (seeded): SIGKILL of a random target or
+drafter process, SIGKILL of the pool actor (once; the driver then exits 1 and is resubmitted), and
+SIGTERM of the driver followed by a resubmission (once). It ends with one line:
+
+    RESULT faults=... survived=... jobs_scheduled=... trained_once=... trained_twice=...
+           never_trained=... quarantined=... tau_trained=...
+
+Trained counts come from the step log (`logging.step_log`, `app/run/step_log.py`): the job ids each
+rank put into each optimizer step, replayed along the lineage of the final weights. Not from the
+pool's ledger, which the mechanism under test writes itself.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FAULT_KINDS = ("target", "drafter")  # repeated; "pool" and "driver" are added once each
+GAP_S = (4.0, 12.0)  # seconds between faults, drawn uniformly
+MAX_SUBMISSIONS = 6
+
+
+@dataclass
+class ChaosState:
+    """What the injector did and what the submissions saw; shared by the two threads."""
+
+    fired: list[str] = field(default_factory=list)
+    planned_exits: int = 0  # driver exits we caused (pool kill, SIGTERM): each gets a resubmission
+    driver: subprocess.Popen | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+def plan_faults(n: int, rng: random.Random) -> list[str]:
+    """`n` fault kinds in random order: the pool and the driver once each (when n allows), else targets/drafters."""
+    once = ["pool", "driver"][: max(0, min(2, n - 1))]
+    kinds = once + [rng.choice(FAULT_KINDS) for _ in range(n - len(once))]
+    rng.shuffle(kinds)
+    return kinds
+
+
+def main(argv: list[str] | None = None) -> int:
+    from app.config.load import ConfigError, load_config
+
+    ap = argparse.ArgumentParser(prog="python -m app.chaos", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="conf/tiny.yaml")
+    ap.add_argument("--faults", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("overrides", nargs="*", help="key=value config overrides, as in app.train")
+    args = ap.parse_args(argv)
+    overrides = chaos_overrides(args) + list(args.overrides)
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    run_dir = Path(cfg.checkpoint.dir)
+    if run_dir.exists() and any(run_dir.iterdir()):
+        print(f"chaos error: checkpoint.dir={run_dir} is not empty; chaos counts a run from scratch: pass "
+              "checkpoint.dir=<a new folder>", file=sys.stderr)
+        return 2
+    return run_chaos(args.config, overrides, run_dir, args.faults, args.seed)
+
+
+def chaos_overrides(args) -> list[str]:
+    """Defaults for a rehearsal; the user's overrides come after and win."""
+    budget = args.faults + 1  # every fault may hit the same target or the group
+    return [f"checkpoint.dir=runs/chaos-f{args.faults}-s{args.seed}-{int(time.time())}", "logging.step_log=true",
+            f"supervision.max_restarts_target={budget}", f"supervision.max_restarts_drafter_group={budget}",
+            "checkpoint.every_steps=4", "logging.wandb_mode=disabled"]
+
+
+def run_chaos(config: str, overrides: list[str], run_dir: Path, n_faults: int, seed: int) -> int:
+    import ray
+
+    from app.run.step_log import FILE_NAME, count_trained
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(include_dashboard=False, configure_logging=False, log_to_driver=False)
+    state = ChaosState()
+    rng = random.Random(seed)
+    kinds = plan_faults(n_faults, rng)
+    injector = threading.Thread(target=inject, args=(state, kinds, rng, run_dir / FILE_NAME), daemon=True)
+    survived, submissions = False, 0
+    env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address, PYTHONUNBUFFERED="1")
+    try:
+        while submissions < MAX_SUBMISSIONS:
+            submissions += 1
+            log_path = run_dir / f"chaos-driver-{submissions}.log"
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            with log_path.open("w") as out, state.lock:
+                state.driver = subprocess.Popen([sys.executable, "-m", "app.train", "--config", config, *overrides],
+                                                env=env, stdout=out, stderr=subprocess.STDOUT)
+            _say(f"submission {submissions}: driver pid {state.driver.pid}, log {log_path}")
+            if not injector.is_alive() and not state.done.is_set():
+                injector.start()
+            rc = state.driver.wait()
+            finished = (run_dir / "summary.json").exists()
+            _say(f"submission {submissions} exited {rc}" + (" with a summary" if finished else ""))
+            if rc == 0 and finished:
+                survived = True
+                break
+            with state.lock:
+                expected = state.planned_exits > 0
+                state.planned_exits = max(0, state.planned_exits - 1)
+            if not expected:
+                _say("unplanned driver exit; last lines:\n" + "".join(log_path.read_text().splitlines(True)[-15:]))
+                break
+    finally:
+        state.done.set()
+        ray.shutdown()
+    summary = json.loads((run_dir / "summary.json").read_text()) if survived else {}
+    scheduled = int(summary.get("jobs_scheduled", 0))
+    quarantined = int(summary.get("jobs_quarantined", 0) or 0)
+    counts = count_trained(run_dir / FILE_NAME).count(scheduled, quarantined) if (run_dir / FILE_NAME).exists() \
+        else {"trained_once": 0, "trained_twice": 0, "never_trained": scheduled}
+    result = {"faults": len(state.fired), "survived": survived, "jobs_scheduled": scheduled, **counts,
+              "quarantined": quarantined, "tau_untrained": summary.get("tau_untrained"),
+              "tau_trained": summary.get("tau_trained")}
+    _say("fired: " + ", ".join(state.fired))
+    print("RESULT " + " ".join(f"{k}={_fmt(v)}" for k, v in result.items()), flush=True)
+    ok = survived and counts["trained_twice"] == 0 and counts["never_trained"] == 0
+    return 0 if ok else 1
+
+
+def inject(state: ChaosState, kinds: list[str], rng: random.Random, step_log: Path) -> None:
+    """The chaos thread: one fault after another, each once the run trains again after the last."""
+    need_starts = 1  # group starts the step log must show before the next fault
+    for kind in kinds:
+        while not state.done.is_set():
+            if not _wait_training(state, step_log, need_starts) or state.done.wait(rng.uniform(*GAP_S)):
+                return
+            with state.lock:
+                driver = state.driver
+                alive = driver is not None and driver.poll() is None and not state.done.is_set()
+                what = fire(kind, driver, rng) if alive else None
+                if what:
+                    state.fired.append(what)
+                    state.planned_exits += kind in ("pool", "driver")
+            if what:
+                _say(f"fault {len(state.fired)}/{len(kinds)}: {what}")
+                if kind != "target":  # a new group (or driver) must be training before the next fault
+                    need_starts = _group_starts(step_log) + 1
+                break
+            time.sleep(1.0)  # no victim right now (the run is between drivers): try again
+
+
+def fire(kind: str, driver: subprocess.Popen, rng: random.Random) -> str | None:
+    """Carry out one fault from outside the run; returns what was done, or None when there was no victim."""
+    if kind == "driver":
+        driver.send_signal(signal.SIGTERM)
+        return f"SIGTERM driver pid {driver.pid} (resubmitted after it checkpoints)"
+    cls = {"target": "TargetActor", "drafter": "DrafterActor", "pool": "HSPoolActor"}[kind]
+    pids = _actor_pids(cls)
+    if not pids:
+        return None
+    pid = rng.choice(sorted(pids))
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return None
+    return f"SIGKILL {cls} pid {pid}"
+
+
+def _actor_pids(class_name: str) -> list[int]:
+    """PIDs of this cluster's live actors of one class (the GCS actor table; no dashboard needed)."""
+    import ray._private.state as ray_state  # the public state API needs the dashboard
+
+    return [int(a["Pid"]) for a in ray_state.actors().values()
+            if a.get("ActorClassName") == class_name and a.get("State") == "ALIVE" and a.get("Pid")]
+
+
+def _group_starts(step_log: Path) -> int:
+    return sum('"group_start"' in l for l in _lines(step_log))
+
+
+def _lines(step_log: Path) -> list[str]:
+    return step_log.read_text().splitlines() if step_log.exists() else []
+
+
+def _wait_training(state: ChaosState, step_log: Path, need_starts: int, timeout: float = 900.0) -> bool:
+    """Until the log shows `need_starts` group starts and a step after the last; False when the run ended."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not state.done.is_set():
+        lines = _lines(step_log)
+        starts = [i for i, l in enumerate(lines) if '"group_start"' in l]
+        if len(starts) >= need_starts and any('"job_ids"' in l for l in lines[starts[-1] + 1:]):
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def _say(msg: str) -> None:
+    print(f"[chaos {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
