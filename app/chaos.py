@@ -89,7 +89,9 @@ def run_chaos(config: str, overrides: list[str], run_dir: Path, n_faults: int, s
     from app.run.step_log import FILE_NAME, count_trained
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(include_dashboard=False, configure_logging=False, log_to_driver=False)
+    # Logical CPUs: the tiny topology's fractional shares fit even a 2-core machine.
+    ray.init(num_cpus=max(os.cpu_count() or 1, 8), include_dashboard=False, configure_logging=False,
+             log_to_driver=False)
     state = ChaosState()
     rng = random.Random(seed)
     kinds = plan_faults(n_faults, rng)
@@ -143,6 +145,9 @@ def inject(state: ChaosState, kinds: list[str], rng: random.Random, step_log: Pa
         while not state.done.is_set():
             if not _wait_training(state, step_log, need_starts) or state.done.wait(rng.uniform(*GAP_S)):
                 return
+            if kind == "pool" and not _pool_kill_counts(step_log):
+                time.sleep(0.2)
+                continue
             with state.lock:
                 driver = state.driver
                 alive = driver is not None and driver.poll() is None and not state.done.is_set()
@@ -181,6 +186,25 @@ def _actor_pids(class_name: str) -> list[int]:
 
     return [int(a["Pid"]) for a in ray_state.actors().values()
             if a.get("ActorClassName") == class_name and a.get("State") == "ALIVE" and a.get("Pid")]
+
+
+def _pool_kill_counts(step_log: Path) -> bool:
+    """Kill the pool only once the driver has logged records two steps past the newest checkpoint.
+
+    Step records travel through the pool; the ones it holds when it dies are lost. Steps after the
+    checkpoint are discarded at the resume anyway, but a record of a step inside the checkpoint that
+    was never drained would count its jobs as never trained. This wait is about the measurement, not
+    the run: the run resumes correctly either way."""
+    from app.training.checkpoint import latest_checkpoint, read_ledger
+
+    ckpt = latest_checkpoint(step_log.parent)
+    if ckpt is None:
+        return False
+    newest = read_ledger(ckpt)[0]
+    lines = _lines(step_log)
+    last_start = max((i for i, l in enumerate(lines) if '"group_start"' in l), default=-1)
+    steps = [json.loads(l)["step"] for l in lines[last_start + 1:] if '"job_ids"' in l and l.endswith("}")]
+    return bool(steps) and max(steps) >= newest + 2
 
 
 def _group_starts(step_log: Path) -> int:
