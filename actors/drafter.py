@@ -74,7 +74,7 @@ class _Prefetcher:
         if self.pending is not None and not self.pending.done():
             import ray  # the pull in flight waits for data: do not hold the acks behind it
 
-            ray.get(self.pool.ack.remote(self.rank, self.acks + job_ids))
+            ray.get(self.pool.ack.remote(self.rank, self.acks + job_ids, self.generation))
             self.acks = []
         else:
             self.acks += job_ids
@@ -95,7 +95,7 @@ class _Prefetcher:
             try:
                 return pulled, self.stage(ray.get(pulled.payload_ref))
             except ObjectLostError:  # the node holding it died: recompute that job, pull another
-                ray.get(self.pool.payload_lost.remote(self.rank, pulled.meta.job_id))
+                ray.get(self.pool.payload_lost.remote(self.rank, pulled.meta.job_id, self.generation))
 
     def next(self):
         """(item, payload, seconds waited); item is EndOfStream when the stream is over."""

@@ -181,12 +181,12 @@ class HSPoolActor:
             out.append(got)
         return out
 
-    async def ack(self, drafter_id: int, job_ids: list[int]) -> int:
-        return self._pool.ack(drafter_id, job_ids)
+    async def ack(self, drafter_id: int, job_ids: list[int], generation: int | None = None) -> int:
+        return self._pool.ack(drafter_id, job_ids, generation)
 
-    async def payload_lost(self, drafter_id: int, job_id: int) -> bool:
+    async def payload_lost(self, drafter_id: int, job_id: int, generation: int | None = None) -> bool:
         """See HSPool.payload_lost: re-issue one job whose hidden states were lost with a node."""
-        return self._pool.payload_lost(drafter_id, job_id)
+        return self._pool.payload_lost(drafter_id, job_id, generation)
 
     async def generation(self, drafter_id: int) -> int:
         return self._pool.generation(drafter_id)

@@ -235,10 +235,15 @@ class HSPool:
                 return got
             await self.wait_changed()
 
-    def ack(self, drafter_id: int, job_ids: Iterable[int]) -> int:
+    def ack(self, drafter_id: int, job_ids: Iterable[int], generation: int | None = None) -> int:
         """The drafter stepped on these jobs: they join the ledger. Returns how many were acked.
         Acking an acked id is counted (`acked_twice`), never fatal; an id not leased to this
-        drafter (e.g. released meanwhile) is ignored and counted in `stale_acks`."""
+        drafter (e.g. released meanwhile) is ignored and counted in `stale_acks`, and so is every id
+        of a call from an incarnation older than `generation(drafter_id)` (fenced like `pull`)."""
+        job_ids = list(job_ids)
+        if generation is not None and generation < self._leases.generation(drafter_id):
+            self.stale_acks += len(job_ids)
+            return 0
         n = 0
         for jid in job_ids:
             if jid in self._ledger:
@@ -251,9 +256,13 @@ class HSPool:
         self._wake()
         return n
 
-    def payload_lost(self, drafter_id: int, job_id: int) -> bool:
+    def payload_lost(self, drafter_id: int, job_id: int, generation: int | None = None) -> bool:
         """The drafter could not read a leased payload (its node died with the object): the job goes
-        back to the front of the queue to be recomputed, without rebuilding the drafter group."""
+        back to the front of the queue to be recomputed, without rebuilding the drafter group. A call
+        from an older incarnation than `generation(drafter_id)` is refused: the job id may now be
+        leased to the new incarnation under the same drafter id, and re-queueing it would train it twice."""
+        if generation is not None and generation < self._leases.generation(drafter_id):
+            return False
         if self._leases.holder(job_id) != drafter_id:
             return False
         self._requeue_leases([job_id])
