@@ -5,6 +5,11 @@ drafter alone on batches of the same schedule with the same torch thread count, 
 process run. ratio = per-replica tokens/s inside the pipeline / standalone tokens/s: 1.0 means the
 pipeline costs the drafter nothing (no waiting for data, no contention). On a CPU box the actors
 share the cores, so read the ratio next to data_wait: the share of step time spent waiting on the pool.
+
+`--eval-every N` instead runs the pipeline twice at tiny's own length and evaluation settings, with
+`eval.every_steps=0` and `=N` (nothing else differs), and prints both runs' training tokens/s, their
+ratio (evaluation / none: 1.0 means evaluation during the run costs training nothing) and the
+drafters' data-wait share of the run with evaluation.
 """
 from __future__ import annotations
 
@@ -60,7 +65,31 @@ def standalone(cfg, num_jobs: int = 24, threads: int = 1) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
+def eval_cost(every: int, argv: list[str]) -> int:
+    """Training tokens/s with evaluation every `every` steps vs none, side by side in one process."""
+    # Both runs keep tiny's epochs and eval settings (DEFAULTS shortens them for the drafter ratio).
+    runs = {}
+    for label, n in (("no eval", 0), (f"eval every {every}", every)):
+        with tempfile.TemporaryDirectory() as tmp:
+            runs[label] = s = pipeline(["train.epochs=6", "eval.num_prompts=8", "eval.max_new_tokens=48",
+                                        f"eval.every_steps={n}", *argv], Path(tmp) / "run")
+        hist = s.get("tau_history") or []
+        print(f"{label}: {s['train_tok_s']:.0f} train tok/s, data-wait share {s['data_wait']:.4f}, {s['steps']} steps, "
+              f"tau history {[(st, round(t, 2)) for st, t in hist]}")
+    base, ev = runs["no eval"], runs[f"eval every {every}"]
+    ratio = ev["train_tok_s"] / base["train_tok_s"]
+    print(f"training tokens/s with evaluation / without: {ratio:.3f}; data-wait share with evaluation "
+          f"{ev['data_wait']:.4f} (without: {base['data_wait']:.4f})")
+    print(f"RESULT eval_every={every} train_tok_s_eval={ev['train_tok_s']:.1f} train_tok_s_none={base['train_tok_s']:.1f} "
+          f"ratio={ratio:.3f} data_wait_eval={ev['data_wait']:.4f} data_wait_none={base['data_wait']:.4f} "
+          f"evals={len(ev.get('tau_history') or [])}")
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if "--eval-every" in argv:
+        i = argv.index("--eval-every")
+        return eval_cost(int(argv[i + 1]), argv[:i] + argv[i + 2:])
     with tempfile.TemporaryDirectory() as tmp:
         s = pipeline(list(argv), Path(tmp) / "run")
     cfg = s.pop("cfg")
