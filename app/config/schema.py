@@ -302,7 +302,7 @@ class EvalConfig:
 
     num_prompts: int = 64
     max_new_tokens: int = 256
-    every_steps: int = 500  # optimizer steps between evaluations during the run (0 = only the final one)
+    every_steps: int = 500  # optimizer steps between evaluations during the run (0 = off; tau_trained is measured anyway)
 
     def __post_init__(self) -> None:
         _at_least("eval.num_prompts", self.num_prompts, 0, "a count cannot be negative")
