@@ -69,3 +69,19 @@ def test_best_export_replaces_the_folder_whole(target, tmp_path):
     copy_as_best(out, tmp_path / "copy", step=80, tau=3.0)
     assert read_best_meta(tmp_path / "copy") == {"step": 80, "tau": 3.0}
     assert (tmp_path / "copy" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+
+
+def test_cpu_evaluation_runs_at_lower_priority_and_restores_it():
+    import os
+    import threading
+
+    from app.model.live_eval import CPU_EVAL_NICE, background_priority
+
+    tid = threading.get_native_id()
+    before = os.getpriority(os.PRIO_PROCESS, tid)
+    with background_priority(torch.device("cpu")):
+        inside = os.getpriority(os.PRIO_PROCESS, tid)
+    assert inside == min(19, before + CPU_EVAL_NICE)
+    assert os.getpriority(os.PRIO_PROCESS, tid) == before  # root (CAP_SYS_NICE) can lower it back
+    with background_priority(torch.device("meta")):  # not CPU: untouched
+        assert os.getpriority(os.PRIO_PROCESS, tid) == before
