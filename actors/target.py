@@ -103,9 +103,11 @@ class TargetActor:
         against plain greedy decoding; exported to `best_dir` when tau > `beat_tau`. See app/model/live_eval.py."""
         from dataclasses import replace
 
-        from app.model.live_eval import evaluate_drafter, export_best
+        from app.model.live_eval import background_priority, evaluate_drafter, export_best
 
-        with self.compute_lock:  # the pool pauses this target's jobs; the ones it held finish first
+        # The pool pauses this target's jobs (the ones it held finish first); on CPU the evaluation
+        # yields the cores to training.
+        with self.compute_lock, background_priority(self.device):
             result, drafter, arch = evaluate_drafter(
                 self.model, self.model_dir, self.layer_ids, step, weights, prompts, drafter_cfg, eval_cfg,
                 mask_token_id, self.device, self.dtype, seed, eos_token_id)
