@@ -39,6 +39,7 @@ def _spreads(rows, seed):
     return sorted(r.rank_cost_spreads()[3:-3]), r
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(2))
 def test_dealt_steps_stay_within_ten_percent_across_ranks_over_a_long_run(seed):
     dealt, r = _spreads([c * 1000 for c in DRAFTER_COST], seed)

@@ -41,6 +41,7 @@ def land(pool: HSPool, j: JobSpec, target: int = 0) -> None:
 
 # ---- the policy in the pipeline ---------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(2))
 def test_served_share_tracks_the_schedule_share_within_two_steps_worth(seed):
     """After warm-up, at every step, each bucket's served count stays within two steps' worth of its

@@ -9,8 +9,8 @@ import importlib
 import sys
 
 BENCHES = {
-    "pool": ("app.bench.pool", "put+pull pairs/s: pool actor vs ray.util.queue.Queue"),
-    "sched": ("app.bench.sched", "fair pool vs per-drafter queues vs random pulls (busy, mixing)"),
+    "pool": ("app.bench.pool", "put+pull pairs/s: pool actor vs ray.util.queue.Queue (refs, batch calls)"),
+    "sched": ("app.bench.sched", "stratified vs round-robin vs random pulls vs per-drafter queues (step mix, backlog, busy)"),
     "e2e": ("app.bench.e2e", "end-to-end training throughput"),
     "loss": ("app.bench.loss", "DFlash loss kernels"),
     "flops": ("app.bench.flops", "target/drafter executed vs needed FLOPs and target peak memory at default shapes"),

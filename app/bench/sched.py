@@ -37,6 +37,7 @@ from app.pool.measures import BacklogMeter, bucket_counts, shares_of, step_tv, s
 
 NUM_TARGETS, NUM_DRAFTERS, ACCUM = 5, 3, 4
 DRAFTER_COST = [0.30, 0.25, 0.20, 0.15, 0.10, 0.05]  # s per item by bucket (short sequences: more rows)
+FAST_COST = [0.080, 0.068, 0.056, 0.044, 0.032, 0.020]  # --fast: 20-80 ms
 MIXES = {  # jobs per bucket: conf/tiny.yaml's own mix (the longest bucket dominates) and a middle-heavy one
     "long": [1, 4, 5, 6, 7, 11],
     "middle": [3, 5, 10, 6, 4, 3],
@@ -45,10 +46,10 @@ SUPPLY = 1.10
 LAYOUTS = ("stratified", "rr", "random", "queue")
 
 
-def costs(mix: list[int], scale: float) -> tuple[list[float], list[float]]:
+def costs(mix: list[int], scale: float, fast: bool = False) -> tuple[list[float], list[float]]:
     """(drafter cost, target cost) per bucket: targets out-supply the drafters' nominal rate by 10%,
     a job of a longer bucket costs the target a little more (attention)."""
-    drafter = [c * scale for c in DRAFTER_COST]
+    drafter = [c * scale for c in (FAST_COST if fast else DRAFTER_COST)]
     mean = sum(m * c for m, c in zip(mix, drafter)) / sum(mix)
     shape = [0.7 + 0.12 * b for b in range(6)]
     mean_shape = sum(m * s for m, s in zip(mix, shape)) / sum(mix)
@@ -264,13 +265,13 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", type=int, default=0, help="jobs per layout (default: 600; 1200 with --fast)")
     ap.add_argument("--fast", action="store_true", help="item costs of 20-80 ms instead of 50-300 ms")
-    ap.add_argument("--scale", type=float, default=0.0, help="multiplies every cost (overrides --fast)")
+    ap.add_argument("--scale", type=float, default=1.0, help="multiplies every cost (a slow box: say so)")
     ap.add_argument("--warmup", type=float, default=0.0, help="seconds left out of busy and backlog (default 2, 1 fast)")
     ap.add_argument("--mixes", default="", help="comma list of " + ",".join(MIXES) + " (default: all; --fast: long)")
     ap.add_argument("--sim", action="store_true", help="discrete-event simulation instead of Ray (no queue layout)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    scale = args.scale or (80 / 300 if args.fast else 1.0)
+    scale = args.scale
     jobs_n = args.jobs or (1200 if args.fast else 600)
     warmup = args.warmup or (1.0 if args.fast else 2.0)
     mixes = [m for m in (args.mixes or ("long" if args.fast else ",".join(MIXES))).split(",") if m]
@@ -289,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         drafters = [ray.remote(SleepDrafter).options(max_concurrency=2).remote() for _ in range(NUM_DRAFTERS)]
     for mix_name in mixes:
         mix = MIXES[mix_name]
-        dcost, tcost = costs(mix, scale)
+        dcost, tcost = costs(mix, scale, args.fast)
         schedule = schedule_of(mix, jobs_n)
         jobs = [JobSpec(i, 0, i, b, (i,), 64, 64) for i, b in enumerate(schedule)]
         floor = step_tv_floor(schedule, NUM_DRAFTERS * ACCUM, 6)
