@@ -86,6 +86,11 @@ def _empty(ax, what: str) -> None:
     ax.text(0.5, 0.5, what, ha="center", va="center", transform=ax.transAxes, color="gray")
 
 
+def _legend_outside(ax) -> None:
+    # Right of the plot: a legend inside would hide the data of a full pool or a busy target.
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, borderaxespad=0)
+
+
 def _time_marks(ax, events, starts) -> None:
     """Faults (red) and driver restarts/resumes (gray) on a time axis."""
     for i, (t, _) in enumerate(events):
@@ -177,7 +182,7 @@ def _plot_q_hsb(rows, t0, events, starts) -> str:
     _time_marks(ax, events, starts)
     ax.set_xlabel("seconds since start")
     ax.set_ylabel("items buffered")
-    ax.legend(loc="upper right", fontsize=7, ncol=2)
+    _legend_outside(ax)
     return _png(fig)
 
 
@@ -201,7 +206,7 @@ def _plot_target_busy(rows, t0, events, starts) -> str:
     ax.set_ylim(0, 1.05)
     ax.set_xlabel("seconds since start")
     ax.set_ylabel("share of time in forward")
-    ax.legend(loc="lower right", fontsize=7, ncol=4)
+    _legend_outside(ax)
     return _png(fig)
 
 
@@ -227,7 +232,7 @@ def _plot_drafter(rows, t0, events, starts, what: str) -> str:
     ax.set_ylim(0, 1.05)
     ax.set_xlabel("seconds since start")
     ax.set_ylabel("share of step time computing" if what == "busy" else "share of step time waiting for data")
-    ax.legend(loc="upper right", fontsize=7, ncol=4)
+    _legend_outside(ax)
     return _png(fig)
 
 
