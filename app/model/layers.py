@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from app.model import attention as _attention
 from app.model.arch import DrafterArch
 
 
@@ -129,8 +130,6 @@ class DFlashAttention(nn.Module):
         self.k_norm = RMSNorm(d, arch.rms_norm_eps)
 
     def forward(self, block_RH: torch.Tensor, context_TH: torch.Tensor, rope_q, rope_k, plan) -> torch.Tensor:
-        from app.model.attention import block_attention
-
         R, T = block_RH.shape[0], context_TH.shape[0]
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         q_hRd = self.q_norm(self.q_proj(block_RH).view(R, hq, d)).transpose(0, 1)
@@ -140,8 +139,15 @@ class DFlashAttention(nn.Module):
         v_hKd = v_in.view(T + R, hk, d).transpose(0, 1)
         q_hRd = apply_rope(q_hRd, *rope_q)
         k_hKd = apply_rope(k_hKd, *rope_k)
-        out_hRd = block_attention(q_hRd, k_hKd, v_hKd, plan, scale=d**-0.5)
+        out_hRd = _attend(q_hRd, k_hKd, v_hKd, plan, d**-0.5)
         return self.o_proj(out_hRd.transpose(0, 1).reshape(R, hq * d))
+
+
+@torch.compiler.disable
+def _attend(q_hRd, k_hKd, v_hKd, plan, scale: float) -> torch.Tensor:
+    # Outside a compiled layer's graph (`train.compile`): the plan's shapes and masks change every
+    # sub-batch and would trigger a recompile each time; flex compiles itself once per process.
+    return _attention.block_attention(q_hRd, k_hKd, v_hKd, plan, scale=scale)
 
 
 class DecoderLayer(nn.Module):
