@@ -197,6 +197,10 @@ class HSPoolActor:
     async def reset_drafters(self) -> list[int]:
         return self._pool.reset_drafters()
 
+    async def set_ranks(self, ranks: int | None) -> None:
+        """A rebuilt drafter group of another size: see HSPool.set_ranks."""
+        self._pool.set_ranks(ranks)
+
     async def rollback(self, keep_ids: list[int]) -> int:
         """Drafter group rebuilt from a checkpoint: see HSPool.rollback."""
         return self._pool.rollback(keep_ids)

@@ -241,3 +241,10 @@ def test_pool_stats_carry_the_mix_measures():
     assert st.data_shares == pytest.approx(shares_of(bucket_counts(r.schedule, 6)))
     assert st.steps_measured > 20 and 0 <= st.step_mix_tv < 0.2
     assert 0 < st.backlog_share <= 0.4
+
+
+def test_a_smaller_rebuilt_group_sets_the_step_size():
+    pool = HSPool(PoolConfig(capacity=20, min_ready=1), 2, ranks=3, accum=2)
+    assert pool._rounds.step_items == 6
+    pool.set_ranks(2)
+    assert pool._rounds.step_items == 4 and pool._rounds.slots_in(0) == {-1: 2, -2: 2}

@@ -294,6 +294,10 @@ class HSPool:
         self._wake()
         return ids
 
+    def set_ranks(self, ranks: int | None) -> None:
+        """The drafter group now has `ranks` ranks (a rebuild on fewer GPUs): steps are that big."""
+        self._rounds.ranks = ranks
+
     def rollback(self, keep_ids: Iterable[int]) -> int:
         """A drafter group rebuilt from a checkpoint whose ledger is `keep_ids`: every lease and every
         job acked after that checkpoint goes back to the front of the queue (in schedule order),
