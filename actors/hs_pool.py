@@ -137,11 +137,18 @@ class HSPoolActor:
     def _on_target_error(self, tid: int, handle: Any, job: JobSpec, err: Exception) -> None:
         # Only the registered incarnation counts: when a target was removed or replaced, its
         # in-flight jobs were re-queued then, and the job id may now run on the new incarnation.
+        from ray.exceptions import RayActorError, RayTaskError
+
         if self._targets.get(tid) is handle:
+            lines = [l for l in str(err).strip().splitlines() if l.strip()]
+            if isinstance(err, RayTaskError) and not isinstance(err, RayActorError):
+                # forward raised but the target lives: only the job failed (twice: quarantined).
+                self._pool.job_raised(tid, job.job_id, f"{lines[-1][:300] if lines else type(err).__name__}")
+                return
             self._pool.job_failed(tid, job.job_id)
             del self._targets[tid]
             self._pool.target_lost(tid)
-            first_line = (str(err).strip().splitlines() or [""])[0][:300]
+            first_line = (lines or [""])[0][:300]
             self._failures.append(TargetFailure(tid, job.job_id, f"{type(err).__name__}: {first_line}"))
 
     # ---- jobs -----------------------------------------------------------------------------

@@ -76,6 +76,8 @@ class TargetActor:
         return busy
 
     def _maybe_inject_fault(self, job: JobSpec) -> None:
+        if job.index == self.faults.poison_job and job.epoch == 0:  # every time, on every target
+            raise IndexError(f"injected fault: job {job.job_id} is poison (faults.poison_job)")
         if job.index == self.faults.kill_target_at_job and job.epoch == 0 and fire_once(self.run_dir, "kill_target"):
             os._exit(1)  # a hard crash, as a GPU falling off would look
         if job.index == self.faults.stall_target_at_job and job.epoch == 0 and fire_once(self.run_dir, "stall_target"):

@@ -159,3 +159,17 @@ def test_summary_is_written_when_no_target_can_measure_tau(ray_cluster, tmp_path
     s = _assert_complete(tmp_path)
     assert s["tau_trained"] is None and s["tau_untrained"] is None
     assert "target" in s["tau_error"] and "trained:" in s["tau_error"]
+
+
+def test_a_poison_job_is_quarantined_and_no_target_is_restarted(ray_cluster, tmp_path: Path, capsys) -> None:
+    """Item 1: the job's forward raises on every target; it is quarantined after two tries, the live
+    targets that raised are not restarted, and every other job is trained once."""
+    assert run_in_process(tmp_path, "faults.poison_job=3") == 0
+    s = summary(tmp_path)
+    out = capsys.readouterr().out
+    assert s["jobs_quarantined"] == 1 and s["quarantined_jobs"][0]["job_id"] == 3
+    assert "IndexError" in s["quarantined_jobs"][0]["error"] and "quarantined" in out
+    assert s["restarts"] == 0 and "restarted" not in out
+    assert s["jobs_acked"] == s["jobs_scheduled"] - 1
+    assert trained_counts(tmp_path) == {"trained_once": s["jobs_scheduled"] - 1, "trained_twice": 0,
+                                        "never_trained": 0}

@@ -35,7 +35,7 @@ def test_job_states_follow_the_life_cycle_and_count_each_state():
     s.move(1, JobState.IN_FLIGHT)
     s.move(1, JobState.PENDING)  # its target failed
     s.move(7, JobState.ACKED)  # restored from a checkpoint, never added
-    assert s.counts() == {"pending": 2, "in_flight": 0, "buffered": 0, "leased": 0, "acked": 2}
+    assert s.counts() == {"pending": 2, "in_flight": 0, "buffered": 0, "leased": 0, "acked": 2, "quarantined": 0}
     assert len(s) == 4 and s.get(0) is JobState.ACKED and 5 not in s
     s.move(0, JobState.PENDING)  # rolled back
     assert s.count(JobState.ACKED) == 1

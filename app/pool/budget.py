@@ -30,7 +30,9 @@ class Budget:
         return self.buffered + self.leased + self.reserved
 
     def reservation(self, job: JobSpec) -> int:
-        return max(job.est_bytes, self._max_seen[job.bucket])
+        # Never above the cap: a bucket that once landed a payload larger than the whole budget
+        # would otherwise never fit again, and every pull of the run would answer Drained forever.
+        return min(self.capacity_bytes, max(job.est_bytes, self._max_seen[job.bucket]))
 
     def fits(self, items_held: int, reserve: int) -> bool:
         """Whether one more job (reserving `reserve` bytes) may be issued with `items_held`

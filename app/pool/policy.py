@@ -41,6 +41,9 @@ from app.pool.stats import PoolStats, WaitStats
 __all__ = ["Drained", "HSPool", "LeaseRevoked"]
 
 
+QUARANTINE_AFTER = 2  # forward failures of one job, on any targets, before it is quarantined
+
+
 @dataclass
 class _TargetTally:
     done: int = 0
@@ -90,6 +93,8 @@ class HSPool:
         self.stale_results = 0
         self.stale_acks = 0
         self.lost_payloads = 0
+        self._job_failures: dict[int, int] = {}  # job id -> forward failures (any target)
+        self.quarantined: dict[int, str] = {}  # job id -> error of its last failure
         self._event = asyncio.Event()
 
     # ---- producing side -------------------------------------------------------------------
@@ -165,11 +170,31 @@ class HSPool:
         return True
 
     def job_failed(self, target_id: int, job_id: int) -> bool:
-        """A target job failed: it goes back to the front of the queue."""
+        """A target job failed (its target died): it goes back to the front of the queue."""
         fl = self._in_flight.get(job_id)
         if fl is None or fl.target_id != target_id:
             return False
         self._requeue_in_flight([job_id])
+        return True
+
+    def job_raised(self, target_id: int, job_id: int, error: str) -> bool:
+        """The job's forward raised on a live target: back to the front of the queue, or, the
+        QUARANTINE_AFTER-th time it raised (on any targets), quarantined: a poison job (a token id
+        beyond the vocabulary, an OOM on the one largest job) would otherwise fail on every target
+        for the rest of the run. A quarantined job is never trained nor acked; `quarantined` maps
+        its id to the last error. A target dying is not counted here (`job_failed`): the job that
+        happened to be in flight is not to blame."""
+        fl = self._in_flight.get(job_id)
+        if fl is None or fl.target_id != target_id:
+            return False
+        self._job_failures[job_id] = self._job_failures.get(job_id, 0) + 1
+        if self._job_failures[job_id] < QUARANTINE_AFTER:
+            self._requeue_in_flight([job_id])
+            return True
+        self._budget.unreserve(self._in_flight.pop(job_id).reserved_bytes)
+        self._states.move(job_id, JobState.QUARANTINED)
+        self.quarantined[job_id] = error
+        self._wake()
         return True
 
     def target_lost(self, target_id: int) -> list[int]:
@@ -395,6 +420,7 @@ class HSPool:
             stale_results=self.stale_results,
             stale_acks=self.stale_acks,
             lost_payloads=self.lost_payloads,
+            quarantined=dict(self.quarantined),
             bytes_overshoot=self.bytes_overshoot,
             producing_finished=self.producing_finished,
             done=self.done,

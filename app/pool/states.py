@@ -3,6 +3,7 @@
     PENDING ──issue──► IN_FLIGHT ──lands──► BUFFERED ──pull──► LEASED ──ack──► ACKED
        ▲                   │ target failed/lost                  │ released / payload lost
        └───────────────────┴─────────────────────────────────────┘
+    IN_FLIGHT ──forward failed the second time──► QUARANTINED   (final: never trained, never acked)
     ACKED ──rollback──► PENDING      (re)stored ledger: unknown/PENDING ──► ACKED
 """
 from __future__ import annotations
@@ -16,15 +17,17 @@ class JobState(str, Enum):
     BUFFERED = "buffered"  # produced, in a bucket
     LEASED = "leased"  # pulled by a drafter, not acked
     ACKED = "acked"  # in the ledger
+    QUARANTINED = "quarantined"  # a poison job: its forward failed twice; set aside for good
 
 
 _LEGAL: dict[JobState | None, frozenset[JobState]] = {
     None: frozenset({JobState.PENDING, JobState.ACKED}),
     JobState.PENDING: frozenset({JobState.IN_FLIGHT, JobState.ACKED}),
-    JobState.IN_FLIGHT: frozenset({JobState.BUFFERED, JobState.PENDING}),
+    JobState.IN_FLIGHT: frozenset({JobState.BUFFERED, JobState.PENDING, JobState.QUARANTINED}),
     JobState.BUFFERED: frozenset({JobState.LEASED}),
     JobState.LEASED: frozenset({JobState.ACKED, JobState.PENDING}),
     JobState.ACKED: frozenset({JobState.PENDING}),
+    JobState.QUARANTINED: frozenset(),
 }
 
 

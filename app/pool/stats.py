@@ -86,6 +86,7 @@ class PoolStats:
     # Filled in by the actor shell (the pure pool knows nothing about Ray):
     target_failures: list = field(default_factory=list)  # app.messages.TargetFailure, oldest first
     targets: list[int] = field(default_factory=list)
+    quarantined: dict[int, str] = field(default_factory=dict)  # poison job id -> its last forward error
 
     def jobs_by_state(self) -> dict[str, int]:
         return {

@@ -89,6 +89,7 @@ class Supervisor:
         self.eval_timeout_s = EVAL_TIMEOUT_S
         self.progress_query: dict[int, tuple[Any, float]] = {}  # rank -> (pending progress() ref, sent at)
         self.progress_seen: dict[int, RankProgress] = {}
+        self.quarantined_seen: set[int] = set()
         self.liveness: dict[int, tuple[Any, Any, float]] = {}  # target -> (handle pinged, ping ref, sent at)
         self.step_log = StepLog(Path(self.cfg.checkpoint.dir) / STEP_LOG_FILE) \
             if self.cfg.logging.step_log and "://" not in str(self.cfg.checkpoint.dir) else None
@@ -228,6 +229,7 @@ class Supervisor:
                 self._drain_records()  # the last step's reports may land after the results
                 break
             self._poll_starts()
+            self._note_quarantined(stats)
             for failure in stats.target_failures[self.seen_failures:]:
                 self.seen_failures += 1
                 self._feed(TargetFailed(failure.target_id, str(failure)))
@@ -271,6 +273,15 @@ class Supervisor:
         self.monitor.add_records(records)
         if self.step_log:
             self.step_log.records(records)
+
+    def _note_quarantined(self, stats) -> None:
+        """A poison job (its forward failed twice) is set aside by the pool; say so once, with its error."""
+        for jid, error in sorted(stats.quarantined.items()):
+            if jid not in self.quarantined_seen:
+                self.quarantined_seen.add(jid)
+                self.monitor.note(f"job {jid} quarantined after failing twice: {error}")
+                self.log(f"WARNING: job {jid} quarantined (its forward failed twice: {error}); it is never "
+                         "trained; the run goes on (listed in summary.json quarantined_jobs)")
 
     def _tick(self, stats) -> Tick:
         # Servable: a pull could be served now; prefetched leases alone are not "data waiting".
@@ -473,9 +484,11 @@ class Supervisor:
             self.log(f"WARNING: tau evaluation on target {tid} failed ({errors[-1]}); trying the next target")
         return None, "; ".join(errors)
 
-    def ledger_report(self) -> dict[str, int]:
+    def ledger_report(self) -> dict[str, Any]:
         stats = self._pool_call(self.pool.stats)
-        return {"jobs_acked": stats.acked, "jobs_acked_twice": stats.acked_twice, "jobs_total": stats.total_jobs}
+        return {"jobs_acked": stats.acked, "jobs_acked_twice": stats.acked_twice, "jobs_total": stats.total_jobs,
+                "jobs_quarantined": len(stats.quarantined),
+                "quarantined_jobs": [{"job_id": j, "error": e} for j, e in sorted(stats.quarantined.items())]}
 
     def shutdown(self) -> None:
         import ray
