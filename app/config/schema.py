@@ -294,6 +294,7 @@ class FaultsConfig:
     stall_target_at_job: int = -1
     stall_drafter_at_step: int = -1  # the last rank hangs outside any collective at this step (or its stream's end)
     fail_target_restarts: bool = False  # every start of a target after its first in this run dir fails in __init__
+    poison_job: int = -1  # the forward of this job (epoch 0, by schedule position) raises every time
 
 
 @dataclass(frozen=True)

@@ -164,6 +164,8 @@ def build_summary(plan, sup, monitor: RunMonitor, outcome, tau, elapsed: float) 
         "jobs_scheduled": len(plan.jobs),
         "jobs_acked": ledger["jobs_acked"],
         "jobs_acked_twice": ledger["jobs_acked_twice"],
+        "jobs_quarantined": ledger["jobs_quarantined"],  # poison jobs: forward failed twice, never trained
+        "quarantined_jobs": ledger["quarantined_jobs"],
         "jobs_trained_this_run": ledger["jobs_acked"] - len(set(plan.resume_ledger)),
         "steps": outcome.steps,
         "loss_first": monitor.loss_first,
