@@ -106,6 +106,9 @@ def main(spec: dict) -> dict:
               "summary": json.loads(summary_path.read_text()) if summary_path.exists() else None,
               "log": str(log_path)}
     cluster.shutdown()
+    import shutil
+
+    shutil.rmtree(temp_dir, ignore_errors=True)  # the nodes' session folders (logs, sockets, spilled objects)
     return result
 
 

@@ -91,6 +91,7 @@ class Supervisor:
         self.progress_seen: dict[int, RankProgress] = {}
         self.quarantined_seen: set[int] = set()
         self.liveness: dict[int, tuple[Any, Any, float]] = {}  # target -> (handle pinged, ping ref, sent at)
+        self.lost_bundles: set[int] = set()  # bundles a node loss left without a node at the last wait
         self.step_log = StepLog(Path(self.cfg.checkpoint.dir) / STEP_LOG_FILE) \
             if self.cfg.logging.step_log and "://" not in str(self.cfg.checkpoint.dir) else None
 
@@ -426,7 +427,10 @@ class Supervisor:
     def _wait_for_bundles(self, bundles: list[int], timeout_s: float = BUNDLE_WAIT_S) -> list[int]:
         """Before a restart: a bundle on a lost node is re-placed by Ray once the GCS notices the death;
         an actor created into it earlier is cancelled, which would spend a restart for nothing."""
-        missing = self.topo.wait_bundles(bundles, timeout_s)
+        missing = self.topo.wait_bundles(bundles, 5.0)  # placed ones answer at once
+        if missing and not set(missing) <= self.lost_bundles:  # newly lost: give Ray time to re-place them
+            missing = self.topo.wait_bundles(missing, timeout_s)
+        self.lost_bundles = (self.lost_bundles - set(bundles)) | set(missing)
         if missing:
             self.log(f"WARNING: bundles {missing} not placed on a live node within {timeout_s:g} s (the cluster "
                      "has no room for a lost node's share)")
