@@ -159,3 +159,14 @@ def test_payload_keeps_host_copies_and_cpu_staging_is_a_no_op():
     ids, mask, lens = tb.host()  # anchors and labels are sampled from these, not from the device
     assert ids.tolist() == hb.input_ids_BS.tolist() and mask.dtype == np.float32 and lens.tolist() == [5, 4]
     assert stager.ready(tb) is tb
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    drafter, head, batch, _ = _setup()
+    plain = _loss(drafter, head, batch, max_rows=5 * B, backward=True)
+    g_plain = _grads(drafter)
+    drafter.activation_checkpointing = True
+    ckpt = _loss(drafter, head, batch, max_rows=5 * B, backward=True)
+    assert ckpt.loss_sum.item() == pytest.approx(plain.loss_sum.item(), rel=1e-6)
+    for a, b in zip(_grads(drafter), g_plain):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
