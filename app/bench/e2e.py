@@ -6,10 +6,10 @@ process run. ratio = per-replica tokens/s inside the pipeline / standalone token
 pipeline costs the drafter nothing (no waiting for data, no contention). On a CPU box the actors
 share the cores, so read the ratio next to data_wait: the share of step time spent waiting on the pool.
 
-`--eval-every N` instead runs the pipeline twice at tiny's own length and evaluation settings, with
-`eval.every_steps=0` and `=N` (nothing else differs), and prints both runs' training tokens/s, their
-ratio (evaluation / none: 1.0 means evaluation during the run costs training nothing) and the
-drafters' data-wait share of the run with evaluation.
+`--eval-every N [--repeats R]` instead runs the pipeline in R pairs at tiny's own length and evaluation
+settings, with `eval.every_steps=0` and `=N` (nothing else differs, the order alternating), and prints
+each run's training tokens/s, the median ratio (evaluation / none: 1.0 means evaluation during the run
+costs training nothing) and the drafters' data-wait share of the runs with evaluation.
 """
 from __future__ import annotations
 
@@ -65,31 +65,51 @@ def standalone(cfg, num_jobs: int = 24, threads: int = 1) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
-def eval_cost(every: int, argv: list[str]) -> int:
-    """Training tokens/s with evaluation every `every` steps vs none, side by side in one process."""
-    # Both runs keep tiny's epochs and eval settings (DEFAULTS shortens them for the drafter ratio).
-    runs = {}
-    for label, n in (("no eval", 0), (f"eval every {every}", every)):
-        with tempfile.TemporaryDirectory() as tmp:
-            runs[label] = s = pipeline(["train.epochs=6", "eval.num_prompts=8", "eval.max_new_tokens=48",
-                                        f"eval.every_steps={n}", *argv], Path(tmp) / "run")
-        hist = s.get("tau_history") or []
-        print(f"{label}: {s['train_tok_s']:.0f} train tok/s, data-wait share {s['data_wait']:.4f}, {s['steps']} steps, "
-              f"tau history {[(st, round(t, 2)) for st, t in hist]}")
-    base, ev = runs["no eval"], runs[f"eval every {every}"]
-    ratio = ev["train_tok_s"] / base["train_tok_s"]
-    print(f"training tokens/s with evaluation / without: {ratio:.3f}; data-wait share with evaluation "
-          f"{ev['data_wait']:.4f} (without: {base['data_wait']:.4f})")
-    print(f"RESULT eval_every={every} train_tok_s_eval={ev['train_tok_s']:.1f} train_tok_s_none={base['train_tok_s']:.1f} "
-          f"ratio={ratio:.3f} data_wait_eval={ev['data_wait']:.4f} data_wait_none={base['data_wait']:.4f} "
-          f"evals={len(ev.get('tau_history') or [])}")
+def eval_cost(every: int, argv: list[str], repeats: int = 1) -> int:
+    """Training tokens/s with evaluation every `every` steps vs none, side by side in one process.
+
+    `repeats` pairs, the order alternating (none first, then evaluation first), so drift in the
+    machine's load does not favour one side; the ratio reported is the median of the pairs'."""
+    import statistics
+
+    pairs: list[dict[str, dict]] = []
+    for r in range(repeats):
+        order = [("none", 0), ("eval", every)] if r % 2 == 0 else [("eval", every), ("none", 0)]
+        pair = {}
+        for label, n in order:
+            with tempfile.TemporaryDirectory() as tmp:
+                # Both keep tiny's epochs and eval settings (DEFAULTS shortens them for the drafter ratio).
+                pair[label] = s = pipeline(["train.epochs=6", "eval.num_prompts=8", "eval.max_new_tokens=48",
+                                            f"eval.every_steps={n}", *argv], Path(tmp) / "run")
+            hist = s.get("tau_history") or []
+            print(f"pair {r + 1} {'no eval' if n == 0 else f'eval every {n}'}: {s['train_tok_s']:.0f} train tok/s, "
+                  f"data-wait share {s['data_wait']:.4f}, {s['steps']} steps, "
+                  f"tau history {[(st, round(t, 2)) for st, t in hist]}", flush=True)
+        pair["ratio"] = pair["eval"]["train_tok_s"] / pair["none"]["train_tok_s"]
+        print(f"pair {r + 1}: training tokens/s with evaluation / without: {pair['ratio']:.3f}", flush=True)
+        pairs.append(pair)
+    ratio = statistics.median(p["ratio"] for p in pairs)
+    wait_eval = max(p["eval"]["data_wait"] for p in pairs)
+    wait_none = max(p["none"]["data_wait"] for p in pairs)
+    print(f"median ratio over {repeats} pair(s): {ratio:.3f} (pairs: {[round(p['ratio'], 3) for p in pairs]}); "
+          f"highest data-wait share with evaluation {wait_eval:.4f}, without {wait_none:.4f}")
+    print(f"RESULT eval_every={every} repeats={repeats} ratio={ratio:.3f} "
+          f"train_tok_s_eval={statistics.median(p['eval']['train_tok_s'] for p in pairs):.1f} "
+          f"train_tok_s_none={statistics.median(p['none']['train_tok_s'] for p in pairs):.1f} "
+          f"data_wait_eval={wait_eval:.4f} data_wait_none={wait_none:.4f} "
+          f"evals={min(len(p['eval'].get('tau_history') or []) for p in pairs)}")
     return 0
 
 
 def main(argv: list[str]) -> int:
     if "--eval-every" in argv:
         i = argv.index("--eval-every")
-        return eval_cost(int(argv[i + 1]), argv[:i] + argv[i + 2:])
+        every, rest = int(argv[i + 1]), argv[:i] + argv[i + 2:]
+        repeats = 1
+        if "--repeats" in rest:
+            j = rest.index("--repeats")
+            repeats, rest = int(rest[j + 1]), rest[:j] + rest[j + 2:]
+        return eval_cost(every, rest, repeats)
     with tempfile.TemporaryDirectory() as tmp:
         s = pipeline(list(argv), Path(tmp) / "run")
     cfg = s.pop("cfg")
