@@ -67,21 +67,43 @@ def test_dense_reference_hides_the_anchor_and_other_blocks():
     assert m[0, 6:].tolist() == [True, True, False, False] and m[3, 6:].tolist() == [False, False, True, True]
 
 
-def test_flex_forward_equals_dense_on_cpu_and_tile_count_matches_block_mask():
+def _tile_sets(bm):
+    """Per query tile: (all non-empty key tiles, full key tiles) of a BlockMask."""
+    def rows(num, idx):
+        if num is None:
+            return [set() for _ in range(bm.kv_num_blocks.shape[-1])]
+        return [set(idx[0, 0, i, :int(num[0, 0, i])].tolist()) for i in range(num.shape[-1])]
+    part, full = rows(bm.kv_num_blocks, bm.kv_indices), rows(bm.full_kv_num_blocks, bm.full_kv_indices)
+    return [p | f for p, f in zip(part, full)], full
+
+
+def test_flex_forward_equals_dense_on_cpu_and_host_block_mask_equals_torchs():
     # flex has no backward on CPU; its forward (eager) and its BlockMask still run here.
+    from torch.nn.attention.flex_attention import create_block_mask
+
     B = 16
-    lo, hi, T = _ranges(B=B, seqs=((300, 20), (150, 9)))
-    q, k, v = _qkv(len(lo) * B, T, d=16)
-    q, k, v = (t.detach().float() for t in (q, k, v))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dense = block_attention(q, k, v, build_plan(lo, hi, T, B, CPU, "dense"), 0.25)
-        plan = build_plan(lo, hi, T, B, CPU, "flex")
-        flex = block_attention(q, k, v, plan, 0.25)
-    torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-4)
-    bm = plan.flex_mask
-    counted = int(bm.kv_num_blocks.sum()) + (int(bm.full_kv_num_blocks.sum()) if bm.full_kv_num_blocks is not None else 0)
-    assert flex_tiles(lo, hi, T, B) == counted
+    lo, hi, T = _ranges(B=B, seqs=((300, 20), (150, 9), (700, 24)))
+    # The flex layout: context aligned to the tile, so some key tiles are full.
+    sub = pack_blocks(np.repeat([0, 1, 2], [20, 9, 24]), np.concatenate([np.sort(np.random.default_rng(0).choice(
+        np.arange(a, L - B), n, replace=False)) for a, L, n in ((2, 300, 20), (2, 150, 9), (2, 700, 24))]),
+        np.array([300, 150, 700]), 700, B, CPU, "none", align=128)
+    for lo, hi, T in ((lo, hi, T), (sub.plan.ctx_lo_M, sub.plan.ctx_hi_M, sub.plan.num_ctx)):
+        q, k, v = _qkv(len(lo) * B, T, d=16)
+        q, k, v = (t.detach().float() for t in (q, k, v))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dense = block_attention(q, k, v, build_plan(lo, hi, T, B, CPU, "dense"), 0.25)
+            plan = build_plan(lo, hi, T, B, CPU, "flex")
+            flex = block_attention(q, k, v, plan, 0.25)
+        torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-4)
+        m = plan.flex_mask.mask_mod
+        ref = create_block_mask(m, None, None, len(lo) * B, T + len(lo) * B, device="cpu", BLOCK_SIZE=128)
+        ours_all, ours_full = _tile_sets(plan.flex_mask)
+        ref_all, ref_full = _tile_sets(ref)
+        assert ours_all == ref_all  # the same tiles computed as torch's own grid evaluation
+        assert all(o <= r for o, r in zip(ours_full, ref_full))  # full only where torch agrees
+        assert flex_tiles(lo, hi, T, B) == sum(len(x) for x in ref_all)
+    assert sum(len(x) for x in ours_full) > 0
 
 
 def test_split_rows_bounds_every_sub_batch():

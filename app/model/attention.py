@@ -119,7 +119,9 @@ def dense_mask(lo: np.ndarray, hi: np.ndarray, T: int, B: int, device) -> torch.
 
 
 def _flex_block_mask(lo: np.ndarray, hi: np.ndarray, T: int, B: int, device):
-    from torch.nn.attention.flex_attention import create_block_mask
+    """The BlockMask built from the host ranges: no mask evaluation over the [R, T+R] grid and no
+    compile per sub-batch shape. Tiles every pair of which is visible are `full` (no mask_mod)."""
+    from torch.nn.attention.flex_attention import BlockMask
 
     lo_M = torch.as_tensor(lo, dtype=torch.int32, device=device)
     hi_M = torch.as_tensor(hi, dtype=torch.int32, device=device)
@@ -131,9 +133,41 @@ def _flex_block_mask(lo: np.ndarray, hi: np.ndarray, T: int, B: int, device):
         own = (kv_idx >= T) & ((kv_idx - T) // B == blk)
         return in_ctx | own
 
-    # Compiled on CUDA: the eager version would materialise the whole [R, T+R] mask.
-    return create_block_mask(mask_mod, None, None, R, T + R, device=device, BLOCK_SIZE=FLEX_TILE,
-                             _compile=device.type == "cuda")
+    partial, full = _flex_tile_lists(lo, hi, T, B)
+    kv_tiles = -(-(T + R) // FLEX_TILE)  # torch wants the index rows as wide as the key tiles
+    kv_num, kv_idx = _pad_lists(partial, kv_tiles)
+    full_num, full_idx = _pad_lists(full, kv_tiles)
+    to = lambda a: torch.as_tensor(a, dtype=torch.int32, device=device)[None, None]
+    return BlockMask.from_kv_blocks(to(kv_num), to(kv_idx), to(full_num), to(full_idx), BLOCK_SIZE=FLEX_TILE,
+                                    mask_mod=mask_mod, seq_lengths=(R, T + R))
+
+
+def _flex_tile_lists(lo: np.ndarray, hi: np.ndarray, T: int, B: int, tile: int = FLEX_TILE):
+    """Per query tile: (partial key tiles, full key tiles), each sorted; host arithmetic only."""
+    R = len(lo) * B
+    partial, full = [], []
+    for q0 in range(0, R, tile):
+        j0, j1 = q0 // B, min(len(lo), -(-(q0 + tile) // B))
+        rows_in_tile = min(tile, R - q0)
+        kv: set[int] = set()
+        for j in range(j0, j1):
+            if hi[j] > lo[j]:
+                kv.update(range(int(lo[j]) // tile, (int(hi[j]) - 1) // tile + 1))
+            kv.update(range((T + j * B) // tile, (T + j * B + B - 1) // tile + 1))
+        # A key tile is full when it lies in the context and inside every row's visible range.
+        lo_min, hi_min = int(lo[j0:j1].max()), int(hi[j0:j1].min())
+        whole = rows_in_tile == tile and (j1 - j0) * B == tile and q0 == j0 * B
+        f = sorted(k for k in kv if whole and (k + 1) * tile <= T and k * tile >= lo_min and (k + 1) * tile <= hi_min)
+        full.append(f)
+        partial.append(sorted(kv.difference(f)))
+    return partial, full
+
+
+def _pad_lists(lists: list[list[int]], width: int) -> tuple[np.ndarray, np.ndarray]:
+    idx = np.zeros((len(lists), width), dtype=np.int32)
+    for i, x in enumerate(lists):
+        idx[i, :len(x)] = x
+    return np.array([len(x) for x in lists], dtype=np.int32), idx
 
 
 _FLEX_COMPILED = {}
@@ -202,15 +236,6 @@ def attention_flops(plan_lo: np.ndarray, plan_hi: np.ndarray, T: int, B: int, ke
 
 
 def flex_tiles(lo: np.ndarray, hi: np.ndarray, T: int, B: int, tile: int = FLEX_TILE) -> int:
-    """Non-empty (query tile, key tile) pairs of the flex BlockMask, counted on the host."""
-    R = len(lo) * B
-    total = 0
-    for q0 in range(0, R, tile):
-        j0, j1 = q0 // B, min(len(lo), -(-(q0 + tile) // B))
-        kv: set[int] = set()
-        for j in range(j0, j1):
-            if hi[j] > lo[j]:
-                kv.update(range(int(lo[j]) // tile, (int(hi[j]) - 1) // tile + 1))
-            kv.update(range((T + j * B) // tile, (T + j * B + B - 1) // tile + 1))
-        total += len(kv)
-    return total
+    """Non-empty (query tile, key tile) pairs of the flex BlockMask (partial + full), on the host."""
+    partial, full = _flex_tile_lists(np.asarray(lo), np.asarray(hi), T, B, tile)
+    return sum(len(p) + len(f) for p, f in zip(partial, full))
