@@ -5,7 +5,9 @@ Tokenizes, filters, buckets and schedules exactly as a training run would, and w
   every record), tokens, per-bucket sequences/tokens/jobs, jobs per epoch and padding efficiency;
 - DIR/schedule.jsonl: one line per job of every epoch (epoch, index, job_id, bucket, sequences,
   padded tokens).
-The output is deterministic: running it twice gives byte-identical files.
+The output is deterministic: running it twice gives byte-identical files. The tokenized data goes to
+the same cache a run reads (`data.cache_dir`, default `<checkpoint.dir>/data-cache`), so a run with the
+same config afterwards loads it instead of tokenizing again.
 """
 from __future__ import annotations
 
@@ -18,19 +20,20 @@ from pathlib import Path
 from app.config.schema import Config
 
 
-def run_prepare(cfg: Config, out_dir: str | Path) -> dict:
-    """Tokenize and schedule per `cfg`; write summary.json and schedule.jsonl; return the summary."""
+def run_prepare(cfg: Config, out_dir: str | Path, *, progress: bool = True, log=print) -> dict:
+    """Tokenize (or load from the data cache, which this fills for the run) and schedule per `cfg`;
+    write summary.json and schedule.jsonl; return the summary."""
     from transformers import AutoTokenizer
 
-    from app.data.dataset import load_dataset
-    from app.data.schedule import build_schedule, schedule_summary
+    from app.data.pipeline import load_or_tokenize
+    from app.data.schedule import epoch_jobs, schedule_summary
     from app.tiny.build import resolve_target
 
     target = resolve_target(cfg)
     tokenizer = AutoTokenizer.from_pretrained(target.model_dir)
-    dataset = load_dataset(cfg.data, cfg.drafter.block_size, tokenizer, target.train_files)
+    dataset = load_or_tokenize(cfg, target.model_dir, tokenizer, target.train_files, progress=progress, log=log)
     lengths = dataset.lengths()
-    schedules = [build_schedule(lengths, cfg.data, epoch) for epoch in range(cfg.train.epochs)]
+    schedules = [epoch_jobs(lengths, cfg.data, epoch) for epoch in range(cfg.train.epochs)]  # compact arrays
 
     data_summary = dataset.summary.to_dict()
     total = data_summary["total"]
@@ -63,8 +66,8 @@ def run_prepare(cfg: Config, out_dir: str | Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     with open(out / "schedule.jsonl", "w") as f:
-        for specs in schedules:
-            for s in specs:
+        for jobs in schedules:
+            for s in jobs.specs():  # one epoch's JobSpecs at a time
                 row = {
                     "epoch": s.epoch,
                     "index": s.index,

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from app.config.schema import Config
+from app.data.progress import progress_bar
 from app.data.regenerate import chunk_by_length, pending_records, read_done_ids
 
 
@@ -27,7 +28,7 @@ from app.data.regenerate import chunk_by_length, pending_records, read_done_ids
 
 
 def run_regenerate(cfg: Config, in_path: str, out_path: str, *, max_new_tokens: int, chunk_size: int = 32,
-                   batch_size: int = 16) -> dict:
+                   batch_size: int = 16, progress: bool = True) -> dict:
     """Regenerate IN into OUT with `topology.num_targets` generator actors; returns the counts."""
     import ray
 
@@ -55,7 +56,7 @@ def run_regenerate(cfg: Config, in_path: str, out_path: str, *, max_new_tokens: 
                     enable_thinking=cfg.data.enable_thinking)
     in_flight: dict = {}
     try:
-        with open(out, "a") as f:
+        with open(out, "a") as f, progress_bar(len(todo), "regenerate", enabled=progress) as bar:
             while chunks or in_flight:
                 # Two chunks per actor: one generating, one queued behind it.
                 for a in actors:
@@ -64,11 +65,13 @@ def run_regenerate(cfg: Config, in_path: str, out_path: str, *, max_new_tokens: 
                 ready, _ = ray.wait(list(in_flight), num_returns=1)
                 for ref in ready:
                     del in_flight[ref]
-                    for rec_id, messages in ray.get(ref):
+                    done = ray.get(ref)
+                    for rec_id, messages in done:
                         f.write(json.dumps({"id": rec_id, "messages": messages}) + "\n")
                         counts["written"] += 1
                     f.flush()
                     os.fsync(f.fileno())
+                    bar.update(len(done))
     finally:
         for a in actors:
             ray.kill(a)

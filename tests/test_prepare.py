@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from app.config.schema import Config, DataConfig, DrafterConfig, ModelConfig, TinyConfig, TrainConfig
+from app.config.schema import CheckpointConfig, Config, DataConfig, DrafterConfig, ModelConfig, TinyConfig, TrainConfig
 from app.prepare import run_prepare
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,7 +21,8 @@ def _small_cfg(cache_dir: str, extra_files: list[str] = ()) -> Config:
     data = replace(DataConfig(), max_length=40, bucket_boundaries=[16, 24, 32, 40], tokens_per_job=96,
                    on_error="skip", train_files=list(extra_files))
     return Config(model=ModelConfig(target="tiny"), tiny=tiny, data=data,
-                  drafter=DrafterConfig(block_size=4, mask_token_id=3), train=replace(TrainConfig(), epochs=2))
+                  drafter=DrafterConfig(block_size=4, mask_token_id=3), train=replace(TrainConfig(), epochs=2),
+                  checkpoint=CheckpointConfig(dir=f"{cache_dir}/run"))  # the data cache goes under it
 
 
 @pytest.mark.slow
@@ -39,8 +40,12 @@ def test_prepare_twice_gives_identical_files_that_account_for_every_record(tmp_p
     ]) + "\n")
     cfg = replace(cfg, data=replace(cfg.data, train_files=[art.train_file, str(extra)]))
 
-    first = run_prepare(cfg, tmp_path / "a")
-    second = run_prepare(cfg, tmp_path / "b")
+    logs: list[str] = []
+    first = run_prepare(cfg, tmp_path / "a", log=logs.append)
+    second = run_prepare(cfg, tmp_path / "b", log=logs.append)
+    # The first call tokenized and filled the run's data cache; the second (like a run) loaded it.
+    assert logs[0].startswith("data: tokenized") and str(tmp_path / "cache" / "run" / "data-cache") in logs[0]
+    assert sum(line.startswith("data: loaded") for line in logs) == 1
     for name in ("summary.json", "schedule.jsonl"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
     assert first == second
@@ -70,7 +75,7 @@ def test_prepare_cli_on_the_tiny_config_is_fast(tmp_path):
     t0 = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", "app.prepare", "--config", str(conf), "--out", str(tmp_path / "out"),
-         f"tiny.cache_dir={tmp_path / 'cache'}"],
+         f"tiny.cache_dir={tmp_path / 'cache'}", f"checkpoint.dir={tmp_path / 'run'}"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     took = time.perf_counter() - t0

@@ -1,4 +1,4 @@
-"""Benchmark dispatcher: `python -m app.bench pool|sched|e2e|loss [args...]`.
+"""Benchmark dispatcher: `python -m app.bench pool|sched|e2e|loss|data|... [args...]`.
 
 Each bench prints ratios measured side by side in one run and ends with one `RESULT key=value ...`
 line. The modules are imported lazily so one bench's dependencies never slow another down.
@@ -15,6 +15,7 @@ BENCHES = {
     "loss": ("app.bench.loss", "DFlash loss kernels"),
     "flops": ("app.bench.flops", "target/drafter executed vs needed FLOPs and target peak memory at default shapes"),
     "memory": ("app.bench.memory", "drafter peak GPU memory per bucket (fake tensors, full width): now vs before"),
+    "data": ("app.bench.data", "tokenizing at scale: single process vs Ray Data, cache load, driver RSS, pool bytes/job"),
     "gpu": ("app.bench.gpu", "one CUDA GPU: target prefill and drafter step tok/s, MFU, copy overlap, peak memory"),
 }
 

@@ -142,6 +142,8 @@ class DataConfig:
     seed: int = 0
     enable_thinking: bool = False
     eval_prompts: str = ""  # JSONL of held-out prompts; empty with target=tiny: generated
+    num_workers: int = 0  # tokenizing workers: 0 = auto (1 for small inputs, else the cluster's spare CPUs), 1 = no Ray
+    cache_dir: str = ""  # tokenized-data cache; "" = <checkpoint.dir>/data-cache
 
     def __post_init__(self) -> None:
         _one_of("data.format", self.format, ("auto", "openai", "sharegpt", "tokenized"))
@@ -149,6 +151,7 @@ class DataConfig:
         _one_of("data.on_error", self.on_error, ("raise", "skip"))
         _at_least("data.max_length", self.max_length, 1, "a sequence holds at least one token")
         _at_least("data.tokens_per_job", self.tokens_per_job, 1, "a job holds at least one token")
+        _at_least("data.num_workers", self.num_workers, 0, "0 = auto, 1 = one process")
         bounds = list(self.bucket_boundaries)
         if not bounds:
             _fail("data.bucket_boundaries", bounds, "is empty; give increasing upper lengths ending at data.max_length")

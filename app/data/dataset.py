@@ -12,15 +12,15 @@ rendering conversation prefixes (see `app/data/chat_mask.py`).
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from app.data.chat_mask import tokenize_conversation
+from app.data.progress import progress_bar
 from app.data.records import DataError, MalformedRecord
+from app.data.shards import Shard, read_shard, whole_file
 from app.config.schema import DataConfig
 
 DROP_REASONS = ("too_few_loss_tokens", "overlong", "malformed")
@@ -110,39 +110,8 @@ class TokenizedDataset:
 
 def iter_records(path: str) -> Iterator[tuple[int, dict | MalformedRecord]]:
     """(line number from 1, record or MalformedRecord) for a .jsonl/.json or .parquet file."""
-    p = Path(path)
-    if not p.exists():
-        raise DataError(f"data file {path!r} does not exist; fix data.train_files")
-    if p.suffix == ".parquet":
-        yield from _iter_parquet(p)
-    elif p.suffix in (".jsonl", ".json"):
-        yield from _iter_jsonl(p)
-    else:
-        raise DataError(f"data file {path!r}: unknown extension {p.suffix!r}; use .jsonl or .parquet")
-
-
-def _iter_jsonl(p: Path) -> Iterator[tuple[int, dict | MalformedRecord]]:
-    with open(p, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue  # blank lines are not records
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                yield line_no, MalformedRecord(f"invalid JSON: {e}")
-                continue
-            yield line_no, rec if isinstance(rec, dict) else MalformedRecord("record is not a JSON object")
-
-
-def _iter_parquet(p: Path) -> Iterator[tuple[int, dict | MalformedRecord]]:
-    import pyarrow.parquet as pq
-
-    pf = pq.ParquetFile(p)
-    row = 0
-    for batch in pf.iter_batches(batch_size=1024):
-        for rec in batch.to_pylist():
-            row += 1
-            yield row, rec
+    for shard in whole_file(path):
+        yield from read_shard(shard)
 
 
 def detect_format(rec: dict, fmt: str) -> str:
@@ -216,49 +185,103 @@ def record_tokens(rec: dict, fmt: str, tokenizer, enable_thinking: bool) -> tupl
 # ----------------------------------------------------------------------------------- loading
 
 
-def load_dataset(data: DataConfig, block_size: int, tokenizer, files: list[str]) -> TokenizedDataset:
-    """Tokenize, mask and filter every record of `files` (in order) into one flat dataset."""
+@dataclass
+class ShardResult:
+    """One shard tokenized: its counts, its kept sequences back to back, and (under on_error=raise)
+    the first malformed record's one-line error, where tokenizing stopped."""
+
+    path: str
+    summary: FileSummary
+    tokens: np.ndarray  # int32, kept sequences concatenated
+    loss_mask: np.ndarray  # uint8
+    lengths: np.ndarray  # int64, one per kept sequence
+    error: str = ""
+
+
+def tokenize_shard(shard: Shard, data: DataConfig, block_size: int, tokenizer, tick=None) -> ShardResult:
+    """Tokenize, mask and filter the records of one shard. `tick(n)` is told of records as they go."""
+    min_loss = 2 * block_size
+    fs = FileSummary()
+    tok_parts, mask_parts, lengths = [], [], []
+    error, pending = "", 0
+    for line_no, rec in read_shard(shard):
+        fs.records += 1
+        pending += 1
+        if tick is not None and pending >= 256:
+            tick(pending)
+            pending = 0
+        try:
+            if isinstance(rec, MalformedRecord):
+                raise rec
+            ids, mask = record_tokens(rec, data.format, tokenizer, data.enable_thinking)
+        except MalformedRecord as e:
+            if data.on_error == "raise":
+                error = f"{shard.path}:{line_no}: malformed record: {e}. Fix the record or set data.on_error=skip"
+                break
+            fs.dropped["malformed"] += 1
+            continue
+        if len(ids) > data.max_length:
+            if data.overlong == "drop":
+                fs.dropped["overlong"] += 1
+                continue
+            ids, mask = ids[: data.max_length], mask[: data.max_length]
+            fs.truncated += 1
+        n_loss = int(sum(mask))
+        if n_loss < min_loss:
+            fs.dropped["too_few_loss_tokens"] += 1
+            continue
+        fs.kept += 1
+        fs.tokens += len(ids)
+        fs.loss_tokens += n_loss
+        tok_parts.append(np.asarray(ids, dtype=np.int32))
+        mask_parts.append(np.asarray(mask, dtype=np.uint8))
+        lengths.append(len(ids))
+    if tick is not None and pending:
+        tick(pending)
+    return ShardResult(
+        path=shard.path, summary=fs, error=error,
+        tokens=np.concatenate(tok_parts) if tok_parts else np.zeros(0, np.int32),
+        loss_mask=np.concatenate(mask_parts) if mask_parts else np.zeros(0, np.uint8),
+        lengths=np.asarray(lengths, dtype=np.int64),
+    )
+
+
+def assemble(files: list[str], results: list[ShardResult]) -> TokenizedDataset:
+    """One dataset from the shards' results in file and line order; the first error is raised."""
+    summary = DataSummary(files={str(f): FileSummary() for f in files})
+    for r in results:
+        if r.error:
+            raise DataError(r.error)
+        fs = summary.files[r.path]
+        fs.records += r.summary.records
+        fs.kept += r.summary.kept
+        fs.truncated += r.summary.truncated
+        fs.tokens += r.summary.tokens
+        fs.loss_tokens += r.summary.loss_tokens
+        for reason, n in r.summary.dropped.items():
+            fs.dropped[reason] += n
+    lengths = np.concatenate([r.lengths for r in results]) if results else np.zeros(0, np.int64)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    tokens = np.concatenate([r.tokens for r in results]) if results else np.zeros(0, np.int32)
+    loss_mask = np.concatenate([r.loss_mask for r in results]) if results else np.zeros(0, np.uint8)
+    return TokenizedDataset(tokens=tokens, loss_mask=loss_mask, offsets=offsets, summary=summary)
+
+
+def load_dataset(data: DataConfig, block_size: int, tokenizer, files: list[str], progress: bool = False
+                 ) -> TokenizedDataset:
+    """Tokenize, mask and filter every record of `files` (in order) into one flat dataset, in this
+    process: the reference for the parallel path (`app/data/pipeline.py`) and the path for small inputs."""
     if not files:
         raise DataError("no training files; set data.train_files (or use model.target=tiny)")
-    min_loss = 2 * block_size
-    tok_parts, mask_parts, lengths = [], [], []
-    summary = DataSummary()
-    for path in files:
-        fs = summary.files.setdefault(str(path), FileSummary())
-        for line_no, rec in iter_records(path):
-            fs.records += 1
-            try:
-                if isinstance(rec, MalformedRecord):
-                    raise rec
-                ids, mask = record_tokens(rec, data.format, tokenizer, data.enable_thinking)
-            except MalformedRecord as e:
-                if data.on_error == "raise":
-                    raise DataError(
-                        f"{path}:{line_no}: malformed record: {e}. Fix the record or set data.on_error=skip"
-                    ) from None
-                fs.dropped["malformed"] += 1
-                continue
-            if len(ids) > data.max_length:
-                if data.overlong == "drop":
-                    fs.dropped["overlong"] += 1
-                    continue
-                ids, mask = ids[: data.max_length], mask[: data.max_length]
-                fs.truncated += 1
-            n_loss = int(sum(mask))
-            if n_loss < min_loss:
-                fs.dropped["too_few_loss_tokens"] += 1
-                continue
-            fs.kept += 1
-            fs.tokens += len(ids)
-            fs.loss_tokens += n_loss
-            tok_parts.append(np.asarray(ids, dtype=np.int32))
-            mask_parts.append(np.asarray(mask, dtype=np.uint8))
-            lengths.append(len(ids))
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(np.asarray(lengths, dtype=np.int64), out=offsets[1:])
-    tokens = np.concatenate(tok_parts) if tok_parts else np.zeros(0, np.int32)
-    loss_mask = np.concatenate(mask_parts) if mask_parts else np.zeros(0, np.uint8)
-    return TokenizedDataset(tokens=tokens, loss_mask=loss_mask, offsets=offsets, summary=summary)
+    shards = [s for f in files for s in whole_file(str(f))]
+    results = []
+    with progress_bar(sum(s.records for s in shards), "tokenize", enabled=progress) as bar:
+        for shard in shards:
+            results.append(tokenize_shard(shard, data, block_size, tokenizer, tick=bar.update))
+            if results[-1].error:
+                break  # the first malformed record stops the run: nothing after it matters
+    return assemble(files, results)
 
 
 def load_eval_prompts(path: str, tokenizer, enable_thinking: bool = False) -> list[list[int]]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -114,39 +115,104 @@ def interleave(counts: Sequence[int], priority: Sequence[int]) -> list[tuple[int
     return order
 
 
-def build_schedule(
-    dataset_lengths: np.ndarray, data: DataConfig, epoch: int, est_bytes_per_token: int = 0
-) -> list[JobSpec]:
-    """Every job of `epoch`, in schedule order; job k has index k and id make_job_id(epoch, k)."""
+@dataclass(frozen=True)
+class EpochJobs:
+    """One epoch's jobs as flat arrays (about 13 bytes per job plus 4 per sequence): job k of the epoch
+    is bucket[k], holds seq_ids[starts[k]:starts[k+1]] and pads to padded[k] tokens. JobSpecs are made
+    from it on demand, so no process holds a JobSpec for every job of every epoch."""
+
+    epoch: int
+    bucket: np.ndarray  # uint8 [J]
+    padded: np.ndarray  # int32 [J]: longest sequence x number of sequences
+    starts: np.ndarray  # int64 [J+1]
+    seq_ids: np.ndarray  # int32 [sequences of the epoch]
+
+    def __len__(self) -> int:
+        return len(self.bucket)
+
+    def spec(self, index: int, est_bytes_per_token: int = 0) -> JobSpec:
+        """Job `index` of the epoch; its id is make_job_id(epoch, index)."""
+        padded = int(self.padded[index])
+        return JobSpec(
+            job_id=make_job_id(self.epoch, index), epoch=self.epoch, index=index, bucket=int(self.bucket[index]),
+            seq_indices=tuple(self.seq_ids[self.starts[index]:self.starts[index + 1]].tolist()),
+            padded_tokens=padded, est_bytes=padded * est_bytes_per_token,
+        )
+
+    def specs(self, lo: int = 0, hi: int | None = None, est_bytes_per_token: int = 0) -> list[JobSpec]:
+        return [self.spec(k, est_bytes_per_token) for k in range(lo, len(self) if hi is None else hi)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.bucket, self.padded, self.starts, self.seq_ids))
+
+
+def epoch_jobs(dataset_lengths: np.ndarray, data: DataConfig, epoch: int) -> EpochJobs:
+    """Every job of `epoch`, in schedule order, as compact arrays (a pure function of lengths, data, epoch)."""
     lengths = np.asarray(dataset_lengths, dtype=np.int64)
     per_bucket = bucket_jobs(lengths, data, epoch)
     # Per-epoch tie-break between buckets, so epochs also differ in how buckets interleave.
     priority = _rng(data.seed, epoch, len(per_bucket)).permutation(len(per_bucket))
     order = interleave([len(j) for j in per_bucket], priority.tolist())
-    specs = []
-    for index, (b, i) in enumerate(order):
-        seqs = tuple(per_bucket[b][i])
-        padded = int(lengths[list(seqs)].max()) * len(seqs)
-        specs.append(
-            JobSpec(
-                job_id=make_job_id(epoch, index),
-                epoch=epoch,
-                index=index,
-                bucket=b,
-                seq_indices=seqs,
-                padded_tokens=padded,
-                est_bytes=padded * est_bytes_per_token,
-            )
-        )
-    return specs
+    assert len(per_bucket) <= 256  # buckets fit uint8
+    jobs = [per_bucket[b][i] for b, i in order]
+    sizes = np.fromiter((len(j) for j in jobs), dtype=np.int64, count=len(jobs))
+    starts = np.zeros(len(jobs) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=starts[1:])
+    seq_ids = np.fromiter((i for j in jobs for i in j), dtype=np.int32, count=int(starts[-1]))
+    longest = np.maximum.reduceat(lengths[seq_ids], starts[:-1]) if len(jobs) else np.zeros(0, np.int64)
+    return EpochJobs(epoch=epoch, bucket=np.fromiter((b for b, _ in order), dtype=np.uint8, count=len(order)),
+                     padded=(longest * sizes).astype(np.int32), starts=starts, seq_ids=seq_ids)
+
+
+def build_schedule(
+    dataset_lengths: np.ndarray, data: DataConfig, epoch: int, est_bytes_per_token: int = 0
+) -> list[JobSpec]:
+    """Every job of `epoch`, in schedule order; job k has index k and id make_job_id(epoch, k)."""
+    return epoch_jobs(dataset_lengths, data, epoch).specs(est_bytes_per_token=est_bytes_per_token)
+
+
+class ScheduledJobs(Sequence):
+    """Every job of the run (all epochs, in order) as a sequence of JobSpecs made on demand from each
+    epoch's `EpochJobs`; indexing and slicing work as on a list. `est_bytes_per_token` sizes the
+    JobSpecs it makes (set once the device is known)."""
+
+    def __init__(self, epochs: list[EpochJobs], est_bytes_per_token: int = 0) -> None:
+        self.epochs = epochs
+        self.est_bytes_per_token = est_bytes_per_token
+        self._ends = np.cumsum([len(e) for e in epochs], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return int(self._ends[-1]) if len(self._ends) else 0
+
+    def __getitem__(self, item):
+        if isinstance(item, slice):
+            return [self[k] for k in range(*item.indices(len(self)))]
+        k = item + len(self) if item < 0 else item
+        if not 0 <= k < len(self):
+            raise IndexError(item)
+        e = int(np.searchsorted(self._ends, k, side="right"))
+        return self.epochs[e].spec(k - (int(self._ends[e - 1]) if e else 0), self.est_bytes_per_token)
+
+    def __iter__(self):
+        for e in self.epochs:
+            for k in range(len(e)):
+                yield e.spec(k, self.est_bytes_per_token)
+
+    def max_padded_tokens(self) -> int:
+        return max((int(e.padded.max()) for e in self.epochs if len(e)), default=0)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.epochs)
 
 
 def schedule_summary(
-    dataset_lengths: np.ndarray, data: DataConfig, epochs: int, schedules: list[list[JobSpec]] | None = None
+    dataset_lengths: np.ndarray, data: DataConfig, epochs: int, schedules: list[EpochJobs] | None = None
 ) -> dict:
     """Per-bucket sequences and tokens, and per-epoch job counts and padding, for `app.prepare`.
 
-    `schedules` (one list of JobSpec per epoch) saves rebuilding them when the caller has them.
+    `schedules` (one EpochJobs per epoch) saves rebuilding them when the caller has them.
     """
     lengths = np.asarray(dataset_lengths, dtype=np.int64)
     buckets = assign_buckets(lengths, data.bucket_boundaries) if len(lengths) else np.zeros(0, np.int64)
@@ -163,17 +229,14 @@ def schedule_summary(
         )
     per_epoch = []
     for epoch in range(epochs):
-        specs = schedules[epoch] if schedules is not None else build_schedule(lengths, data, epoch)
-        padded = sum(s.padded_tokens for s in specs)
-        jobs_per_bucket = [0] * len(data.bucket_boundaries)
-        for s in specs:
-            jobs_per_bucket[s.bucket] += 1
+        jobs = schedules[epoch] if schedules is not None else epoch_jobs(lengths, data, epoch)
+        padded = int(jobs.padded.sum(dtype=np.int64))
         per_epoch.append(
             {
                 "epoch": epoch,
-                "jobs": len(specs),
-                "jobs_per_bucket": jobs_per_bucket,
-                "padded_tokens": int(padded),
+                "jobs": len(jobs),
+                "jobs_per_bucket": np.bincount(jobs.bucket, minlength=len(data.bucket_boundaries)).tolist(),
+                "padded_tokens": padded,
                 "padding_efficiency": round(float(lengths.sum()) / padded, 6) if padded else 0.0,
             }
         )

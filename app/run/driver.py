@@ -63,6 +63,16 @@ def connect(cfg: Config) -> bool:
     return use_gpu
 
 
+def spare_cpus(cfg: Config) -> float:
+    """CPUs for tokenizing (data.num_workers=0, a large input, no cache): the cluster's, less the actors'."""
+    import ray
+
+    connect(cfg)
+    topo = cfg.topology
+    reserved = topo.num_targets * topo.cpus_per_target + topo.num_drafters * topo.cpus_per_drafter
+    return ray.cluster_resources().get("CPU", 0.0) - reserved
+
+
 def _object_store_bytes() -> float:
     """The cluster's object store, all nodes together (0 when Ray does not say)."""
     import ray
@@ -78,7 +88,7 @@ def make_plan(cfg: Config):
     for what in clean_orphans(cfg.checkpoint.dir):  # before the resume point is looked up
         log(f"checkpoint dir after a crash mid-save: {what}")
     t0 = time.monotonic()
-    plan = plan_run(cfg, device_known(cfg))
+    plan = plan_run(cfg, device_known(cfg), spare_cpus=lambda: spare_cpus(cfg), log=log)
     resumed = f", resuming from {plan.resume_from} (step {plan.resume_step}, {len(plan.resume_ledger)} jobs done)" \
         if plan.resume_from else ""
     log(f"target {plan.model_dir} layers {plan.layer_ids}; {len(plan.dataset)} sequences, {len(plan.jobs)} jobs over "

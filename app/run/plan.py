@@ -8,6 +8,7 @@ is known once the cluster is.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from app.config.schema import Config
 from app.config.checks import (TargetInfo, check_target, read_target_info, resolved_layer_ids,
                                resolved_mask_token_id)
 from app.config.errors import ConfigError
-from app.messages import JobSpec
+from app.data.schedule import ScheduledJobs
 
 
 @dataclass
@@ -32,7 +33,7 @@ class RunPlan:
     mask_token_id: int
     dataset: object  # app.data.dataset.TokenizedDataset
     data_summary: dict
-    jobs: list[JobSpec]  # every epoch, in schedule order
+    jobs: ScheduledJobs  # every epoch, in schedule order: JobSpecs made on demand from compact arrays
     eval_prompts: list[list[int]]
     resume_from: str | None
     resume_step: int
@@ -48,11 +49,9 @@ class RunPlan:
     def use_device(self, on_gpu: bool) -> None:
         """Size every job's hidden states for the device (bf16/fp16 on GPU, fp32 on CPU) and check
         the largest fits the pool's byte budget."""
-        bpt = bytes_per_token(self.cfg, self.info, self.layer_ids, on_gpu)
-        if bpt != self.bytes_per_token:
-            self.bytes_per_token = bpt
-            self.jobs = [replace(j, est_bytes=j.padded_tokens * bpt) for j in self.jobs]
-        _check_job_fits(self.cfg, self.jobs)
+        self.bytes_per_token = bytes_per_token(self.cfg, self.info, self.layer_ids, on_gpu)
+        self.jobs.est_bytes_per_token = self.bytes_per_token
+        _check_job_fits(self.cfg, self.jobs.max_padded_tokens() * self.bytes_per_token)
 
 
 def bytes_per_token(cfg: Config, info: TargetInfo, layer_ids: list[int], on_gpu: bool) -> int:
@@ -66,14 +65,19 @@ def device_known(cfg: Config) -> bool | None:
     return {"cpu": False, "cuda": True}.get(cfg.topology.device)
 
 
-def plan_run(cfg: Config, on_gpu: bool | None = None) -> RunPlan:
-    """Resolve the target, check the config against it, tokenize, schedule and find the resume point.
+def plan_run(cfg: Config, on_gpu: bool | None = None, *, spare_cpus: Callable[[], float] | None = None,
+             log: Callable[[str], None] = print, progress: bool = True) -> RunPlan:
+    """Resolve the target, check the config against it, load or tokenize the data, schedule and find the
+    resume point.
 
-    `on_gpu` None: the device is not known yet; call `use_device` before starting actors."""
+    `on_gpu` None: the device is not known yet; call `use_device` before starting actors. `spare_cpus`
+    connects to the cluster and says what it has left for tokenizing (only a large input on a cache
+    miss with data.num_workers=0 asks)."""
     from transformers import AutoTokenizer
 
-    from app.data.dataset import load_dataset, load_eval_prompts
-    from app.data.schedule import build_schedule
+    from app.data.dataset import load_eval_prompts
+    from app.data.pipeline import load_or_tokenize
+    from app.data.schedule import epoch_jobs
     from app.tiny.build import resolve_target
 
     target = resolve_target(cfg)
@@ -83,12 +87,13 @@ def plan_run(cfg: Config, on_gpu: bool | None = None) -> RunPlan:
     check_target(cfg, info)
     layer_ids, mask_id = resolved_layer_ids(cfg, info), resolved_mask_token_id(cfg, info)
     tokenizer = AutoTokenizer.from_pretrained(target.model_dir)
-    dataset = load_dataset(cfg.data, cfg.drafter.block_size, tokenizer, target.train_files)
+    dataset = load_or_tokenize(cfg, target.model_dir, tokenizer, target.train_files, spare_cpus=spare_cpus, log=log,
+                               progress=progress)
     if len(dataset) == 0:
         raise ConfigError(f"data.train_files={target.train_files} gave no usable sequence; see the data summary "
                           "(too few loss tokens or malformed records) and fix the data or data.max_length")
     lengths = np.asarray(dataset.lengths())
-    jobs = [job for epoch in range(cfg.train.epochs) for job in build_schedule(lengths, cfg.data, epoch)]
+    jobs = ScheduledJobs([epoch_jobs(lengths, cfg.data, epoch) for epoch in range(cfg.train.epochs)])
     prompts = (load_eval_prompts(target.eval_prompts_file, tokenizer, cfg.data.enable_thinking)
                if target.eval_prompts_file else [])
     fingerprint = data_fingerprint(dataset, cfg)
@@ -135,8 +140,7 @@ def _check_same_data(cfg: Config, ckpt: Path, fingerprint: str) -> None:
         )
 
 
-def _check_job_fits(cfg: Config, jobs: list[JobSpec]) -> None:
-    biggest = max((j.est_bytes for j in jobs), default=0)
+def _check_job_fits(cfg: Config, biggest: int) -> None:
     if biggest > cfg.pool.capacity_bytes:
         raise ConfigError(
             f"pool.capacity_bytes={cfg.pool.capacity_bytes} is smaller than one job's hidden states ({biggest} bytes "

@@ -1,0 +1,215 @@
+"""`python -m app.bench data --records N`: the data path at scale, measured side by side in one run.
+
+Synthetic chat records (half JSONL, half Parquet; 1-2 user/assistant exchanges of 4-150 words) through
+the tiny target's word-level tokenizer and ChatML template, then:
+- single_rec_s: records/s of the single-process tokenizer (the reference path; `tokenize_s` is its time);
+- parallel_rec_s: records/s of the Ray Data pipeline with --workers workers (default: this machine's
+  cores) on a local cluster already started, pipeline start-up included; the two datasets must be equal
+  array for array and summary for summary, or the bench fails;
+- cache_load_s: a second `load_or_tokenize` with the same inputs: cache key (stat of the inputs, hash
+  of the tokenizer files) and the memory-mapped load, plus reading the offsets;
+- driver_peak_mb: peak RSS of a fresh process doing what the driver does with that data: load the
+  cache, build --epochs epochs of compact schedule, and hand every job to a queue in the supervisor's
+  chunks of 4096 JobSpecs (for contrast it also prints what a list of every JobSpec costs);
+- pool_bytes_per_job: Python heap the pool policy (`HSPool`) holds per queued job after `add_jobs` of
+  every job of every epoch (tracemalloc), and the ledger's bytes per acked job.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+
+def write_records(out: Path, n: int, seed: int = 0) -> list[str]:
+    """n synthetic conversations: the first half as JSONL, the rest as Parquet (row groups of 4096)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from app.tiny.build import synthetic_words
+
+    words = np.asarray(synthetic_words(400))
+    rng = np.random.default_rng(seed)
+
+    def text(k: int) -> str:
+        return " ".join(words[rng.integers(0, len(words), k)].tolist())
+
+    recs = []
+    for _ in range(n):
+        turns = []
+        for _ in range(int(rng.integers(1, 3))):
+            turns.append({"role": "user", "content": text(int(rng.integers(4, 24)))})
+            turns.append({"role": "assistant", "content": text(int(rng.integers(8, 150)))})
+        recs.append({"messages": turns})
+    half = n // 2
+    jsonl, parquet = out / "records.jsonl", out / "records.parquet"
+    with open(jsonl, "w") as f:
+        for r in recs[:half]:
+            f.write(json.dumps(r) + "\n")
+    pq.write_table(pa.Table.from_pylist(recs[half:]), parquet, row_group_size=4096)
+    return [str(jsonl), str(parquet)]
+
+
+def tokenizer_dir(out: Path) -> str:
+    from app.tiny.build import build_tokenizer
+
+    path = out / "tokenizer"
+    build_tokenizer(512).save_pretrained(path)
+    return str(path)
+
+
+def bench_config(files: list[str], out: Path):
+    from app.config.schema import CheckpointConfig, Config, DataConfig, DrafterConfig, ModelConfig
+
+    data = replace(DataConfig(), train_files=files, max_length=512, bucket_boundaries=[64, 128, 192, 256, 384, 512],
+                   tokens_per_job=4096, on_error="skip")
+    return Config(model=ModelConfig(target="tiny"), data=data, drafter=replace(DrafterConfig(), block_size=8),
+                  checkpoint=CheckpointConfig(dir=str(out / "run")))
+
+
+def same(a, b) -> bool:
+    return (np.array_equal(a.tokens, b.tokens) and np.array_equal(a.loss_mask, b.loss_mask)
+            and np.array_equal(a.offsets, b.offsets) and a.summary.to_dict() == b.summary.to_dict())
+
+
+def driver_child(cfg_json: str, model_dir: str, epochs: int, as_list: bool) -> None:
+    """In a fresh process: load the cached data and schedule every epoch as the driver does; print peak RSS."""
+    from collections import deque
+
+    from transformers import AutoTokenizer
+
+    from app.data.pipeline import load_or_tokenize
+    from app.data.schedule import ScheduledJobs, epoch_jobs
+
+    cfg = _cfg_from_json(cfg_json)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ds = load_or_tokenize(cfg, model_dir, tok, list(cfg.data.train_files), progress=False, log=lambda _: None)
+    lengths = ds.lengths()
+    jobs = ScheduledJobs([epoch_jobs(lengths, cfg.data, e) for e in range(epochs)], est_bytes_per_token=1000)
+    if as_list:
+        held = list(jobs)  # the old way: every JobSpec of every epoch at once
+        count = len(held)
+    else:
+        sink: deque = deque(maxlen=1)  # the supervisor's add_jobs calls: chunks, each sent and dropped
+        count = 0
+        for i in range(0, len(jobs), 4096):
+            chunk = jobs[i:i + 4096]
+            count += len(chunk)
+            sink.append(chunk)
+    print(json.dumps({"peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "jobs": count,
+                      "schedule_bytes": jobs.nbytes}))
+
+
+def _cfg_from_json(blob: str):
+    from app.config.schema import CheckpointConfig, Config, DataConfig, DrafterConfig, ModelConfig
+
+    d = json.loads(blob)
+    return Config(model=ModelConfig(target="tiny"), data=replace(DataConfig(), **d["data"]),
+                  drafter=replace(DrafterConfig(), **d["drafter"]), checkpoint=CheckpointConfig(**d["checkpoint"]))
+
+
+def measure_driver(cfg, model_dir: str, epochs: int, as_list: bool) -> dict:
+    from dataclasses import asdict
+
+    blob = json.dumps({"data": asdict(cfg.data), "drafter": asdict(cfg.drafter), "checkpoint": asdict(cfg.checkpoint)})
+    code = ("import sys; from app.bench.data import driver_child; "
+            "driver_child(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == '1')")
+    proc = subprocess.run([sys.executable, "-c", code, blob, model_dir, str(epochs), "1" if as_list else "0"],
+                          capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def measure_pool(cfg, lengths: np.ndarray, epochs: int) -> tuple[float, float, int]:
+    """(bytes per queued job, bytes per acked job in the ledger, jobs) of the pool policy, by tracemalloc."""
+    import tracemalloc
+
+    from app.config.schema import PoolConfig
+    from app.data.schedule import ScheduledJobs, epoch_jobs
+    from app.pool.ledger import Ledger
+    from app.pool.policy import HSPool
+
+    jobs = ScheduledJobs([epoch_jobs(lengths, cfg.data, e) for e in range(epochs)], est_bytes_per_token=1000)
+    pool = HSPool(PoolConfig(), len(cfg.data.bucket_boundaries))
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for i in range(0, len(jobs), 4096):
+        pool.add_jobs(jobs[i:i + 4096])
+    queued = tracemalloc.get_traced_memory()[0] - before
+    ledger = Ledger()
+    before = tracemalloc.get_traced_memory()[0]
+    for j in jobs:
+        ledger.add(j.job_id)
+    acked = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    return queued / len(jobs), acked / len(jobs), len(jobs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m app.bench data", description=__doc__.splitlines()[0])
+    parser.add_argument("--records", type=int, default=20000)
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--epochs", type=int, default=6, help="epochs scheduled for the driver and pool figures")
+    parser.add_argument("--keep", default="", help="folder to keep the inputs and the cache in (default: temp)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    import ray
+    from transformers import AutoTokenizer
+
+    from app.data.pipeline import load_or_tokenize, tokenize_files
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(args.keep or tmp)
+        out.mkdir(parents=True, exist_ok=True)
+        files = write_records(out, args.records)
+        model_dir = tokenizer_dir(out)
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        cfg = bench_config(files, out)
+        load1 = os.getloadavg()[0]
+
+        t0 = time.perf_counter()
+        single = tokenize_files(cfg.data, cfg.drafter.block_size, model_dir, tok, files, workers=1)
+        tokenize_s = time.perf_counter() - t0
+
+        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, configure_logging=False, log_to_driver=False)
+        t0 = time.perf_counter()
+        parallel = tokenize_files(cfg.data, cfg.drafter.block_size, model_dir, tok, files, workers=args.workers)
+        parallel_s = time.perf_counter() - t0
+        ray.shutdown()
+        if not same(single, parallel):
+            print("FAIL: the Ray Data pipeline's dataset differs from the single-process one", file=sys.stderr)
+            return 1
+
+        load_or_tokenize(replace(cfg, data=replace(cfg.data, num_workers=1)), model_dir, tok, files,
+                         progress=False, log=print)  # fills the cache (tokenizes once more)
+        t0 = time.perf_counter()
+        cached = load_or_tokenize(cfg, model_dir, tok, files, progress=False, log=print)
+        int(cached.offsets[-1])  # touch the map
+        cache_load_s = time.perf_counter() - t0
+        assert same(single, cached)
+
+        driver = measure_driver(cfg, model_dir, args.epochs, as_list=False)
+        as_list = measure_driver(cfg, model_dir, args.epochs, as_list=True)
+        per_queued, per_acked, jobs = measure_pool(cfg, single.lengths(), args.epochs)
+        load2 = os.getloadavg()[0]
+
+    n = args.records
+    print(f"{n} records, {len(single)} kept sequences, {int(single.offsets[-1])} tokens; {jobs} jobs over "
+          f"{args.epochs} epochs; compact schedule {driver['schedule_bytes'] / jobs:.1f} bytes/job")
+    print(f"driver peak RSS: {driver['peak_mb']:.0f} MB with the compact schedule vs {as_list['peak_mb']:.0f} MB "
+          f"holding every JobSpec; pool: {per_queued:.0f} bytes per queued job, ledger {per_acked:.1f} bytes per "
+          f"acked job; load average {load1:.1f} at start, {load2:.1f} at end on {os.cpu_count()} cores")
+    print(f"RESULT single_rec_s={n / tokenize_s:.0f} parallel_rec_s={n / parallel_s:.0f} "
+          f"speedup={tokenize_s / parallel_s:.2f} cache_load_s={cache_load_s:.3f} tokenize_s={tokenize_s:.1f} "
+          f"pool_bytes_per_job={per_queued:.0f} driver_peak_mb={driver['peak_mb']:.0f}")
+    return 0
