@@ -111,7 +111,8 @@ def test_a_target_that_cannot_restart_is_given_up_and_the_run_goes_on(ray_cluste
     assert rc == 0
     s = _assert_complete(tmp_path)
     out = capsys.readouterr().out
-    assert out.count("restart failed: ") >= 2 and "gave out after 2 restarts" in out
+    # Both restarts were spent on replacements that could not start; the run did not wait for them.
+    assert "restart failed: RuntimeError: injected fault" in out and "restarting (2/2)" in out
     assert s["restarts"] == 2
 
 

@@ -51,3 +51,15 @@ def test_chaos_plans_the_pool_and_the_driver_once() -> None:
     assert set(kinds) <= {"pool", "driver", "target", "drafter"}
     assert plan_faults(8, random.Random(0)) == kinds  # seeded
     assert plan_faults(1, random.Random(0)) in (["target"], ["drafter"])
+
+
+def test_steps_whose_records_died_with_the_pool_are_counted_as_unlogged(tmp_path: Path) -> None:
+    """The pool died after the checkpoint of step 3 but before the driver drained step 3's records:
+    the resume at 3 shows one unlogged step (its jobs are in the weights, not in the log)."""
+    log = StepLog(tmp_path / "steps.jsonl")
+    log.group_start(0)
+    log.records([_rec(0, 1, 1), _rec(0, 2, 2)])
+    log.group_start(3)
+    log.records([_rec(0, 4, 4)])
+    counts = count_trained(tmp_path / "steps.jsonl")
+    assert counts.unlogged_steps == 1 and counts.count(scheduled=4)["never_trained"] == 1

@@ -48,6 +48,7 @@ class TrainedCounts:
 
     times: dict[int, int]  # job id -> optimizer steps of the final lineage that contained it
     group_starts: int
+    unlogged_steps: int = 0  # steps inside a resumed checkpoint that no record reached the log for
 
     def count(self, scheduled: int, quarantined: int = 0) -> dict[str, int]:
         once = sum(1 for n in self.times.values() if n == 1)
@@ -59,7 +60,7 @@ class TrainedCounts:
 def count_trained(path: str | Path) -> TrainedCounts:
     """Replay the step log (see the module docstring); a torn last line (killed writer) is skipped."""
     kept: dict[int, list[list[int]]] = {}  # step -> job ids of each rank's record of that step
-    starts = 0
+    starts = unlogged = 0
     for line in Path(path).read_text().splitlines():
         try:
             row = json.loads(line)
@@ -67,9 +68,12 @@ def count_trained(path: str | Path) -> TrainedCounts:
             continue
         if "group_start" in row:
             starts += 1
+            # A resume point beyond the last logged step: those steps' records died with the pool
+            # (it holds them until the driver drains them). Their jobs are in the weights but not here.
+            unlogged += max(0, row["group_start"] - max(kept, default=0)) if starts > 1 else 0
             for step in [s for s in kept if s > row["group_start"]]:
                 del kept[step]
         else:
             kept.setdefault(int(row["step"]), []).append([int(j) for j in row["job_ids"]])
     times = Counter(j for per_rank in kept.values() for ids in per_rank for j in ids)
-    return TrainedCounts(dict(times), starts)
+    return TrainedCounts(dict(times), starts, unlogged)
