@@ -118,8 +118,8 @@ def test_tiny_run_checkpoints_to_s3_and_resumes_from_it(ray_cluster, s3, tmp_pat
 
     root = s3.uri("tiny-run")
     proc = start_driver(tmp_path, f"checkpoint.dir={root}", "checkpoint.every_steps=2", "logging.run_name=s3run")
-    wait_for(lambda: latest_checkpoint(root) is not None, 300, "a first checkpoint in the S3 bucket")
-    code, out = sigterm_and_wait(proc, timeout=180)
+    wait_for(lambda: latest_checkpoint(root) is not None, 900, "a first checkpoint in the S3 bucket")
+    code, out = sigterm_and_wait(proc, timeout=300)
     assert code == 0, out
     step1, _, ledger1 = read_ledger(latest_checkpoint(root))
     assert step1 > 0 and ledger1
