@@ -14,6 +14,7 @@ costs training nothing) and the drafters' data-wait share of the runs with evalu
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -77,6 +78,7 @@ def eval_cost(every: int, argv: list[str], repeats: int = 1) -> int:
         order = [("none", 0), ("eval", every)] if r % 2 == 0 else [("eval", every), ("none", 0)]
         pair = {}
         for label, n in order:
+            load_before = os.getloadavg()[0]  # other work on the box moves tokens/s more than evaluation can
             with tempfile.TemporaryDirectory() as tmp:
                 # Both keep tiny's epochs and eval settings (DEFAULTS shortens them for the drafter ratio).
                 pair[label] = s = pipeline(["train.epochs=6", "eval.num_prompts=8", "eval.max_new_tokens=48",
@@ -84,7 +86,8 @@ def eval_cost(every: int, argv: list[str], repeats: int = 1) -> int:
             hist = s.get("tau_history") or []
             print(f"pair {r + 1} {'no eval' if n == 0 else f'eval every {n}'}: {s['train_tok_s']:.0f} train tok/s, "
                   f"data-wait share {s['data_wait']:.4f}, {s['steps']} steps, "
-                  f"tau history {[(st, round(t, 2)) for st, t in hist]}", flush=True)
+                  f"tau history {[(st, round(t, 2)) for st, t in hist]}; load average {load_before:.0f} -> "
+                  f"{os.getloadavg()[0]:.0f} on {os.cpu_count()} cores", flush=True)
         pair["ratio"] = pair["eval"]["train_tok_s"] / pair["none"]["train_tok_s"]
         print(f"pair {r + 1}: training tokens/s with evaluation / without: {pair['ratio']:.3f}", flush=True)
         pairs.append(pair)
