@@ -143,7 +143,7 @@ class DataConfig:
     enable_thinking: bool = False
     eval_prompts: str = ""  # JSONL of held-out prompts; empty with target=tiny: generated
     num_workers: int = 0  # tokenizing workers: 0 = auto (1 for small inputs, else the cluster's spare CPUs), 1 = no Ray
-    cache_dir: str = ""  # tokenized-data cache; "" = <checkpoint.dir>/data-cache
+    cache_dir: str = ""  # tokenized-data cache; "" = <checkpoint.dir>/data-cache (.cache/data for a URI)
 
     def __post_init__(self) -> None:
         _one_of("data.format", self.format, ("auto", "openai", "sharegpt", "tokenized"))

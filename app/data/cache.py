@@ -38,8 +38,14 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 
 
 def cache_root(cfg: Config) -> Path:
-    """`data.cache_dir`, or `<checkpoint.dir>/data-cache` when it is empty."""
-    return Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.checkpoint.dir) / "data-cache"
+    """`data.cache_dir`, or `<checkpoint.dir>/data-cache` when it is empty. The cache is memory-mapped,
+    so it must be a local (or mounted) path: with a URI `checkpoint.dir` (s3://...) the default is
+    `.cache/data` beside the run instead of a folder literally named "s3:"."""
+    if cfg.data.cache_dir:
+        return Path(cfg.data.cache_dir)
+    if "://" in cfg.checkpoint.dir:
+        return Path(".cache") / "data"
+    return Path(cfg.checkpoint.dir) / "data-cache"
 
 
 def tokenizer_fingerprint(model_dir: str | Path, tokenizer) -> str:
