@@ -165,3 +165,12 @@ def test_auto_workers_stay_in_one_process_for_small_inputs(tmp_path) -> None:
     asked = []
     assert pipeline.resolve_workers(_data(), files, lambda: asked.append(1) or 8.0) == 1 and not asked
     assert pipeline.resolve_workers(_data(num_workers=3), files, None) == 3
+
+
+def test_a_uri_checkpoint_dir_keeps_the_cache_on_local_disk(tmp_path) -> None:
+    from app.data.cache import cache_root
+
+    cfg = _cfg(tmp_path, [])
+    assert cache_root(cfg) == tmp_path / "run" / "data-cache"
+    assert cache_root(replace(cfg, checkpoint=CheckpointConfig(dir="s3://bucket/run"))) == Path(".cache/data")
+    assert cache_root(replace(cfg, data=replace(cfg.data, cache_dir="/shared/c"))) == Path("/shared/c")

@@ -1,7 +1,8 @@
 """Atomic, rotating checkpoints of the drafter's training state and the ledger of trained jobs.
 
 Layout of `<dir>/ckpt-<step>/`: `drafter.safetensors` (weights), `trainer.pt` (optimizer, scheduler,
-RNG states), `state.json` (step, epoch, ledger of acked job ids, extra counters). A checkpoint is
+RNG states), `state.json` (step, epoch, ledger of acked job ids as per-epoch bitmaps, `app/pool/ledger.py`;
+older checkpoints hold a sorted id list, still read; extra counters). A checkpoint is
 written into a temp folder and renamed into place, so a crash mid-write never leaves a half
 checkpoint that resume would pick up. `<dir>` may also be a URI (`s3://...`): then the files go under
 a fresh prefix and a marker written last publishes them (`app/training/storage.py`); only marked
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from app.pool.ledger import ids_from_state as ledger_ids, to_json as ledger_json
 from app.training.storage import fetch_dir, is_uri, open_storage, read_text
 
 PREFIX = "ckpt-"
@@ -64,7 +66,7 @@ def save_checkpoint(root: str | Path, state: TrainState, keep: int) -> Path | st
     weights = {k: v.detach().contiguous().cpu() for k, v in state.drafter.items()}
     save_file(weights, str(tmp / "drafter.safetensors"))
     torch.save({"optimizer": state.optimizer, "scheduler": state.scheduler, "rng": state.rng}, tmp / "trainer.pt")
-    meta = {"step": state.step, "epoch": state.epoch, "ledger": sorted(state.ledger), "extra": state.extra}
+    meta = {"step": state.step, "epoch": state.epoch, "ledger_bitmaps": ledger_json(state.ledger), "extra": state.extra}
     (tmp / "state.json").write_text(json.dumps(meta))
     if not is_uri(root):  # on disk before the rename publishes them: a power cut never leaves empty files
         _fsync_tree(tmp)
@@ -158,7 +160,7 @@ def read_extra(path: str | Path) -> dict[str, Any]:
 def read_ledger(path: str | Path) -> tuple[int, int, list[int]]:
     """(step, epoch, ledger) of a checkpoint, without loading tensors (the driver needs only these)."""
     meta = json.loads(read_text(path, "state.json"))
-    return int(meta["step"]), int(meta["epoch"]), [int(j) for j in meta["ledger"]]
+    return int(meta["step"]), int(meta["epoch"]), ledger_ids(meta)
 
 
 def load_checkpoint(path: str | Path, map_location: str = "cpu") -> TrainState:
@@ -171,7 +173,7 @@ def load_checkpoint(path: str | Path, map_location: str = "cpu") -> TrainState:
     with torch.serialization.safe_globals(safe):
         trainer = torch.load(path / "trainer.pt", map_location=map_location, weights_only=True)
     return TrainState(
-        step=int(meta["step"]), epoch=int(meta["epoch"]), ledger=[int(j) for j in meta["ledger"]],
+        step=int(meta["step"]), epoch=int(meta["epoch"]), ledger=ledger_ids(meta),
         drafter=load_file(str(path / "drafter.safetensors"), device=map_location),
         optimizer=trainer["optimizer"], scheduler=trainer["scheduler"], rng=trainer["rng"], extra=meta.get("extra", {}),
     )
