@@ -31,7 +31,6 @@ class EvalRunner:
         # Targets write drafter-best/ themselves: on a URI checkpoint.dir they have no path to write to.
         self.best_dir = None if is_uri(self.cfg.checkpoint.dir) else str(Path(self.cfg.checkpoint.dir) / BEST_DIR_NAME)
         self._ref: Any = None
-        self._handle: Any = None
         self._resume(list(earlier))
 
     def _resume(self, earlier: list[dict]) -> None:
@@ -84,7 +83,6 @@ class EvalRunner:
 
     def _launch(self, offer: EvalOffer, tid: int, handle: Any) -> None:
         self.sup._pool_call(self.sup.pool.pause_target, tid)
-        self._handle = handle
         self._ref = handle.evaluate_weights.remote(
             offer.step, offer.weights, self.plan.eval_prompts, self.cfg.drafter, self.cfg.eval,
             self.plan.mask_token_id, self.cfg.train.seed, self.eos_token_id, self.best_dir, self.book.best_tau)
