@@ -204,6 +204,7 @@ SECTION_CASES = [
     ("tiny.vocab_size=20", "tiny.vocab_size=20 is too small"),
     ("topology.num_targets=0", "topology.num_targets=0 must be >= 1"),
     ("topology.cpus_per_drafter=-1", "topology.cpus_per_drafter=-1.0 must be >= 0"),
+    ("topology.strategy=STRICT", "topology.strategy='STRICT' is not one of PACK, SPREAD"),
     ("data.format=csv", "data.format='csv' is not one of auto, openai, sharegpt, tokenized"),
     ("data.on_error=ignore", "data.on_error='ignore' is not one of raise, skip"),
     ("data.tokens_per_job=0", "data.tokens_per_job=0 must be >= 1"),

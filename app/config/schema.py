@@ -124,6 +124,7 @@ class TopologyConfig:
                            ("topology.cpus_per_drafter", self.cpus_per_drafter)):
             _at_least(key, value, 0, "a reservation cannot be negative")
         _one_of("topology.device", self.device, ("auto", "cuda", "cpu"))
+        _one_of("topology.strategy", self.strategy, ("PACK", "SPREAD"))
 
 
 @dataclass(frozen=True)
