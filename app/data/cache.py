@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from app.config.schema import Config, DataConfig
-from app.data.dataset import DataSummary, FileSummary, TokenizedDataset
+from app.data.dataset import DataSummary, TokenizedDataset
 
 CACHE_VERSION = 1  # bump when the tokenizer path changes what it writes for the same inputs
 _ARRAYS = ("tokens", "loss_mask", "offsets")
@@ -86,7 +86,7 @@ def load(root: Path, key: str) -> TokenizedDataset | None:
     if not (entry / "summary.json").is_file():
         return None
     arrays = {name: np.load(entry / f"{name}.npy", mmap_mode="r") for name in _ARRAYS}
-    summary = _summary_from_dict(json.loads((entry / "summary.json").read_text()))
+    summary = DataSummary.from_dict(json.loads((entry / "summary.json").read_text()))
     return TokenizedDataset(summary=summary, **arrays)
 
 
@@ -112,12 +112,3 @@ def save(root: Path, key: str, dataset: TokenizedDataset, parts: dict) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
-
-
-def _summary_from_dict(d: dict) -> DataSummary:
-    summary = DataSummary()
-    for path, fs in d["files"].items():
-        summary.files[path] = FileSummary(records=fs["records"], kept=fs["kept"], dropped=dict(fs["dropped"]),
-                                          truncated=fs["truncated"], tokens=fs["tokens"],
-                                          loss_tokens=fs["loss_tokens"])
-    return summary

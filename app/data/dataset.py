@@ -62,6 +62,16 @@ class FileSummary:
             "loss_tokens": self.loss_tokens,
         }
 
+    def add(self, other: "FileSummary") -> None:
+        """Count `other`'s records in too (shards of one file, files of a total)."""
+        self.records += other.records
+        self.kept += other.kept
+        self.truncated += other.truncated
+        self.tokens += other.tokens
+        self.loss_tokens += other.loss_tokens
+        for reason, n in other.dropped.items():
+            self.dropped[reason] = self.dropped.get(reason, 0) + n
+
 
 @dataclass
 class DataSummary:
@@ -72,17 +82,16 @@ class DataSummary:
     def total(self) -> FileSummary:
         tot = FileSummary()
         for fs in self.files.values():
-            tot.records += fs.records
-            tot.kept += fs.kept
-            tot.truncated += fs.truncated
-            tot.tokens += fs.tokens
-            tot.loss_tokens += fs.loss_tokens
-            for r, n in fs.dropped.items():
-                tot.dropped[r] = tot.dropped.get(r, 0) + n
+            tot.add(fs)
         return tot
 
     def to_dict(self) -> dict:
         return {"total": self.total().to_dict(), "files": {k: v.to_dict() for k, v in self.files.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DataSummary":
+        """The inverse of to_dict (the total is recomputed)."""
+        return cls(files={path: FileSummary(**{**fs, "dropped": dict(fs["dropped"])}) for path, fs in d["files"].items()})
 
 
 @dataclass
@@ -252,14 +261,7 @@ def assemble(files: list[str], results: list[ShardResult]) -> TokenizedDataset:
     for r in results:
         if r.error:
             raise DataError(r.error)
-        fs = summary.files[r.path]
-        fs.records += r.summary.records
-        fs.kept += r.summary.kept
-        fs.truncated += r.summary.truncated
-        fs.tokens += r.summary.tokens
-        fs.loss_tokens += r.summary.loss_tokens
-        for reason, n in r.summary.dropped.items():
-            fs.dropped[reason] += n
+        summary.files[r.path].add(r.summary)
     lengths = np.concatenate([r.lengths for r in results]) if results else np.zeros(0, np.int64)
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
