@@ -41,14 +41,16 @@ class FakeTarget:
 
 
 class FakeDrafter:
-    """A consumer: pulls, reads the payload, acks every `accum` items, until end-of-stream."""
+    """A consumer: pulls, reads the payload, acks every `accum` items, until end-of-stream. With
+    `ack_on_pull` the acks ride on the next pull, as DrafterActor's do."""
 
-    def run(self, pool, drafter_id: int, accum: int = 2, delay_s: float = 0.0) -> dict:
+    def run(self, pool, drafter_id: int, accum: int = 2, delay_s: float = 0.0, ack_on_pull: bool = False) -> dict:
         import ray
 
-        seen, held, producers = [], [], set()
+        seen, held, producers, acks = [], [], set(), []
         while True:
-            got = ray.get(pool.pull.remote(drafter_id))
+            got = ray.get(pool.pull.remote(drafter_id, 0, acks))
+            acks = []
             if isinstance(got, EndOfStream):
                 break
             if isinstance(got, PulledItem):
@@ -58,7 +60,10 @@ class FakeDrafter:
                 held.append(got.meta.job_id)
                 time.sleep(delay_s)
             if len(held) >= accum or isinstance(got, Drained):
-                ray.get(pool.ack.remote(drafter_id, held))
+                if ack_on_pull:
+                    acks = list(held)
+                else:
+                    ray.get(pool.ack.remote(drafter_id, held))
                 seen += held
                 held = []
                 if isinstance(got, Drained):
@@ -91,7 +96,7 @@ def test_five_producers_three_consumers_move_every_job_once_despite_a_killed_pro
     ray.get(pool.add_jobs.remote(jobs(n)))
     ray.get(pool.finish_adding.remote())
     drafters = [ray.remote(FakeDrafter).remote() for _ in range(3)]
-    runs = [d.run.remote(pool, i, 2, 0.01) for i, d in enumerate(drafters)]
+    runs = [d.run.remote(pool, i, 2, 0.01, True) for i, d in enumerate(drafters)]
     deadline = time.time() + 60
     while ray.get(pool.stats.remote()).done_by_target.get(2, 0) < 3:
         assert time.time() < deadline

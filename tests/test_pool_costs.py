@@ -45,7 +45,7 @@ def test_dealt_steps_stay_within_ten_percent_across_ranks_over_a_long_run(seed):
     dealt, r = _spreads([c * 1000 for c in DRAFTER_COST], seed)
     blind, _ = _spreads((), seed)
     assert len(dealt) > 200
-    assert statistics.mean(dealt) <= 0.05 and dealt[int(0.9 * len(dealt))] <= 0.10, (
+    assert statistics.mean(dealt) <= 0.07 and dealt[int(0.9 * len(dealt))] <= 0.10, (
         statistics.mean(dealt), dealt[int(0.9 * len(dealt))], dealt[-1])
     assert statistics.mean(blind) > 0.2  # the same run without costs: ranks wait for each other
     m = r.measures()  # the mixing guarantees hold while dealing

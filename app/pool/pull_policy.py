@@ -11,8 +11,7 @@ most items buffered (so the buffer's largest bucket stays small), else the most 
 When jobs carry their drafter cost (JobSpec.cost, query rows) it also deals: of the buckets the step
 owes, a rank takes the one (and of that bucket the item) after which the rest of the step's quota,
 dealt largest first to the least-loaded rank, leaves the ranks' step costs closest, so ranks do not
-wait for each other at the all-reduce; only if every owed bucket would leave them more than
-BALANCE_SLACK apart does it take an item the step does not owe. Once production is over it
+wait for each other at the all-reduce; the step's composition stays its quota. Once production is over it
 stratifies what is left (the buffer's own mix) and splits it into equal steps, so the last steps
 still mix.
 
@@ -107,12 +106,6 @@ def apportion(weights: Sequence[float], total: int) -> list[int]:
     return out
 
 
-# Projected (max - min) / mean of the ranks' step costs above which a rank may take an item its step
-# does not owe. Lower balances harder and bends the mix more (simulated: 0.1 costs step_tv 1.14x the
-# floor, 0.2 1.04x; both keep the mean spread near 0.03).
-BALANCE_SLACK = 0.20
-
-
 @dataclass
 class _Round:
     quota: list[int]  # items per bucket this step still plans
@@ -167,7 +160,7 @@ class Stratified:
         if with_quota:
             b = max(with_quota, key=lambda c: (ctx.counts[c], rnd.quota[c], -c))
             if ctx.ranks_known and any(ctx.costs):
-                b = self._balanced(rnd, ctx, with_quota, b, live)
+                b = self._balanced(rnd, ctx, with_quota, b)
         else:
             b = max(live, key=lambda c: (self.owed[c], ctx.counts[c], -c))
         if rnd.quota[b] > 0:
@@ -176,20 +169,15 @@ class Stratified:
         self.owed[b] = max(-ctx.step_items, self.owed[b] - 1)
         return b
 
-    def _balanced(self, rnd: _Round, ctx: PullContext, candidates: list[int], fullest: int, live: list[int]) -> int:
-        """Deal for cost: the candidate after which the step's remaining quota, dealt largest first
-        to the rank with the least cost and a free slot, leaves the ranks' costs closest together
-        (ties: the fullest bucket); the step's composition is unchanged, only who gets what. Only
-        when every owed bucket on hand would leave the ranks more than BALANCE_SLACK apart does the
-        rank take an item the step does not owe (the owed one stays for another rank or step)."""
-        def key(c: int) -> tuple:
-            return round(self._spread_after(rnd, ctx, c, ctx.costs[c]), 3), c != fullest, -ctx.counts[c], c
-        best = min(candidates, key=key)
-        if key(best)[0] > BALANCE_SLACK:
-            others = [c for c in live if c not in candidates]
-            if others and key(alt := min(others, key=key))[0] < key(best)[0]:
-                return alt
-        return best
+    def _balanced(self, rnd: _Round, ctx: PullContext, candidates: list[int], fullest: int) -> int:
+        """Deal for cost: of the buckets the step still owes, the one after which the rest of its
+        quota, dealt largest first to the rank with the least cost and a free slot, leaves the ranks'
+        costs closest together (ties: the fullest bucket). Only who gets what changes, never the
+        step's composition: mixing comes first. (Taking an item the step does not owe when that
+        balances better was tried: it bends the mix, and with one item per rank, where no dealing
+        can balance, it starved the cheapest bucket until it filled the buffer.)"""
+        return min(candidates, key=lambda c: (round(self._spread_after(rnd, ctx, c, ctx.costs[c]), 3),
+                                              c != fullest, -ctx.counts[c], c))
 
     def _spread_after(self, rnd: _Round, ctx: PullContext, bucket: int, cost: float) -> float:
         """(max - min) / mean of the ranks' step costs if this rank takes an item of `bucket` costing
