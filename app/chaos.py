@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 FAULT_KINDS = ("target", "drafter")  # repeated; "pool" and "driver" are added once each
-GAP_S = (4.0, 12.0)  # seconds between faults, drawn uniformly
+GAP_S = (2.0, 6.0)  # seconds between faults (after the run trains again), drawn uniformly
 MAX_SUBMISSIONS = 6
 
 
