@@ -14,9 +14,7 @@ def fire_once(run_dir: str | Path, name: str) -> bool:
 
     A URI `run_dir` (checkpoints on object storage) keeps its markers in a local folder tied to it:
     "once" then holds per machine, which is what single-machine rehearsals need."""
-    from app.training.storage import local_cache_dir
-
-    marks = local_cache_dir(run_dir) / "faults_fired"
+    marks = _marks_dir(run_dir)
     marks.mkdir(parents=True, exist_ok=True)
     try:
         fd = os.open(marks / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -25,3 +23,14 @@ def fire_once(run_dir: str | Path, name: str) -> bool:
     os.close(fd)
     return True
 
+
+def _marks_dir(run_dir: str | Path) -> Path:
+    """`<run_dir>/faults_fired`, or for a URI a folder under the temp dir named by its hash (a shared
+    leaf: no import of app.training.storage)."""
+    if "://" not in str(run_dir):
+        return Path(run_dir) / "faults_fired"
+    import hashlib
+    import tempfile
+
+    digest = hashlib.sha256(str(run_dir).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"dflash-faults-{digest}"
