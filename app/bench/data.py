@@ -105,8 +105,18 @@ def driver_child(cfg_json: str, model_dir: str, epochs: int, as_list: bool) -> N
             chunk = jobs[i:i + 4096]
             count += len(chunk)
             sink.append(chunk)
-    print(json.dumps({"peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "jobs": count,
-                      "schedule_bytes": jobs.nbytes}))
+    print(json.dumps({"peak_mb": peak_rss_mb(), "jobs": count, "schedule_bytes": jobs.nbytes}))
+
+
+def peak_rss_mb() -> float:
+    """This process's peak RSS: VmHWM (ru_maxrss on Linux keeps the forking parent's peak across exec)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _cfg_from_json(blob: str):
@@ -166,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from transformers import AutoTokenizer
 
+    from app.data import cache
     from app.data.pipeline import load_or_tokenize, tokenize_files
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -190,8 +201,9 @@ def main(argv: list[str] | None = None) -> int:
             print("FAIL: the Ray Data pipeline's dataset differs from the single-process one", file=sys.stderr)
             return 1
 
-        load_or_tokenize(replace(cfg, data=replace(cfg.data, num_workers=1)), model_dir, tok, files,
-                         progress=False, log=print)  # fills the cache (tokenizes once more)
+        key, parts = cache.cache_key(files, cache.tokenizer_fingerprint(model_dir, tok), cfg.data,
+                                     cfg.drafter.block_size)
+        cache.save(cache.cache_root(cfg), key, single, parts)  # what the first run's load_or_tokenize writes
         t0 = time.perf_counter()
         cached = load_or_tokenize(cfg, model_dir, tok, files, progress=False, log=print)
         int(cached.offsets[-1])  # touch the map
