@@ -1,9 +1,9 @@
 """Everything the driver settles before any actor starts: target, checks, data, schedule, resume point.
 
-No Ray here, and the driver plans before `ray.init`: a bad target, a bad mask token, malformed data
-(`DataError`) or an empty dataset stops the run before the cluster is touched. Only the byte size of
-a job's hidden states waits for the device (`RunPlan.use_device`), which with `topology.device=auto`
-is known once the cluster is.
+The driver plans before `ray.init`: a bad target, a bad mask token, malformed data (`DataError`) or
+an empty dataset stops the run before the cluster is touched. The exceptions: a large input that
+`data.num_workers=0` tokenizes on the cluster (`spare_cpus` connects first), and the byte size of a
+job's hidden states, which waits for the device (`RunPlan.use_device`) when `topology.device=auto`.
 """
 from __future__ import annotations
 
@@ -122,7 +122,7 @@ def data_fingerprint(dataset, cfg: Config) -> str:
 
     h = hashlib.sha256()
     for arr in (dataset.tokens, dataset.loss_mask, dataset.offsets):
-        h.update(np.ascontiguousarray(arr).tobytes())
+        h.update(np.ascontiguousarray(arr).data)  # a view: the memory-mapped cache is hashed without a copy
     d = cfg.data
     # The target and its layers too: the same job ids over another target's features are other data.
     h.update(json.dumps([d.seed, d.tokens_per_job, list(d.bucket_boundaries), d.max_length, cfg.model.target,
