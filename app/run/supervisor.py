@@ -359,13 +359,24 @@ class Supervisor:
         if handle is not None:
             ray.kill(handle, no_restart=True)
 
+    # Pool calls that are safe to send twice. Ray raises ActorUnavailableError for a connection that
+    # blips (seen once in four node-loss runs) without saying whether the call ran, so only these retry.
+    _IDEMPOTENT_POOL_CALLS = frozenset({"stats", "request_stop", "finish_adding", "pause_target", "resume_target"})
+
     def _pool_call(self, method, *args) -> Any:
         """Every call to the pool goes through here: a dead pool ends the run with one clear line."""
         import ray
-        from ray.exceptions import RayActorError
+        from ray.exceptions import ActorUnavailableError, RayActorError
 
+        retries = 5 if getattr(method, "_method_name", "") in self._IDEMPOTENT_POOL_CALLS else 0
         try:
-            return ray.get(method.remote(*args), timeout=60)
+            for attempt in range(retries + 1):
+                try:
+                    return ray.get(method.remote(*args), timeout=60)
+                except ActorUnavailableError:
+                    if attempt == retries:
+                        raise
+                    time.sleep(2.0)
         except (RayActorError, ray.exceptions.GetTimeoutError) as exc:
             from app.training.checkpoint import latest_checkpoint
 
