@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from app.pool.pull_policy import PullContext, PullPolicy
+from app.pool.pull_policy import BucketOnlyPolicy, PullContext, PullPolicy
 
 
-class RandomPulls:
+class RandomPulls(BucketOnlyPolicy):
     """Uniform over buffered items: a bucket is picked in proportion to what it holds, so the
     dominant bucket dominates the pulls (the seed pipeline's behaviour)."""
 
@@ -27,15 +27,6 @@ class RandomPulls:
                 return b
             k -= n
         raise AssertionError("choose called with every bucket empty")
-
-    def pick(self, ctx: PullContext, bucket: int, costs: Sequence[int], rng: random.Random) -> None:
-        return None
-
-    def served(self, ctx: PullContext, bucket: int, cost: int) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass
 
 
 class TracedPulls:

@@ -63,7 +63,22 @@ class PullPolicy(Protocol):
         """The drafter group is rebuilt: forget per-drafter and per-step state."""
 
 
-class RoundRobin:
+class BucketOnlyPolicy:
+    """Base of the policies that only choose a bucket: a random item within it, no per-step state."""
+
+    def pick(self, ctx: PullContext, bucket: int, costs: Sequence[int], rng: random.Random) -> None:
+        return None
+
+    def served(self, ctx: PullContext, bucket: int, cost: int) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+class RoundRobin(BucketOnlyPolicy):
+    """Per-drafter round-robin over the non-empty buckets (the first wave's policy, kept to compare)."""
+
     name = "round_robin"
 
     def __init__(self, num_buckets: int) -> None:
@@ -81,12 +96,6 @@ class RoundRobin:
                 self._cursor[ctx.drafter_id] = b
                 return b
         raise AssertionError("choose called with every bucket empty")
-
-    def pick(self, ctx: PullContext, bucket: int, costs: Sequence[int], rng: random.Random) -> None:
-        return None
-
-    def served(self, ctx: PullContext, bucket: int, cost: int) -> None:
-        pass
 
     def reset(self) -> None:
         self._cursor.clear()
