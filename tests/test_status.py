@@ -49,3 +49,16 @@ def test_progress_restarts_at_the_restored_step() -> None:
     clock.t += 50
     mon.add_records([_rec(0, 1001)])
     assert mon.step == 1001 and clock() - mon.last_progress == 0
+
+
+
+def test_status_line_with_a_resumed_best_and_no_evaluation_yet() -> None:
+    """A resumed run restores drafter-best/'s tau before this start has evaluated anything (chaos found
+    the status line raising IndexError there)."""
+    mon = RunMonitor(clock=Clock())
+    mon.add_pool(HSPool(PoolConfig(capacity=16, min_ready=4), 6).stats())
+    mon.add_records([_rec(0, 1)])
+    mon.tau_best = (20, 3.25)  # what EvalRunner._resume sets from drafter-best/config.json
+    assert "tau 3.25 (best 3.25 @20)" in mon.line()
+    mon.add_tau(30, 2.5)
+    assert "tau 2.50 (best 3.25 @20)" in mon.line()

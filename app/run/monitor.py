@@ -165,7 +165,9 @@ class RunMonitor:
             "bottleneck": bottleneck(self.data_wait_share(), stats.buffered if stats else 0,
                                      stats.capacity_items if stats else 0),
             "advice": advice.text() if (advice := self.advisor and self.advisor.advice()) else "",
-            **({"tau": self.tau_history[-1][1], "tau_best": self.tau_best[1]} if self.tau_best else {}),
+            # A resumed run may know its best drafter (drafter-best/) before any evaluation of this start.
+            **({"tau": (self.tau_history or [self.tau_best])[-1][1], "tau_best": self.tau_best[1]}
+               if self.tau_best else {}),
         }
 
     def line(self) -> str:
