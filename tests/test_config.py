@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from dataclasses import FrozenInstanceError, replace
 from pathlib import Path
 
@@ -154,17 +153,14 @@ def test_dflash_defaults() -> None:
     [(["pool.min_ready=999", "pool.capacity=8"], "pool.min_ready"), (["pool.capcity=8"], "did you mean 'pool.capacity'?")],
 )
 def test_train_cli_exits_2_with_one_line(overrides: list[str], needle: str) -> None:
-    start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "app.train", "--config", "conf/tiny.yaml", *overrides],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )
-    elapsed = time.monotonic() - start
     assert proc.returncode == 2, proc.stderr
     lines = [l for l in (proc.stdout + proc.stderr).splitlines() if l.strip()]
     assert len(lines) == 1 and needle in lines[0], lines
     assert "Traceback" not in proc.stderr
-    assert elapsed < 10
 
 
 # Keys whose conf/default.yaml value deliberately differs from the schema default: default.yaml is an
