@@ -150,9 +150,10 @@ def inject(state: ChaosState, kinds: list[str], rng: random.Random, step_log: Pa
         while not state.done.is_set():
             if not _wait_training(state, step_log, need_starts) or state.done.wait(rng.uniform(*GAP_S)):
                 return
-            if kind == "pool" and not _pool_kill_counts(step_log):
-                time.sleep(0.2)
-                continue
+            # The pool's window (2-4 steps past a checkpoint) lasts about a second on tiny: poll it
+            # closely here; going round the loop would sleep a whole gap between looks and miss it.
+            while kind == "pool" and not _pool_kill_counts(step_log) and not state.done.wait(0.1):
+                pass
             with state.lock:
                 driver = state.driver
                 alive = driver is not None and driver.poll() is None and not state.done.is_set()
