@@ -13,6 +13,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# Timing-dependent on a loaded 2-core box (the run can end before the fault/measurement lands): one rerun.
+@pytest.mark.flaky(reruns=1)
 def test_chaos_run_survives_and_trains_every_job_once(tmp_path: Path) -> None:
     run_dir = tmp_path / "chaos"
     # Its own process and its own local Ray cluster: the driver is SIGTERMed and resubmitted inside.

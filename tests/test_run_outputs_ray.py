@@ -31,6 +31,8 @@ def test_tau_during_the_run_best_drafter_and_report(ray_cluster, tmp_path: Path,
     assert "tau " in capsys.readouterr().out
 
 
+# Timing-dependent on a loaded 2-core box (the run can end before the fault/measurement lands): one rerun.
+@pytest.mark.flaky(reruns=1)
 @pytest.mark.parametrize("targets,drafters,more", [(1, 7, "targets"), (7, 1, "drafters")])
 def test_split_advice_moves_gpus_to_the_short_side(ray_cluster, tmp_path: Path, targets, drafters, more) -> None:
     from app.advise import main as advise_main
