@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from app.training.step_log import StepLog
 from app.training.checkpoint import TrainState, load_checkpoint, restore_rng, rng_state, save_checkpoint, state_checksum
 from app.config.schema import CheckpointConfig, DrafterConfig, FaultsConfig, TrainConfig
 from app.devices import compute_dtype, limit_threads, pick_device
@@ -44,6 +45,7 @@ class DrafterSetup:
     resume_from: str | None  # checkpoint folder, or None for a fresh start
     data_fingerprint: str = ""  # saved with each checkpoint; resume refuses other data
     eval_every_steps: int = 0  # rank 0 offers its weights for an evaluation every N steps (eval.every_steps)
+    step_log: str | None = None  # rank 0 appends each step's job ids here (logging.step_log, app/training/step_log.py)
 
 
 @dataclass(frozen=True)
@@ -207,6 +209,8 @@ class DrafterActor:
             gathered: list[list[int]] = [[] for _ in range(self.cfg.world_size)]
             dist.all_gather_object(gathered, job_ids)
             self.ledger.update(j for ids in gathered for j in ids)
+            if self.rank == 0 and self.cfg.step_log:  # before any checkpoint of this step
+                StepLog(self.cfg.step_log).step(self.trainer.step, gathered)
             self._report(stats, job_ids, wait_s, time.perf_counter() - t_step)
             if stats.stop:
                 stopped = True

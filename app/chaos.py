@@ -8,13 +8,9 @@ drafter process, SIGKILL of the pool actor (once; the driver then exits 1 and is
 SIGTERM of the driver followed by a resubmission (once). It ends with one line:
 
     RESULT faults=... survived=... jobs_scheduled=... trained_once=... trained_twice=...
-           never_trained=... quarantined=... unlogged_steps=... tau_untrained=... tau_trained=...
+           never_trained=... quarantined=... tau_untrained=... tau_trained=...
 
-`unlogged_steps` counts steps inside a resumed checkpoint whose records died with the pool before
-the driver drained them (their jobs are trained but cannot be counted; the pool is killed only two to
-four steps past a checkpoint to avoid that, see `_pool_kill_counts`).
-
-Trained counts come from the step log (`logging.step_log`, `app/run/step_log.py`): the job ids each
+Trained counts come from the step log (`logging.step_log`, `app/training/step_log.py`): the job ids each
 rank put into each optimizer step, replayed along the lineage of the final weights. Not from the
 pool's ledger, which the mechanism under test writes itself.
 """
@@ -90,7 +86,7 @@ def chaos_overrides(args) -> list[str]:
 def run_chaos(config: str, overrides: list[str], run_dir: Path, n_faults: int, seed: int) -> int:
     import ray
 
-    from app.run.step_log import FILE_NAME, count_trained
+    from app.training.step_log import FILE_NAME, count_trained
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # Logical CPUs: the tiny topology's fractional shares fit even a 2-core machine.
@@ -135,7 +131,7 @@ def run_chaos(config: str, overrides: list[str], run_dir: Path, n_faults: int, s
     counts = trained.count(scheduled, quarantined) if trained \
         else {"trained_once": 0, "trained_twice": 0, "never_trained": scheduled}
     result = {"faults": len(state.fired), "survived": survived, "jobs_scheduled": scheduled, **counts,
-              "quarantined": quarantined, "unlogged_steps": trained.unlogged_steps if trained else 0, "tau_untrained": summary.get("tau_untrained"),
+              "quarantined": quarantined, "tau_untrained": summary.get("tau_untrained"),
               "tau_trained": summary.get("tau_trained")}
     _say("fired: " + ", ".join(state.fired))
     print("RESULT " + " ".join(f"{k}={_fmt(v)}" for k, v in result.items()), flush=True)
@@ -150,10 +146,6 @@ def inject(state: ChaosState, kinds: list[str], rng: random.Random, step_log: Pa
         while not state.done.is_set():
             if not _wait_training(state, step_log, need_starts) or state.done.wait(rng.uniform(*GAP_S)):
                 return
-            # The pool's window (2-4 steps past a checkpoint) lasts about a second on tiny: poll it
-            # closely here; going round the loop would sleep a whole gap between looks and miss it.
-            while kind == "pool" and not _pool_kill_counts(step_log) and not state.done.wait(0.1):
-                pass
             with state.lock:
                 driver = state.driver
                 alive = driver is not None and driver.poll() is None and not state.done.is_set()
@@ -196,28 +188,6 @@ def _actor_pids(class_name: str) -> list[int]:
     jobs = {a.get("JobID") for a in actors if a.get("ActorClassName") == "HSPoolActor"}
     return [int(a["Pid"]) for a in actors
             if a.get("ActorClassName") == class_name and (len(jobs) != 1 or a.get("JobID") in jobs)]
-
-
-def _pool_kill_counts(step_log: Path) -> bool:
-    """Kill the pool only once the driver has logged records two steps past the newest checkpoint.
-
-    Step records travel through the pool; the ones it holds when it dies are lost. Steps after the
-    checkpoint are discarded at the resume anyway, but a record of a step inside the checkpoint that
-    was never drained would count its jobs as never trained. This wait is about the measurement, not
-    the run: the run resumes correctly either way."""
-    from app.training.checkpoint import latest_checkpoint, read_ledger
-
-    ckpt = latest_checkpoint(step_log.parent)
-    if ckpt is None:
-        return False
-    newest = read_ledger(ckpt)[0]
-    lines = _lines(step_log)
-    last_start = max((i for i, l in enumerate(lines) if '"group_start"' in l), default=-1)
-    steps = [json.loads(l)["step"] for l in lines[last_start + 1:] if '"job_ids"' in l and l.endswith("}")]
-    # Two steps past it (its records are drained) and not near the next one (every_steps=8 by default):
-    # the driver's log lags the ranks by a step or two, and a checkpoint written just before the kill
-    # would hold steps whose records are still in the pool.
-    return bool(steps) and newest + 2 <= max(steps) <= newest + 4
 
 
 def _group_starts(step_log: Path) -> int:

@@ -37,7 +37,7 @@ def summary(run_dir: Path) -> dict:
 def trained_counts(run_dir: Path) -> dict[str, int]:
     """trained_once / trained_twice / never_trained from the step log (the job ids the ranks reported
     per optimizer step), independent of the pool's ledger."""
-    from app.run.step_log import FILE_NAME, count_trained
+    from app.training.step_log import FILE_NAME, count_trained
 
     s = summary(run_dir)
     return count_trained(run_dir / FILE_NAME).count(s["jobs_scheduled"], s.get("jobs_quarantined") or 0)

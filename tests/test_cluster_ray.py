@@ -3,7 +3,7 @@ so it never meets the session's shared Ray instance. Each node has its own CPUs,
 store; the tiny run uses `topology.device=auto`, so bundles reserve GPUs and the actors compute on CPU.
 
 Trained jobs are counted from the step log (`logging.step_log`: the job ids of every optimizer step as the
-ranks reported them, replayed by app/run/step_log.py), not from the pool's ledger.
+ranks reported them, replayed by app/training/step_log.py), not from the pool's ledger.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def driver_lines(result: dict) -> str:
 
 
 def trained_counts(run_dir: Path, summary: dict) -> dict[str, int]:
-    from app.run.step_log import FILE_NAME, count_trained
+    from app.training.step_log import FILE_NAME, count_trained
 
     return count_trained(run_dir / FILE_NAME).count(summary["jobs_scheduled"])
 

@@ -103,12 +103,12 @@ def _in_thread(fn, timeout: float) -> int:
     return code["rc"]
 
 
-@pytest.mark.xfail(strict=False, reason="on a quiet machine the output lacks 'restart failed' (seen twice at the end of the session, not diagnosed: the run may end before a replacement fails, or the fault never fires); passes under load")
 def test_a_target_that_cannot_restart_is_given_up_and_the_run_goes_on(ray_cluster, tmp_path: Path, capsys) -> None:
     """Item 2: every replacement fails in __init__ (dead GPU); each failed start counts against the
-    budget, then the run finishes on the other targets."""
+    budget, then the run finishes on the other targets. Twelve epochs: on a quiet machine two epochs
+    end about three seconds after the crash, before the first replacement has even failed."""
     rc = run_in_process(tmp_path, "faults.kill_target_at_job=3", "faults.fail_target_restarts=true",
-                        "supervision.max_restarts_target=2")
+                        "supervision.max_restarts_target=2", "train.epochs=12")
     assert rc == 0
     s = _assert_complete(tmp_path)
     out = capsys.readouterr().out

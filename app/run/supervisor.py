@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from app.messages import DrafterPhase
-from app.run.step_log import FILE_NAME as STEP_LOG_FILE, StepLog
+from app.training.step_log import FILE_NAME as STEP_LOG_FILE, StepLog
 from app.run.plan import RunPlan
 from app.run.monitor import RunMonitor
 from app.run.supervision import (DrafterGroupFailed, DrafterGroupStarted, Fail, GiveUpTarget, KillStalledTarget,
@@ -185,7 +185,7 @@ class Supervisor:
             device=self.cfg.topology.device if self.topo.plan.use_gpu else "cpu",
             num_cpus=self.cfg.topology.cpus_per_drafter, dtype=self.cfg.model.dtype,
             total_steps=p.total_steps, total_jobs=len(p.jobs), resume_from=resume_from, data_fingerprint=p.data_fingerprint,
-            eval_every_steps=self.cfg.eval.every_steps,
+            eval_every_steps=self.cfg.eval.every_steps, step_log=str(self.step_log.path) if self.step_log else None,
         )
         from ray.exceptions import GetTimeoutError, RayError
 
@@ -272,8 +272,6 @@ class Supervisor:
     def _drain_records(self) -> None:
         records = self._pool_call(self.pool.drain_step_records)
         self.monitor.add_records(records)
-        if self.step_log:
-            self.step_log.records(records)
 
     def _note_quarantined(self, stats) -> None:
         """A poison job (its forward failed twice) is set aside by the pool; say so once, with its error."""
