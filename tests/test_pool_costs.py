@@ -61,10 +61,11 @@ def _cfg(capacity_bytes: int, capacity: int = 24) -> Config:
 def test_a_pool_the_object_store_cannot_hold_is_refused_in_one_line():
     gib = 2**30
     job = gib // 2
-    check_object_store(_cfg(8 * gib), job, 16 * gib)  # 8 + 3 x 5 x 0.5 = 15.5 GiB fits 16
+    # Leased payloads count inside capacity_bytes; items: 24 + 3 x (4 + 1) leased = 39 jobs = 19.5 GiB.
+    check_object_store(_cfg(16 * gib), job, 16 * gib)
+    check_object_store(_cfg(64 * gib, capacity=1), job, 16 * gib)  # (1 + 15) x 0.5 = 8 GiB: the items bound
     with pytest.raises(ConfigError) as e:
-        check_object_store(_cfg(12 * gib), job, 16 * gib)
+        check_object_store(_cfg(20 * gib), job, 16 * gib)  # min(20, 19.5) > 16
     msg = str(e.value)
-    assert "\n" not in msg and "pool.capacity_bytes" in msg and "object store" in msg
-    check_object_store(_cfg(64 * gib, capacity=4), job, 16 * gib)  # capacity x job bytes is what counts
+    assert "\n" not in msg and "pool.capacity_bytes" in msg and "object store" in msg and "19.5 GiB" in msg
     check_object_store(_cfg(64 * gib), job, 0)  # Ray did not say: no check

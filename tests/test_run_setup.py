@@ -43,3 +43,33 @@ def test_resume_refuses_a_checkpoint_of_other_data(tmp_path: Path) -> None:
     _checkpoint(tmp_path, "0123456789abcdef", [1, 2])
     with pytest.raises(ConfigError, match=r"holds a run on different data .* use a new checkpoint.dir"):
         plan_run(_cfg(tmp_path), on_gpu=False)
+
+
+def test_job_byte_estimates_equal_the_real_payloads(tmp_path: Path) -> None:
+    """Issue 12 item 3: a job's est_bytes is exactly what the target puts in the object store (hidden
+    states at the real dtype, ids, mask and lengths_B), for the largest job and a few others."""
+    from actors.target import TargetActor
+    from app.config.schema import FaultsConfig
+
+    cfg = _cfg(tmp_path)
+    plan = plan_run(cfg, on_gpu=False)
+    plan.use_device(False)
+    jobs = list(plan.jobs)
+    biggest = max(jobs, key=lambda j: j.est_bytes)
+    assert biggest.est_bytes == plan.jobs.max_payload_bytes()
+    target = TargetActor(0, plan.model_dir, plan.layer_ids, cfg.model, "cpu", 1, plan.dataset, FaultsConfig(),
+                         str(tmp_path))
+    for job in [biggest, *jobs[:3]]:
+        meta, _ = target.forward(job)
+        assert meta.nbytes == job.est_bytes > job.padded_tokens * plan.bytes_per_token  # lengths_B counted
+
+
+def test_a_byte_budget_below_one_global_step_is_refused_in_one_line(tmp_path: Path) -> None:
+    plan = plan_run(_cfg(tmp_path), on_gpu=False)
+    plan.use_device(False)
+    step = 3 * (1 + 1) * plan.jobs.max_payload_bytes()  # tiny: 3 drafters, grad_accum 1, one prefetched
+    plan_run(_cfg(tmp_path, f"pool.capacity_bytes={step}"), on_gpu=False).use_device(False)
+    with pytest.raises(ConfigError) as e:
+        plan_run(_cfg(tmp_path, f"pool.capacity_bytes={step - 1}"), on_gpu=False).use_device(False)
+    msg = str(e.value)
+    assert "\n" not in msg and f"pool.capacity_bytes={step - 1}" in msg and f"at least {step}" in msg

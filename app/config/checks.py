@@ -135,18 +135,33 @@ def check_resources(cfg: Config, available: dict[str, float], use_gpu: bool) -> 
 
 
 def check_object_store(cfg: Config, job_bytes: int, object_store_bytes: float) -> None:
-    """The pool's byte budget plus the leased items must fit the cluster's object store, or Ray spills
-    hidden states to disk and throughput collapses. Leased: every drafter holds up to grad_accum jobs
-    of its step plus one prefetched, outside pool.capacity_bytes until acked."""
-    pool_bytes = min(cfg.pool.capacity_bytes, cfg.pool.capacity * job_bytes)
-    leased = cfg.topology.num_drafters * (cfg.train.grad_accum + 1) * job_bytes
-    need = pool_bytes + leased
+    """The pool's byte budget must fit the cluster's object store, or Ray spills hidden states to disk
+    and throughput collapses. `pool.capacity_bytes` covers buffered, in-flight and leased payloads
+    (app/pool/budget.py); `pool.capacity` counts buffered and in-flight items only, and each drafter
+    leases at most grad_accum + 1 (its step plus one prefetched) on top, so the most the pool can hold
+    is the smaller of the two bounds."""
+    leased_items = cfg.topology.num_drafters * (cfg.train.grad_accum + 1)
+    need = min(cfg.pool.capacity_bytes, (cfg.pool.capacity + leased_items) * job_bytes)
     if object_store_bytes and need > object_store_bytes:
         gib = 2**30
         raise ConfigError(
-            f"pool.capacity_bytes={cfg.pool.capacity_bytes} (pool holds {pool_bytes / gib:.1f} GiB) plus leased "
-            f"items ({cfg.topology.num_drafters} drafters x {cfg.train.grad_accum + 1} jobs of {job_bytes / gib:.2f} "
-            f"GiB) need {need / gib:.1f} GiB but the cluster's object store holds {object_store_bytes / gib:.1f} GiB "
-            "and would spill; lower pool.capacity_bytes or pool.capacity, or start Ray with a larger "
-            "--object-store-memory"
+            f"pool.capacity_bytes={cfg.pool.capacity_bytes} lets the pool hold {need / gib:.1f} GiB of hidden states "
+            f"(pool.capacity={cfg.pool.capacity} + {leased_items} leased jobs of up to {job_bytes / gib:.2f} GiB) "
+            f"but the cluster's object store holds {object_store_bytes / gib:.1f} GiB and would spill; lower "
+            "pool.capacity_bytes or pool.capacity, or start Ray with a larger --object-store-memory"
+        )
+
+
+def check_step_fits(cfg: Config, job_bytes: int) -> None:
+    """One global step must fit the byte budget: every drafter leases grad_accum jobs plus one
+    prefetched, all counted in pool.capacity_bytes until acked. Less, and drafters hold part of a
+    step each while the pool refuses more: steps shrink to what fits, or with one job above the cap,
+    its bucket waits forever."""
+    need = cfg.topology.num_drafters * (cfg.train.grad_accum + 1) * job_bytes
+    if need > cfg.pool.capacity_bytes:
+        raise ConfigError(
+            f"pool.capacity_bytes={cfg.pool.capacity_bytes} is less than one global step needs: "
+            f"{cfg.topology.num_drafters} drafters x (train.grad_accum={cfg.train.grad_accum} + 1 prefetched) jobs "
+            f"of up to {job_bytes} bytes = {need}; raise pool.capacity_bytes to at least {need} or lower "
+            f"data.tokens_per_job={cfg.data.tokens_per_job}"
         )

@@ -115,6 +115,9 @@ def interleave(counts: Sequence[int], priority: Sequence[int]) -> list[tuple[int
     return order
 
 
+LENGTH_BYTES = 8  # HiddenBatch.lengths_B is int64, one entry per sequence
+
+
 @dataclass(frozen=True)
 class EpochJobs:
     """One epoch's jobs as flat arrays (about 13 bytes per job plus 4 per sequence): job k of the epoch
@@ -136,8 +139,20 @@ class EpochJobs:
         return JobSpec(
             job_id=make_job_id(self.epoch, index), epoch=self.epoch, index=index, bucket=int(self.bucket[index]),
             seq_indices=tuple(self.seq_ids[self.starts[index]:self.starts[index + 1]].tolist()),
-            padded_tokens=padded, est_bytes=padded * est_bytes_per_token,
+            padded_tokens=padded, est_bytes=self.payload_bytes(index, est_bytes_per_token),
         )
+
+    def payload_bytes(self, index: int, bytes_per_token: int) -> int:
+        """Exact size of job `index`'s payload: per padded token (hidden states, ids, mask) plus the
+        int64 `lengths_B` entry of each sequence (`HiddenBatch`; 0 while the device is unknown)."""
+        if not bytes_per_token:
+            return 0
+        return int(self.padded[index]) * bytes_per_token + LENGTH_BYTES * int(self.starts[index + 1] - self.starts[index])
+
+    def max_payload_bytes(self, bytes_per_token: int) -> int:
+        if not len(self):
+            return 0
+        return int((self.padded.astype(np.int64) * bytes_per_token + LENGTH_BYTES * np.diff(self.starts)).max())
 
     def specs(self, lo: int = 0, hi: int | None = None, est_bytes_per_token: int = 0) -> list[JobSpec]:
         return [self.spec(k, est_bytes_per_token) for k in range(lo, len(self) if hi is None else hi)]
@@ -201,6 +216,10 @@ class ScheduledJobs(Sequence):
 
     def max_padded_tokens(self) -> int:
         return max((int(e.padded.max()) for e in self.epochs if len(e)), default=0)
+
+    def max_payload_bytes(self) -> int:
+        """The largest job's exact payload size at `est_bytes_per_token` (its JobSpec.est_bytes)."""
+        return max((e.max_payload_bytes(self.est_bytes_per_token) for e in self.epochs), default=0)
 
     @property
     def nbytes(self) -> int:

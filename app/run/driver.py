@@ -27,8 +27,7 @@ def run(cfg: Config) -> int:
         plan = make_plan(cfg)  # before ray.init: a mistake in the config or the data never waits for the cluster
         use_gpu = connect(cfg)
         plan.use_device(use_gpu)
-        check_object_store(cfg, max(cfg.data.tokens_per_job, cfg.data.max_length) * plan.bytes_per_token,
-                           _object_store_bytes())  # a job pads to at most that many tokens
+        check_object_store(cfg, plan.jobs.max_payload_bytes(), _object_store_bytes())
     except UserError as exc:  # ConfigError, DataError
         print(f"{exc.kind} error: {exc}", file=sys.stderr)
         return 2

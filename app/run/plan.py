@@ -16,7 +16,7 @@ import numpy as np
 
 from app.training.checkpoint import latest_checkpoint, read_extra, read_ledger
 from app.config.schema import Config
-from app.config.checks import (TargetInfo, check_target, read_target_info, resolved_layer_ids,
+from app.config.checks import (TargetInfo, check_step_fits, check_target, read_target_info, resolved_layer_ids,
                                resolved_mask_token_id)
 from app.config.errors import ConfigError
 from app.data.schedule import ScheduledJobs
@@ -47,15 +47,16 @@ class RunPlan:
         return len(self.jobs) - len(set(self.resume_ledger))
 
     def use_device(self, on_gpu: bool) -> None:
-        """Size every job's hidden states for the device (bf16/fp16 on GPU, fp32 on CPU) and check
-        the largest fits the pool's byte budget."""
+        """Size every job's payload for the device (bf16/fp16 on GPU, fp32 on CPU) and check one global
+        step of the largest fits the pool's byte budget."""
         self.bytes_per_token = bytes_per_token(self.cfg, self.info, self.layer_ids, on_gpu)
         self.jobs.est_bytes_per_token = self.bytes_per_token
-        _check_job_fits(self.cfg, self.jobs.max_padded_tokens() * self.bytes_per_token)
+        check_step_fits(self.cfg, self.jobs.max_payload_bytes())
 
 
 def bytes_per_token(cfg: Config, info: TargetInfo, layer_ids: list[int], on_gpu: bool) -> int:
-    """Object-store bytes per token: layers x hidden x (2 for bf16/fp16, 4 for fp32 on CPU) + ids and mask."""
+    """Object-store bytes per padded token: layers x hidden x (2 for bf16/fp16, 4 for fp32 on CPU) + int64
+    id + uint8 mask. A job adds 8 bytes per sequence (`EpochJobs.payload_bytes`)."""
     width = 4 if (not on_gpu or cfg.model.dtype == "float32") else 2
     return len(layer_ids) * info.hidden_size * width + 9
 
@@ -137,14 +138,6 @@ def _check_same_data(cfg: Config, ckpt: Path, fingerprint: str) -> None:
             f"checkpoint.dir={cfg.checkpoint.dir!r} holds a run on different data or a different schedule "
             f"(fingerprint {saved} != {fingerprint}: data files, data.seed, data.tokens_per_job, "
             "data.bucket_boundaries, data.max_length, model.target or model.target_layer_ids changed); restore them or use a new checkpoint.dir"
-        )
-
-
-def _check_job_fits(cfg: Config, biggest: int) -> None:
-    if biggest > cfg.pool.capacity_bytes:
-        raise ConfigError(
-            f"pool.capacity_bytes={cfg.pool.capacity_bytes} is smaller than one job's hidden states ({biggest} bytes "
-            f"at data.tokens_per_job={cfg.data.tokens_per_job}); raise pool.capacity_bytes or lower data.tokens_per_job"
         )
 
 
