@@ -25,13 +25,15 @@ def run_prepare(cfg: Config, out_dir: str | Path, *, progress: bool = True, log=
     write summary.json and schedule.jsonl; return the summary."""
     from transformers import AutoTokenizer
 
+    from app.config.checks import read_target_info
     from app.data.pipeline import load_or_tokenize
     from app.data.schedule import epoch_jobs, schedule_summary
     from app.tiny.build import resolve_target
 
     target = resolve_target(cfg)
     tokenizer = AutoTokenizer.from_pretrained(target.model_dir)
-    dataset = load_or_tokenize(cfg, target.model_dir, tokenizer, target.train_files, progress=progress, log=log)
+    dataset = load_or_tokenize(cfg, target.model_dir, tokenizer, target.train_files, progress=progress, log=log,
+                               vocab_size=read_target_info(target.model_dir).vocab_size)
     lengths = dataset.lengths()
     schedules = [epoch_jobs(lengths, cfg.data, epoch) for epoch in range(cfg.train.epochs)]  # compact arrays
 

@@ -222,7 +222,7 @@ def test_filters_are_counted_and_every_record_accounted(tmp_path, qwen_tok):
     ds = load_dataset(cfg, 4, qwen_tok, [path])
     fs = ds.summary.files[path]
     assert (fs.records, fs.kept, fs.truncated) == (6, 2, 1)
-    assert fs.dropped == {"too_few_loss_tokens": 1, "overlong": 0, "malformed": 3}
+    assert fs.dropped == {"too_few_loss_tokens": 1, "overlong": 0, "malformed": 3, "out_of_vocab": 0}
     assert fs.kept + sum(fs.dropped.values()) == fs.records
     assert ds.lengths().max() == 160  # truncated to max_length
     assert fs.tokens == int(ds.lengths().sum()) and fs.loss_tokens == int(ds.loss_mask.sum())

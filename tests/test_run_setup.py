@@ -73,3 +73,27 @@ def test_a_byte_budget_below_one_global_step_is_refused_in_one_line(tmp_path: Pa
         plan_run(_cfg(tmp_path, f"pool.capacity_bytes={step - 1}"), on_gpu=False).use_device(False)
     msg = str(e.value)
     assert "\n" not in msg and f"pool.capacity_bytes={step - 1}" in msg and f"at least {step}" in msg
+
+
+def test_pretokenized_ids_outside_the_vocabulary_are_refused_before_any_actor(tmp_path: Path) -> None:
+    """Issue 12 item 1: an id >= the target's vocab_size would make its job's forward fail on every
+    target. Under on_error=raise the plan stops with file, line and id; under skip the record is
+    dropped and counted as out_of_vocab, and the others train."""
+    import json
+
+    from app.data.records import DataError
+
+    vocab = plan_run(_cfg(tmp_path / "probe"), on_gpu=False).info.vocab_size
+    rows = [{"input_ids": [5 + i % 7 for i in range(60)], "loss_mask": [1] * 60} for _ in range(3)]
+    rows[1]["input_ids"][10] = vocab  # one past the last embedding row
+    data = tmp_path / "pretok.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    files = f"data.train_files=[{data}]"
+    with pytest.raises(DataError) as e:
+        plan_run(_cfg(tmp_path / "raise", files), on_gpu=False)
+    msg = str(e.value)
+    assert "\n" not in msg and f"{data}:2:" in msg and f"token id {vocab} is outside" in msg and "on_error=skip" in msg
+    plan = plan_run(_cfg(tmp_path / "skip", files, "data.on_error=skip"), on_gpu=False)
+    assert len(plan.dataset) == 2
+    assert plan.dataset.summary.total().dropped["out_of_vocab"] == 1
+    assert int(plan.dataset.tokens.max()) < vocab

@@ -19,11 +19,11 @@ import numpy as np
 
 from app.data.chat_mask import tokenize_conversation
 from app.data.progress import progress_bar
-from app.data.records import DataError, MalformedRecord
+from app.data.records import DataError, MalformedRecord, OutOfVocab
 from app.data.shards import Shard, read_shard, whole_file
 from app.config.schema import DataConfig
 
-DROP_REASONS = ("too_few_loss_tokens", "overlong", "malformed")
+DROP_REASONS = ("too_few_loss_tokens", "overlong", "malformed", "out_of_vocab")
 
 SHAREGPT_ROLES = {
     "human": "user",
@@ -163,7 +163,7 @@ def to_messages(rec: dict, fmt: str) -> list[dict]:
     return out
 
 
-def _tokenized_record(rec: dict) -> tuple[list[int], list[int]]:
+def _tokenized_record(rec: dict, vocab_size: int = 0) -> tuple[list[int], list[int]]:
     ids, mask = rec.get("input_ids"), rec.get("loss_mask")
     if not isinstance(ids, list) or not isinstance(mask, list):
         raise MalformedRecord("tokenized records need list `input_ids` and list `loss_mask`")
@@ -171,14 +171,18 @@ def _tokenized_record(rec: dict) -> tuple[list[int], list[int]]:
         raise MalformedRecord(f"input_ids has {len(ids)} tokens but loss_mask has {len(mask)}")
     if not all(isinstance(t, int) and t >= 0 for t in ids) or not all(m in (0, 1) for m in mask):
         raise MalformedRecord("input_ids must be non-negative ints and loss_mask 0/1")
+    if vocab_size and ids and max(ids) >= vocab_size:
+        raise OutOfVocab(f"token id {max(ids)} is outside the target's vocabulary of {vocab_size} (ids 0..{vocab_size - 1})")
     return ids, [int(m) for m in mask]
 
 
-def record_tokens(rec: dict, fmt: str, tokenizer, enable_thinking: bool) -> tuple[list[int], list[int]]:
-    """(input_ids, loss_mask) of one record; MalformedRecord if it cannot be tokenized."""
+def record_tokens(rec: dict, fmt: str, tokenizer, enable_thinking: bool, vocab_size: int = 0
+                  ) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) of one record; MalformedRecord if it cannot be tokenized. `vocab_size`
+    (0 = unchecked) bounds pre-tokenized ids; the tokenizer's own ids are the target's by construction."""
     kind = detect_format(rec, fmt)
     if kind == "tokenized":
-        return _tokenized_record(rec)
+        return _tokenized_record(rec, vocab_size)
     messages = to_messages(rec, kind)
     from jinja2.exceptions import TemplateError
 
@@ -207,8 +211,10 @@ class ShardResult:
     error: str = ""
 
 
-def tokenize_shard(shard: Shard, data: DataConfig, block_size: int, tokenizer, tick=None) -> ShardResult:
-    """Tokenize, mask and filter the records of one shard. `tick(n)` is told of records as they go."""
+def tokenize_shard(shard: Shard, data: DataConfig, block_size: int, tokenizer, tick=None, vocab_size: int = 0
+                   ) -> ShardResult:
+    """Tokenize, mask and filter the records of one shard. `tick(n)` is told of records as they go;
+    `vocab_size` (the target's, 0 = unchecked) bounds pre-tokenized ids."""
     min_loss = 2 * block_size
     fs = FileSummary()
     tok_parts, mask_parts, lengths = [], [], []
@@ -222,12 +228,12 @@ def tokenize_shard(shard: Shard, data: DataConfig, block_size: int, tokenizer, t
         try:
             if isinstance(rec, MalformedRecord):
                 raise rec
-            ids, mask = record_tokens(rec, data.format, tokenizer, data.enable_thinking)
+            ids, mask = record_tokens(rec, data.format, tokenizer, data.enable_thinking, vocab_size)
         except MalformedRecord as e:
             if data.on_error == "raise":
                 error = f"{shard.path}:{line_no}: malformed record: {e}. Fix the record or set data.on_error=skip"
                 break
-            fs.dropped["malformed"] += 1
+            fs.dropped[e.reason] += 1
             continue
         if len(ids) > data.max_length:
             if data.overlong == "drop":
@@ -270,8 +276,8 @@ def assemble(files: list[str], results: list[ShardResult]) -> TokenizedDataset:
     return TokenizedDataset(tokens=tokens, loss_mask=loss_mask, offsets=offsets, summary=summary)
 
 
-def load_dataset(data: DataConfig, block_size: int, tokenizer, files: list[str], progress: bool = False
-                 ) -> TokenizedDataset:
+def load_dataset(data: DataConfig, block_size: int, tokenizer, files: list[str], progress: bool = False,
+                 vocab_size: int = 0) -> TokenizedDataset:
     """Tokenize, mask and filter every record of `files` (in order) into one flat dataset, in this
     process: the reference for the parallel path (`app/data/pipeline.py`) and the path for small inputs."""
     if not files:
@@ -280,7 +286,7 @@ def load_dataset(data: DataConfig, block_size: int, tokenizer, files: list[str],
     results = []
     with progress_bar(sum(s.records for s in shards), "tokenize", enabled=progress) as bar:
         for shard in shards:
-            results.append(tokenize_shard(shard, data, block_size, tokenizer, tick=bar.update))
+            results.append(tokenize_shard(shard, data, block_size, tokenizer, tick=bar.update, vocab_size=vocab_size))
             if results[-1].error:
                 break  # the first malformed record stops the run: nothing after it matters
     return assemble(files, results)

@@ -32,15 +32,17 @@ PARALLEL_MIN_BYTES = 32 << 20
 
 def load_or_tokenize(cfg: Config, model_dir: str, tokenizer, files: list[str], *,
                      spare_cpus: Callable[[], float] | None = None, progress: bool = True,
-                     log: Callable[[str], None] = print) -> TokenizedDataset:
+                     log: Callable[[str], None] = print, vocab_size: int = 0) -> TokenizedDataset:
     """The tokenized data of `files`: memory-mapped from `data.cache_dir` when an entry matches, else
     tokenized (in parallel where it pays) and written there. `spare_cpus` connects to the cluster and
-    says how many CPUs it has left for tokenizing (used when data.num_workers is 0 = auto)."""
+    says how many CPUs it has left for tokenizing (used when data.num_workers is 0 = auto). `vocab_size`
+    is the target's: pre-tokenized ids at or above it are malformed records (0 = unchecked, for
+    tokenizer-only folders in tests and benches)."""
     if not files:
         raise DataError("no training files; set data.train_files (or use model.target=tiny)")
     root = cache.cache_root(cfg)
-    key, parts = cache.cache_key(files, cache.tokenizer_fingerprint(model_dir, tokenizer), cfg.data,
-                                 cfg.drafter.block_size)
+    key, parts = cache.cache_key(files, f"{cache.tokenizer_fingerprint(model_dir, tokenizer)}:vocab{vocab_size}",
+                                 cfg.data, cfg.drafter.block_size)
     t0 = time.perf_counter()
     dataset = cache.load(root, key)
     if dataset is not None:
@@ -48,7 +50,8 @@ def load_or_tokenize(cfg: Config, model_dir: str, tokenizer, files: list[str], *
             f"({time.perf_counter() - t0:.2f} s)")
         return dataset
     workers = resolve_workers(cfg.data, files, spare_cpus)
-    dataset = tokenize_files(cfg.data, cfg.drafter.block_size, model_dir, tokenizer, files, workers, progress)
+    dataset = tokenize_files(cfg.data, cfg.drafter.block_size, model_dir, tokenizer, files, workers, progress,
+                             vocab_size)
     took = time.perf_counter() - t0
     entry = cache.save(root, key, dataset, parts)
     log(f"data: tokenized {dataset.summary.total().records} records with "
@@ -79,32 +82,33 @@ def resolve_workers(data: DataConfig, files: list[str], spare_cpus: Callable[[],
 
 
 def tokenize_files(data: DataConfig, block_size: int, model_dir: str, tokenizer, files: list[str],
-                   workers: int, progress: bool = True) -> TokenizedDataset:
+                   workers: int, progress: bool = True, vocab_size: int = 0) -> TokenizedDataset:
     """Tokenize `files` in this process (workers <= 1) or with `workers` Ray Data workers."""
     if workers <= 1:
-        return load_dataset(data, block_size, tokenizer, files, progress=progress)
+        return load_dataset(data, block_size, tokenizer, files, progress=progress, vocab_size=vocab_size)
     shards = [s for f in files for s in plan_shards(str(f), RECORDS_PER_SHARD)]
-    return assemble(files, _ray_data_results(shards, data, block_size, model_dir, workers, progress))
+    return assemble(files, _ray_data_results(shards, data, block_size, model_dir, workers, progress, vocab_size))
 
 
 class _ShardTokenizer:
     """A Ray Data worker: loads the tokenizer once, then tokenizes the shards it is handed."""
 
-    def __init__(self, model_dir: str, data: DataConfig, block_size: int, shards: list[Shard]) -> None:
+    def __init__(self, model_dir: str, data: DataConfig, block_size: int, shards: list[Shard], vocab_size: int) -> None:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.data, self.block_size, self.shards = data, block_size, shards
+        self.data, self.block_size, self.shards, self.vocab_size = data, block_size, shards, vocab_size
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        out = [pickle.dumps(tokenize_shard(self.shards[int(i)], self.data, self.block_size, self.tokenizer))
+        out = [pickle.dumps(tokenize_shard(self.shards[int(i)], self.data, self.block_size, self.tokenizer,
+                                           vocab_size=self.vocab_size))
                for i in batch["shard"]]
         return {"shard": np.asarray(batch["shard"]), "result": np.asarray(out, dtype=object)}
 
 
 def _ray_data_results(shards: list[Shard], data: DataConfig, block_size: int, model_dir: str, workers: int,
-                      progress: bool) -> list[ShardResult]:
+                      progress: bool, vocab_size: int = 0) -> list[ShardResult]:
     import ray
 
     if not ray.is_initialized():
@@ -112,7 +116,7 @@ def _ray_data_results(shards: list[Shard], data: DataConfig, block_size: int, mo
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # ours counts records, theirs blocks
     ds = ray.data.from_items([{"shard": i} for i in range(len(shards))], override_num_blocks=len(shards))
-    ds = ds.map_batches(_ShardTokenizer, fn_constructor_args=(model_dir, data, block_size, shards),
+    ds = ds.map_batches(_ShardTokenizer, fn_constructor_args=(model_dir, data, block_size, shards, vocab_size),
                         batch_size=1, concurrency=workers, num_cpus=1, batch_format="numpy")
     results: list[ShardResult | None] = [None] * len(shards)
     with progress_bar(sum(s.records for s in shards), f"tokenize ({workers} workers)", enabled=progress) as bar:

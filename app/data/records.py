@@ -8,6 +8,15 @@ from app.config.errors import UserError
 class MalformedRecord(Exception):
     """A record that cannot be turned into tokens; the reader names file and line."""
 
+    reason = "malformed"  # its drop reason under data.on_error=skip (FileSummary.dropped)
+
+
+class OutOfVocab(MalformedRecord):
+    """A pre-tokenized record holding an id the target has no embedding for: its forward would raise
+    on every target (a poison job), so it is refused before any actor starts."""
+
+    reason = "out_of_vocab"
+
 
 class DataError(UserError):
     """A mistake in the data (a malformed record under data.on_error=raise, a missing or unknown

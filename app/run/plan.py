@@ -89,7 +89,7 @@ def plan_run(cfg: Config, on_gpu: bool | None = None, *, spare_cpus: Callable[[]
     layer_ids, mask_id = resolved_layer_ids(cfg, info), resolved_mask_token_id(cfg, info)
     tokenizer = AutoTokenizer.from_pretrained(target.model_dir)
     dataset = load_or_tokenize(cfg, target.model_dir, tokenizer, target.train_files, spare_cpus=spare_cpus, log=log,
-                               progress=progress)
+                               progress=progress, vocab_size=info.vocab_size)
     if len(dataset) == 0:
         raise ConfigError(f"data.train_files={target.train_files} gave no usable sequence; see the data summary "
                           "(too few loss tokens or malformed records) and fix the data or data.max_length")
