@@ -3,7 +3,9 @@
 What the split advisor (`python -m app.advise`) and the report (`python -m app.report`) read after a run.
 Every row has `k` (its kind) and `t` (wall-clock seconds, so a resumed run continues the same axis):
 - `run`: a start of the driver, with the topology (a resumed run appends a new one);
-- `step`: one StepRecord of one rank (per-position accuracy only on rank 0: it is global);
+- `step`: one StepRecord of one rank (per-position accuracy only on rank 0: it is global; rank 0's rows
+  also carry the latest acceptance length measured so far, `tau` and the step it was measured at,
+  `tau_step`, so each step row says what tau the weights had last shown);
 - `pool`: a pool snapshot, at most every `pool_every_s` (q_hsb, jobs by state, per-target counters);
 - `event`: a fault and what was done about it;
 - `eval`: an acceptance-length measurement during the run (step, tau, per-position acceptance).
@@ -34,6 +36,7 @@ class Timeline:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.pool_every_s, self.clock = pool_every_s, clock
         self._last_pool = float("-inf")
+        self._tau: dict = {}  # the latest evaluation: {"tau": ..., "tau_step": ...}
         self._file = self.path.open("a", encoding="utf-8")
 
     def start(self, topology, run_name: str = "", resumed_step: int = 0) -> None:
@@ -46,6 +49,7 @@ class Timeline:
             row = {f: getattr(rec, f) for f in _STEP_FIELDS}
             if rec.rank == 0:
                 row["per_pos_acc"] = list(rec.per_pos_acc)
+                row.update(self._tau)
             self._write("step", **row)
 
     def add_pool(self, stats, force: bool = False) -> None:
@@ -60,6 +64,7 @@ class Timeline:
 
     def evaluation(self, step: int, tau: float, per_pos_accept: list[float], **extra) -> None:
         self._write("eval", step=step, tau=tau, per_pos_accept=list(per_pos_accept), **extra)
+        self._tau = {"tau": tau, "tau_step": step}
 
     def close(self) -> None:
         self._file.close()
