@@ -25,6 +25,7 @@ from collections import deque
 from typing import Any
 
 from app.config.schema import PoolConfig
+from app.data.schedule import EpochJobs
 from app.messages import EndOfStream, ItemMeta, JobSpec, PulledItem, StepRecord, TargetFailure
 from app.pool.policy import Drained, HSPool
 from app.pool.pull_policy import PullPolicy
@@ -154,8 +155,15 @@ class HSPoolActor:
     # ---- jobs -----------------------------------------------------------------------------
 
     async def add_jobs(self, jobs: list[JobSpec]) -> int:
+        """Queue these JobSpecs as given (tests, benches); a run adds whole epochs (`add_epoch`)."""
         self._ensure_started()
         return self._pool.add_jobs(jobs)
+
+    async def add_epoch(self, jobs: EpochJobs, bytes_per_token: int = 0) -> int:
+        """Queue one epoch's schedule (see HSPool.add_epoch). Send it as a `ray.put` ref: Ray resolves
+        it here with its arrays zero-copy in the object store, so they add nothing to the pool's heap."""
+        self._ensure_started()
+        return self._pool.add_epoch(jobs, bytes_per_token)
 
     async def finish_adding(self) -> None:
         self._pool.finish_adding()

@@ -55,7 +55,7 @@ def test_queue_puts_returned_jobs_in_front_in_the_given_order():
     for i in range(5):
         q.append(job(i))
     q.pop(), q.pop()
-    q.push_front([job(0), job(1)])
+    q.push_front([0, 1])  # ids: the queue makes JobSpecs from its catalog
     q.remove({3})
     assert [q.pop().job_id for _ in range(len(q))] == [0, 1, 2, 4]
     assert q.peek() is None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -120,15 +120,18 @@ LENGTH_BYTES = 8  # HiddenBatch.lengths_B is int64, one entry per sequence
 
 @dataclass(frozen=True)
 class EpochJobs:
-    """One epoch's jobs as flat arrays (about 13 bytes per job plus 4 per sequence): job k of the epoch
-    is bucket[k], holds seq_ids[starts[k]:starts[k+1]] and pads to padded[k] tokens. JobSpecs are made
-    from it on demand, so no process holds a JobSpec for every job of every epoch."""
+    """One epoch's jobs as flat arrays (about 13 bytes per job plus 4 per sequence; 8 more with costs):
+    job k of the epoch is bucket[k], holds seq_ids[starts[k]:starts[k+1]], pads to padded[k] tokens and
+    costs the drafter cost[k] query rows. JobSpecs are made from it on demand, so no process holds a
+    JobSpec for every job of every epoch. It is also the pool's message (`HSPool.add_epoch`): put once in
+    the object store, its arrays reach the pool zero-copy."""
 
     epoch: int
     bucket: np.ndarray  # uint8 [J]
     padded: np.ndarray  # int32 [J]: longest sequence x number of sequences
     starts: np.ndarray  # int64 [J+1]
     seq_ids: np.ndarray  # int32 [sequences of the epoch]
+    cost: np.ndarray | None = None  # int64 [J]: drafter query rows (`with_costs`); None = unknown (0)
 
     def __len__(self) -> int:
         return len(self.bucket)
@@ -140,7 +143,15 @@ class EpochJobs:
             job_id=make_job_id(self.epoch, index), epoch=self.epoch, index=index, bucket=int(self.bucket[index]),
             seq_indices=tuple(self.seq_ids[self.starts[index]:self.starts[index + 1]].tolist()),
             padded_tokens=padded, est_bytes=self.payload_bytes(index, est_bytes_per_token),
+            cost=0 if self.cost is None else int(self.cost[index]),
         )
+
+    def with_costs(self, seq_rows: np.ndarray) -> "EpochJobs":
+        """The same jobs with `cost` = the sum of their sequences' query rows (`app.data.costs.sequence_rows`),
+        what `app.data.costs.with_costs` gives their JobSpecs."""
+        rows = np.asarray(seq_rows, dtype=np.int64)[self.seq_ids]
+        cost = np.add.reduceat(rows, self.starts[:-1]) if len(self) else np.zeros(0, np.int64)
+        return replace(self, cost=cost.astype(np.int64))
 
     def payload_bytes(self, index: int, bytes_per_token: int) -> int:
         """Exact size of job `index`'s payload: per padded token (hidden states, ids, mask) plus the
@@ -148,6 +159,12 @@ class EpochJobs:
         if not bytes_per_token:
             return 0
         return int(self.padded[index]) * bytes_per_token + LENGTH_BYTES * int(self.starts[index + 1] - self.starts[index])
+
+    def all_payload_bytes(self, bytes_per_token: int) -> np.ndarray:
+        """payload_bytes of every job, int64 [J] (a temporary: 8 bytes per job)."""
+        if not bytes_per_token:
+            return np.zeros(len(self), np.int64)
+        return self.padded.astype(np.int64) * bytes_per_token + LENGTH_BYTES * np.diff(self.starts)
 
     def max_payload_bytes(self, bytes_per_token: int) -> int:
         if not len(self):
@@ -159,7 +176,8 @@ class EpochJobs:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.bucket, self.padded, self.starts, self.seq_ids))
+        arrays = (self.bucket, self.padded, self.starts, self.seq_ids) + (() if self.cost is None else (self.cost,))
+        return sum(a.nbytes for a in arrays)
 
 
 def epoch_jobs(dataset_lengths: np.ndarray, data: DataConfig, epoch: int) -> EpochJobs:

@@ -1,7 +1,7 @@
 """The hidden-state pool's policy: a plain class, no Ray.
 
 `HSPool` is the facade the actor (`actors/hs_pool.py`) wraps; its parts each live in their own
-module: the job queue (`queue.py`), jobs on targets (`inflight.py`), the bucket buffer
+module: the job queue (`queue.py`) over the catalog of added jobs (`catalog.py`), jobs on targets (`inflight.py`), the bucket buffer
 (`buffer.py`), the lease table with its generation fences (`leases.py`), the capacity budget in
 items and bytes (`budget.py`), the ledger of acked jobs (`ledger.py`), the explicit job states
 (`states.py`), the bucket choice of a pull (`pull_policy.py`) and which global step a pull belongs
@@ -12,6 +12,10 @@ tested) without Ray.
 Job life cycle (`JobState`): pending -> in_flight (on a target) -> buffered (in a bucket) -> leased
 (to a drafter) -> acked. A failed target job and a released lease go back to the FRONT of the queue:
 the hidden states are recomputed, never kept. Capacity rules: see `budget.py`.
+
+Jobs arrive as whole epochs (`add_epoch(EpochJobs)`, the run's path): the pool keeps about a byte per
+queued job (its state byte and the queue's skip bit) and makes a job's JobSpec only when it issues it.
+`add_jobs(list[JobSpec])` keeps each JobSpec as given, for tests and benches.
 
 Config values arrive checked (`app/config/schema.py`); the asserts here guard internal invariants.
 """
@@ -25,9 +29,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.config.schema import PoolConfig
-from app.messages import Drained, EndOfStream, ItemMeta, JobSpec, PulledItem
+import numpy as np
+
+from app.data.schedule import EpochJobs
+from app.messages import Drained, EndOfStream, ItemMeta, JobSpec, PulledItem, make_job_id
 from app.pool.budget import Budget
 from app.pool.buffer import BucketBuffer, Item
+from app.pool.catalog import JobCatalog
 from app.pool.inflight import InFlight
 from app.pool.leases import LeaseRevoked, LeaseTable
 from app.pool.ledger import Ledger
@@ -73,8 +81,8 @@ class HSPool:
         self._clock = clock
         self._rng = random.Random(cfg.seed)
         self._states = JobStates()
-        self._specs: dict[int, JobSpec] = {}  # every job added, for re-queueing on rollback
-        self._queue = JobQueue()
+        self._catalog = JobCatalog()  # every job added, for re-queueing on rollback
+        self._queue = JobQueue(self._catalog)
         self._in_flight = InFlight()
         self._buffer = BucketBuffer(num_buckets)
         self._leases = LeaseTable()
@@ -110,13 +118,29 @@ class HSPool:
                 continue
             self._check_job(job)
             self._states.move(job.job_id, JobState.PENDING)
-            self._specs[job.job_id] = job
             self._queue.append(job)
             added[job.bucket] += 1
-        self._scheduled = [a + b for a, b in zip(self._scheduled, added)]
-        self.policy.add_jobs(added)
+        return self._added(added)
+
+    def add_epoch(self, jobs: EpochJobs, bytes_per_token: int = 0) -> int:
+        """Queue every job of one epoch, in schedule order, without a JobSpec each (the run's path:
+        `jobs` arrives zero-copy from the object store); restored (already acked) jobs are skipped.
+        A job's JobSpec is made when it is issued, with est_bytes = `jobs.payload_bytes(index,
+        bytes_per_token)` (`RunPlan.bytes_per_token`; 0 = unknown). Returns how many were queued."""
+        if self._adding_finished:
+            raise ValueError("add_epoch after finish_adding: add every job of the run first")
+        skipped = self._ledger.mask(jobs.epoch, len(jobs))
+        queued = ~skipped
+        self._check_epoch(jobs, bytes_per_token, queued)
+        self._states.add_epoch(jobs.epoch, queued)
+        self._queue.append_epoch(jobs, bytes_per_token, skipped)
+        return self._added(np.bincount(jobs.bucket[queued], minlength=self.num_buckets).tolist())
+
+    def _added(self, per_bucket: list[int]) -> int:
+        self._scheduled = [a + b for a, b in zip(self._scheduled, per_bucket)]
+        self.policy.add_jobs(per_bucket)
         self._wake()
-        return sum(added)
+        return sum(per_bucket)
 
     def finish_adding(self) -> None:
         """No more jobs will be added: once all are produced pulls drain, once all are acked EOS."""
@@ -335,11 +359,10 @@ class HSPool:
                 if lease.item.meta.job_id in keep:
                     self._ack_lease(lease.item.meta.job_id)
         n = len(self.reset_drafters())
-        undo = sorted((self._specs[j] for j in self._ledger.not_in(keep) if j in self._specs),
-                      key=lambda job: job.job_id)
-        for job in undo:
-            self._ledger.discard(job.job_id)
-            self._states.move(job.job_id, JobState.PENDING)
+        undo = [j for j in self._ledger.not_in(keep) if j in self._catalog]  # sorted: schedule order
+        for job_id in undo:
+            self._ledger.discard(job_id)
+            self._states.move(job_id, JobState.PENDING)
         self._queue.push_front(undo)  # schedule order at the front
         self._wake()
         return n + len(undo)
@@ -385,7 +408,7 @@ class HSPool:
 
     def record_step(self, step: int, job_ids: Iterable[int]) -> None:
         """One rank's step report (the jobs it trained): feeds the step-mix measure."""
-        self._step_mix.add(step, (self._specs[j].bucket for j in job_ids if j in self._specs))
+        self._step_mix.add(step, (self._catalog.bucket(j) for j in job_ids if j in self._catalog))
 
     def data_shares(self) -> list[float]:
         """Each bucket's share of the scheduled jobs."""
@@ -479,33 +502,53 @@ class HSPool:
 
     def _requeue_leases(self, job_ids: list[int]) -> None:
         """Leases back to the front of the queue, in the given order; payloads are dropped."""
-        jobs = []
         for jid in job_ids:
             lease = self._leases.pop(jid)
             self._budget.unlease(lease.item.meta.nbytes)
             self._states.move(jid, JobState.PENDING)
-            jobs.append(lease.item.job)
-        self._queue.push_front(jobs)
+        self._queue.push_front(job_ids)
 
     def _requeue_in_flight(self, job_ids: list[int]) -> None:
         fls = sorted((self._in_flight.pop(j) for j in job_ids), key=lambda fl: fl.start)
         for fl in fls:
             self._budget.unreserve(fl.reserved_bytes)
             self._states.move(fl.job.job_id, JobState.PENDING)
-        self._queue.push_front(fl.job for fl in fls)
+        self._queue.push_front(fl.job.job_id for fl in fls)
         self._wake()
 
     def _check_job(self, job: JobSpec) -> None:
         """Jobs come from the driver's schedule; these name the fix when a caller builds them wrong."""
         if job.job_id in self._states:
-            raise ValueError(f"job {job.job_id} added twice: job ids must be unique across epochs")
+            raise ValueError(_twice(job.job_id))
         if not 0 <= job.bucket < self.num_buckets:
-            raise ValueError(
-                f"job {job.job_id} has bucket {job.bucket}, outside 0..{self.num_buckets - 1}: "
-                "build the pool with num_buckets = len(data.bucket_boundaries)"
-            )
+            raise ValueError(self._bad_bucket(job.job_id, job.bucket))
         if job.est_bytes > self.cfg.capacity_bytes:
-            raise ValueError(
-                f"job {job.job_id} needs ~{job.est_bytes} bytes, more than pool.capacity_bytes="
-                f"{self.cfg.capacity_bytes}: raise pool.capacity_bytes or lower data.tokens_per_job"
-            )
+            raise ValueError(self._too_big(job.job_id, job.est_bytes))
+
+    def _check_epoch(self, jobs: EpochJobs, bytes_per_token: int, queued: np.ndarray) -> None:
+        """`_check_job` for the queued jobs of a whole epoch, vectorised; the first bad job is named."""
+        def first(bad: np.ndarray) -> int | None:
+            hit = np.flatnonzero(queued & bad)
+            return int(hit[0]) if hit.size else None
+
+        n = len(jobs)
+        if self._catalog.has_epoch(jobs.epoch):
+            raise ValueError(_twice(make_job_id(jobs.epoch, 0)))
+        if (k := first(self._states.known(jobs.epoch, n))) is not None:
+            raise ValueError(_twice(make_job_id(jobs.epoch, k)))
+        if (k := first(jobs.bucket >= self.num_buckets)) is not None:
+            raise ValueError(self._bad_bucket(make_job_id(jobs.epoch, k), int(jobs.bucket[k])))
+        if (k := first(jobs.all_payload_bytes(bytes_per_token) > self.cfg.capacity_bytes)) is not None:
+            raise ValueError(self._too_big(make_job_id(jobs.epoch, k), jobs.payload_bytes(k, bytes_per_token)))
+
+    def _bad_bucket(self, job_id: int, bucket: int) -> str:
+        return (f"job {job_id} has bucket {bucket}, outside 0..{self.num_buckets - 1}: "
+                "build the pool with num_buckets = len(data.bucket_boundaries)")
+
+    def _too_big(self, job_id: int, est_bytes: int) -> str:
+        return (f"job {job_id} needs ~{est_bytes} bytes, more than pool.capacity_bytes="
+                f"{self.cfg.capacity_bytes}: raise pool.capacity_bytes or lower data.tokens_per_job")
+
+
+def _twice(job_id: int) -> str:
+    return f"job {job_id} added twice: job ids must be unique across epochs"
