@@ -9,10 +9,13 @@ the tiny target's word-level tokenizer and ChatML template, then:
 - cache_load_s: a second `load_or_tokenize` with the same inputs: cache key (stat of the inputs, hash
   of the tokenizer files) and the memory-mapped load, plus reading the offsets;
 - driver_peak_mb: peak RSS of a fresh process doing what the driver does with that data: load the
-  cache, build --epochs epochs of compact schedule, and hand every job to a queue in the supervisor's
-  chunks of 4096 JobSpecs (for contrast it also prints what a list of every JobSpec costs);
-- pool_bytes_per_job: Python heap the pool policy (`HSPool`) holds per queued job after `add_jobs` of
-  every job of every epoch (tracemalloc), and the ledger's bytes per acked job.
+  cache, build --epochs epochs of compact schedule and give each its drafter costs (what the supervisor
+  `ray.put`s for the pool); for contrast it also prints what a list of every JobSpec costs;
+- pool_bytes_per_job: Python heap the pool policy (`HSPool`) holds per queued job after `add_epoch` of
+  every epoch, as the supervisor feeds it (tracemalloc), and the ledger's bytes per acked job;
+- schedule_bytes_per_job: the epochs' compact arrays (`EpochJobs` with costs) per job. In a run they sit
+  once in the object store of the driver's node and reach the pool zero-copy (read-only views), so they
+  are not pool heap; the bench builds them before tracing and counts them here, separately.
 """
 from __future__ import annotations
 
@@ -83,10 +86,9 @@ def same(a, b) -> bool:
 
 def driver_child(cfg_json: str, model_dir: str, epochs: int, as_list: bool) -> None:
     """In a fresh process: load the cached data and schedule every epoch as the driver does; print peak RSS."""
-    from collections import deque
-
     from transformers import AutoTokenizer
 
+    from app.data.costs import sequence_rows
     from app.data.pipeline import load_or_tokenize
     from app.data.schedule import ScheduledJobs, epoch_jobs
 
@@ -98,13 +100,10 @@ def driver_child(cfg_json: str, model_dir: str, epochs: int, as_list: bool) -> N
     if as_list:
         held = list(jobs)  # the old way: every JobSpec of every epoch at once
         count = len(held)
-    else:
-        sink: deque = deque(maxlen=1)  # the supervisor's add_jobs calls: chunks, each sent and dropped
-        count = 0
-        for i in range(0, len(jobs), 4096):
-            chunk = jobs[i:i + 4096]
-            count += len(chunk)
-            sink.append(chunk)
+    else:  # the supervisor: each epoch with its drafter costs, put in the object store for the pool
+        rows = sequence_rows(ds.loss_mask, ds.offsets, cfg.drafter.block_size, cfg.drafter.num_anchors)
+        held = [e.with_costs(rows) for e in jobs.epochs]
+        count = sum(len(e) for e in held)
     print(json.dumps({"peak_mb": peak_rss_mb(), "jobs": count, "schedule_bytes": jobs.nbytes}))
 
 
@@ -138,29 +137,39 @@ def measure_driver(cfg, model_dir: str, epochs: int, as_list: bool) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def measure_pool(cfg, lengths: np.ndarray, epochs: int) -> tuple[float, float, int]:
-    """(bytes per queued job, bytes per acked job in the ledger, jobs) of the pool policy, by tracemalloc."""
+def measure_pool(cfg, dataset, epochs: int, bytes_per_token: int = 1000) -> dict:
+    """Bytes per job of the pool policy, by tracemalloc: `queued` (pool heap per queued job after
+    `add_epoch` of every epoch, as the supervisor feeds it), `acked` (the ledger per acked job) and
+    `schedule` (the epochs' compact arrays: object-store bytes in a run, counted apart), and `jobs`."""
     import tracemalloc
 
     from app.config.schema import PoolConfig
-    from app.data.schedule import ScheduledJobs, epoch_jobs
+    from app.data.costs import sequence_rows
+    from app.data.schedule import epoch_jobs
+    from app.messages import make_job_id
     from app.pool.ledger import Ledger
     from app.pool.policy import HSPool
 
-    jobs = ScheduledJobs([epoch_jobs(lengths, cfg.data, e) for e in range(epochs)], est_bytes_per_token=1000)
+    rows = sequence_rows(dataset.loss_mask, dataset.offsets, cfg.drafter.block_size, cfg.drafter.num_anchors)
+    lengths = dataset.lengths()
+    # What the supervisor ray.puts; built before tracing, as in a run they are not the pool's allocations.
+    schedule = [epoch_jobs(lengths, cfg.data, e).with_costs(rows) for e in range(epochs)]
+    jobs = sum(len(e) for e in schedule)
     pool = HSPool(PoolConfig(), len(cfg.data.bucket_boundaries))
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
-    for i in range(0, len(jobs), 4096):
-        pool.add_jobs(jobs[i:i + 4096])
+    queued_jobs = sum(pool.add_epoch(e, bytes_per_token) for e in schedule)
     queued = tracemalloc.get_traced_memory()[0] - before
+    assert queued_jobs == jobs
     ledger = Ledger()
     before = tracemalloc.get_traced_memory()[0]
-    for j in jobs:
-        ledger.add(j.job_id)
+    for e in schedule:
+        for k in range(len(e)):
+            ledger.add(make_job_id(e.epoch, k))
     acked = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
-    return queued / len(jobs), acked / len(jobs), len(jobs)
+    return {"queued": queued / jobs, "acked": acked / jobs, "schedule": sum(e.nbytes for e in schedule) / jobs,
+            "jobs": jobs}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,16 +221,19 @@ def main(argv: list[str] | None = None) -> int:
 
         driver = measure_driver(cfg, model_dir, args.epochs, as_list=False)
         as_list = measure_driver(cfg, model_dir, args.epochs, as_list=True)
-        per_queued, per_acked, jobs = measure_pool(cfg, single.lengths(), args.epochs)
+        pool = measure_pool(cfg, single, args.epochs)
+        per_queued, per_acked, jobs = pool["queued"], pool["acked"], pool["jobs"]
         load2 = os.getloadavg()[0]
 
     n = args.records
     print(f"{n} records, {len(single)} kept sequences, {int(single.offsets[-1])} tokens; {jobs} jobs over "
           f"{args.epochs} epochs; compact schedule {driver['schedule_bytes'] / jobs:.1f} bytes/job")
     print(f"driver peak RSS: {driver['peak_mb']:.0f} MB with the compact schedule vs {as_list['peak_mb']:.0f} MB "
-          f"holding every JobSpec; pool: {per_queued:.0f} bytes per queued job, ledger {per_acked:.1f} bytes per "
-          f"acked job; load average {load1:.1f} at start, {load2:.1f} at end on {os.cpu_count()} cores")
+          f"holding every JobSpec; pool: {per_queued:.1f} bytes of heap per queued job (+ {pool['schedule']:.1f} "
+          f"bytes per job of schedule arrays, shared in the object store once per node), ledger {per_acked:.1f} "
+          f"bytes per acked job; load average {load1:.1f} at start, {load2:.1f} at end on {os.cpu_count()} cores")
     print(f"RESULT single_rec_s={n / tokenize_s:.0f} parallel_rec_s={n / parallel_s:.0f} "
           f"speedup={tokenize_s / parallel_s:.2f} cache_load_s={cache_load_s:.3f} tokenize_s={tokenize_s:.1f} "
-          f"pool_bytes_per_job={per_queued:.0f} driver_peak_mb={driver['peak_mb']:.0f}")
+          f"pool_bytes_per_job={per_queued:.1f} schedule_bytes_per_job={pool['schedule']:.1f} "
+          f"driver_peak_mb={driver['peak_mb']:.0f}")
     return 0

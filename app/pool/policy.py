@@ -1,21 +1,21 @@
 """The hidden-state pool's policy: a plain class, no Ray.
 
 `HSPool` is the facade the actor (`actors/hs_pool.py`) wraps; its parts each live in their own
-module: the job queue (`queue.py`) over the catalog of added jobs (`catalog.py`), jobs on targets (`inflight.py`), the bucket buffer
-(`buffer.py`), the lease table with its generation fences (`leases.py`), the capacity budget in
-items and bytes (`budget.py`), the ledger of acked jobs (`ledger.py`), the explicit job states
-(`states.py`), the bucket choice of a pull (`pull_policy.py`) and which global step a pull belongs
-to (`rounds.py`); `measures.py` computes the mixing measures. Everything here is synchronous
-except `pull` / `wait_changed`, which only await an asyncio.Event, so the class is usable (and
-tested) without Ray.
+module: the job queue (`queue.py`) over the catalog of added jobs (`catalog.py`), jobs on targets
+(`inflight.py`), the bucket buffer (`buffer.py`), the lease table with its generation fences
+(`leases.py`), the capacity budget in items and bytes (`budget.py`), the ledger of acked jobs
+(`ledger.py`), the explicit job states (`states.py`), the bucket choice of a pull (`pull_policy.py`)
+and which global step a pull belongs to (`rounds.py`); `measures.py` computes the mixing measures.
+Everything here is synchronous except `pull` / `wait_changed`, which only await an asyncio.Event, so
+the class is usable (and tested) without Ray.
 
 Job life cycle (`JobState`): pending -> in_flight (on a target) -> buffered (in a bucket) -> leased
 (to a drafter) -> acked. A failed target job and a released lease go back to the FRONT of the queue:
 the hidden states are recomputed, never kept. Capacity rules: see `budget.py`.
 
 Jobs arrive as whole epochs (`add_epoch(EpochJobs)`, the run's path): the pool keeps about a byte per
-queued job (its state byte and the queue's skip bit) and makes a job's JobSpec only when it issues it.
-`add_jobs(list[JobSpec])` keeps each JobSpec as given, for tests and benches.
+queued job (its state byte and two skip bits: the queue's, the catalog's) and makes a job's JobSpec
+only when it issues it. `add_jobs(list[JobSpec])` keeps each JobSpec as given, for tests and benches.
 
 Config values arrive checked (`app/config/schema.py`); the asserts here guard internal invariants.
 """

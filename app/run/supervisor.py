@@ -103,12 +103,16 @@ class Supervisor:
         self.dataset_ref = ray.put(self.plan.dataset)
         self.pool = self.topo.make_pool(len(self.cfg.data.bucket_boundaries))
         self._pool_call(self.pool.restore_ledger, self.plan.resume_ledger)
-        from app.data.costs import sequence_rows, with_costs
+        from app.data.costs import sequence_rows
 
         ds, dcfg = self.plan.dataset, self.cfg.drafter  # each job carries its query rows: the pool deals them
         rows = sequence_rows(ds.loss_mask, ds.offsets, dcfg.block_size, dcfg.num_anchors)
-        for i in range(0, len(self.plan.jobs), 4096):  # chunks keep each call's message small
-            self._pool_call(self.pool.add_jobs, with_costs(self.plan.jobs[i:i + 4096], rows))
+        # One object per epoch (its compact arrays, ~21 bytes per job + 4 per sequence), put once: the pool
+        # reads the arrays zero-copy from the object store and makes a JobSpec only when it issues the job.
+        # The refs are kept for the run so the objects stay while the pool reads them.
+        self.schedule_refs = [ray.put(epoch.with_costs(rows)) for epoch in self.plan.jobs.epochs]
+        for ref in self.schedule_refs:
+            self._pool_call(self.pool.add_epoch, ref, self.plan.bytes_per_token)
         self._pool_call(self.pool.finish_adding)
         self._start_first_targets()
         self._start_drafters(self.plan.resume_from)
