@@ -215,6 +215,9 @@ class Supervisor:
         self.log(f"drafter group of {len(self.drafters)} ready at step {step}"
                  + (f" (resumed from {resume_from})" if resume_from else "")
                  + f"; weights checksum {' '.join(f'{c:.6f}' for c in checksums)}")
+        # The pool sizes each global step (ranks x grad_accum) for its pull policy: a group rebuilt on
+        # fewer GPUs would otherwise be dealt steps for ranks that no longer exist.
+        self._pool_call(self.pool.set_ranks, len(self.drafters))
         self.run_refs = [d.run.remote() for d in self.drafters]
 
     # ---- loop ------------------------------------------------------------------------------
@@ -363,7 +366,8 @@ class Supervisor:
 
     # Pool calls that are safe to send twice. Ray raises ActorUnavailableError for a connection that
     # blips (seen once in four node-loss runs) without saying whether the call ran, so only these retry.
-    _IDEMPOTENT_POOL_CALLS = frozenset({"stats", "request_stop", "finish_adding", "pause_target", "resume_target"})
+    _IDEMPOTENT_POOL_CALLS = frozenset({"stats", "request_stop", "finish_adding", "pause_target", "resume_target",
+                                        "set_ranks"})
 
     def _pool_call(self, method, *args) -> Any:
         """Every call to the pool goes through here: a dead pool ends the run with one clear line."""
