@@ -12,6 +12,7 @@ from app.bench.simulate import SimSetup, simulate
 from app.config.checks import check_object_store
 from app.config.errors import ConfigError
 from app.config.schema import Config, PoolConfig, TopologyConfig, TrainConfig
+from app.data import costs
 from app.data.costs import sequence_rows, with_costs
 from app.messages import JobSpec
 from app.model.loss import sample_anchors
@@ -30,6 +31,17 @@ def test_sequence_rows_count_the_anchors_the_loss_samples():
     assert rows.tolist() == want
     jobs = with_costs([JobSpec(0, 0, 0, 0, (1, 3), 10), JobSpec(1, 0, 1, 0, (2,), 10)], rows)
     assert [j.cost for j in jobs] == [want[1] + want[3], want[2]]
+
+
+def test_sequence_rows_a_few_tokens_at_a_time_equal_one_pass(monkeypatch):
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(1, 300, size=500)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    mask = (rng.random(int(offsets[-1])) < 0.6).astype(np.uint8)
+    whole = sequence_rows(mask, offsets, block_size=8, num_anchors=7)
+    monkeypatch.setattr(costs, "CHUNK_TOKENS", 100)  # many sequences longer than a chunk, and many shorter
+    assert np.array_equal(sequence_rows(mask, offsets, block_size=8, num_anchors=7), whole)
+    assert whole.any()
 
 
 def _spreads(rows, seed):

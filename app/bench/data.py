@@ -97,11 +97,11 @@ def driver_child(cfg_json: str, model_dir: str, epochs: int, as_list: bool) -> N
     ds = load_or_tokenize(cfg, model_dir, tok, list(cfg.data.train_files), progress=False, log=lambda _: None)
     lengths = ds.lengths()
     jobs = ScheduledJobs([epoch_jobs(lengths, cfg.data, e) for e in range(epochs)], est_bytes_per_token=1000)
+    rows = sequence_rows(ds.loss_mask, ds.offsets, cfg.drafter.block_size, cfg.drafter.num_anchors)  # both ways
     if as_list:
         held = list(jobs)  # the old way: every JobSpec of every epoch at once
         count = len(held)
     else:  # the supervisor: each epoch with its drafter costs, put in the object store for the pool
-        rows = sequence_rows(ds.loss_mask, ds.offsets, cfg.drafter.block_size, cfg.drafter.num_anchors)
         held = [e.with_costs(rows) for e in jobs.epochs]
         count = sum(len(e) for e in held)
     print(json.dumps({"peak_mb": peak_rss_mb(), "jobs": count, "schedule_bytes": jobs.nbytes}))
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from app.data import cache
-    from app.data.pipeline import load_or_tokenize, tokenize_files
+    from app.data.pipeline import data_cache_key, load_or_tokenize, tokenize_files
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.keep or tmp)
@@ -210,8 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             print("FAIL: the Ray Data pipeline's dataset differs from the single-process one", file=sys.stderr)
             return 1
 
-        key, parts = cache.cache_key(files, cache.tokenizer_fingerprint(model_dir, tok), cfg.data,
-                                     cfg.drafter.block_size)
+        key, parts = data_cache_key(cfg, model_dir, tok, files)  # the entry load_or_tokenize looks for
         cache.save(cache.cache_root(cfg), key, single, parts)  # what the first run's load_or_tokenize writes
         t0 = time.perf_counter()
         cached = load_or_tokenize(cfg, model_dir, tok, files, progress=False, log=print)

@@ -16,9 +16,27 @@ import numpy as np
 from app.messages import JobSpec
 
 
+# Tokens counted per pass: the prefix count is int64, 8 bytes per token, so one pass over a whole
+# large dataset (800K records x ~1K tokens) would hold gigabytes in the driver; 4M tokens is 32 MB.
+CHUNK_TOKENS = 1 << 22
+
+
 def sequence_rows(loss_mask: np.ndarray, offsets: np.ndarray, block_size: int, num_anchors: int) -> np.ndarray:
-    """Query rows of every sequence of a flat dataset (sequence i is [offsets[i], offsets[i+1]))."""
+    """Query rows of every sequence of a flat dataset (sequence i is [offsets[i], offsets[i+1])), a few
+    million tokens at a time."""
     offsets = np.asarray(offsets, dtype=np.int64)
+    out = np.empty(len(offsets) - 1, dtype=np.int64)
+    lo = 0
+    while lo < len(out):
+        # Sequences lo..hi-1 span at most CHUNK_TOKENS tokens, or are one longer sequence.
+        hi = max(lo + 1, int(np.searchsorted(offsets, offsets[lo] + CHUNK_TOKENS, side="right")) - 1)
+        part = offsets[lo:hi + 1]
+        out[lo:hi] = _rows(loss_mask[part[0]:part[-1]], part - part[0], block_size, num_anchors)
+        lo = hi
+    return out
+
+
+def _rows(loss_mask: np.ndarray, offsets: np.ndarray, block_size: int, num_anchors: int) -> np.ndarray:
     starts, lengths = offsets[:-1], np.diff(offsets)
     cum = np.zeros(len(loss_mask) + 1, dtype=np.int64)
     np.cumsum(np.asarray(loss_mask) > 0, out=cum[1:])

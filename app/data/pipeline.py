@@ -41,8 +41,7 @@ def load_or_tokenize(cfg: Config, model_dir: str, tokenizer, files: list[str], *
     if not files:
         raise DataError("no training files; set data.train_files (or use model.target=tiny)")
     root = cache.cache_root(cfg)
-    key, parts = cache.cache_key(files, f"{cache.tokenizer_fingerprint(model_dir, tokenizer)}:vocab{vocab_size}",
-                                 cfg.data, cfg.drafter.block_size)
+    key, parts = data_cache_key(cfg, model_dir, tokenizer, files, vocab_size)
     t0 = time.perf_counter()
     dataset = cache.load(root, key)
     if dataset is not None:
@@ -59,6 +58,13 @@ def load_or_tokenize(cfg: Config, model_dir: str, tokenizer, files: list[str], *
     for line in summary_lines(dataset):
         log(f"data:   {line}")
     return dataset
+
+
+def data_cache_key(cfg: Config, model_dir: str, tokenizer, files: list[str],
+                   vocab_size: int = 0) -> tuple[str, dict]:
+    """(key, what it hashes) of the cache entry `load_or_tokenize` reads and writes for these inputs."""
+    return cache.cache_key(files, f"{cache.tokenizer_fingerprint(model_dir, tokenizer)}:vocab{vocab_size}",
+                           cfg.data, cfg.drafter.block_size)
 
 
 def summary_lines(dataset: TokenizedDataset) -> list[str]:
