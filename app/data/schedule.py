@@ -167,7 +167,7 @@ class EpochJobs:
         return self.padded.astype(np.int64) * bytes_per_token + LENGTH_BYTES * np.diff(self.starts)
 
     def max_payload_bytes(self, bytes_per_token: int) -> int:
-        if not len(self):
+        if not len(self) or not bytes_per_token:  # 0 = device unknown, as payload_bytes
             return 0
         return int((self.padded.astype(np.int64) * bytes_per_token + LENGTH_BYTES * np.diff(self.starts)).max())
 
