@@ -108,6 +108,11 @@ def main(spec: dict) -> dict:
     cluster.shutdown()
     import shutil
 
+    if rc != 0:  # keep the nodes' logs of a failed run beside its driver log (a dead actor says why there)
+        for logs in Path(temp_dir).glob("session_*/logs"):
+            shutil.copytree(logs, run_dir.parent / f"{run_dir.name}.ray-logs" / logs.parent.name,
+                            ignore=shutil.ignore_patterns("*.sock"), dirs_exist_ok=True)
+        result["ray_logs"] = str(run_dir.parent / f"{run_dir.name}.ray-logs")
     shutil.rmtree(temp_dir, ignore_errors=True)  # the nodes' session folders (logs, sockets, spilled objects)
     return result
 

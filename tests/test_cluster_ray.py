@@ -43,8 +43,18 @@ def run_cluster(run_dir: Path, nodes: list[dict], overrides: list[str], remove_n
 
 def driver_lines(result: dict) -> str:
     """The driver's own lines (status, restarts, the failure), without Ray's actor noise."""
-    return "\n".join(l[:400] for l in result["driver_log"].splitlines()
-                     if l.startswith(("[dflash", "run failed", "config error", "RESULT", "Traceback")))
+    lines = [l[:400] for l in result["driver_log"].splitlines()
+             if l.startswith(("[dflash", "run failed", "config error", "RESULT", "Traceback"))]
+    if result.get("ray_logs"):  # a failed run: why did Ray's processes die (memory monitor, signals)?
+        import re
+
+        pattern = re.compile(r"memory|OOM|SIGSEGV|SIGKILL|died|Killing", re.I)
+        for f in sorted(Path(result["ray_logs"]).rglob("*")):
+            if f.is_file() and f.suffix in (".out", ".err", ".log") and "core-worker" not in f.name:
+                lines += [f"{f.name}: {l[:300]}" for l in f.read_text(errors="replace").splitlines()
+                          if pattern.search(l)][:5]
+        lines.append(f"Ray logs kept in {result['ray_logs']}")
+    return "\n".join(lines)
 
 
 def trained_counts(run_dir: Path, summary: dict) -> dict[str, int]:
