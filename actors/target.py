@@ -46,6 +46,9 @@ class TargetActor:
         self.compute_lock = threading.Lock()  # one forward at a time; host copies wait outside it
         self._time_lock, self._last_done = threading.Lock(), 0.0
         self.jobs_done = 0
+        # Plain greedy outputs of the eval prompts: the target is frozen, so they are computed once
+        # and every later evaluation checks against them for free (app/model/spec_decode.py).
+        self.greedy_references: dict = {}
 
     def ping(self) -> int:
         return self.target_id
@@ -112,7 +115,7 @@ class TargetActor:
         with self.compute_lock, background_priority(self.device):
             result, drafter, arch = evaluate_drafter(
                 self.model, self.model_dir, self.layer_ids, step, weights, prompts, drafter_cfg, eval_cfg,
-                mask_token_id, self.device, self.dtype, seed, eos_token_id)
+                mask_token_id, self.device, self.dtype, seed, eos_token_id, self.greedy_references)
         if best_dir and result.tau > beat_tau:
             result = replace(result, exported_to=str(export_best(drafter, arch, best_dir, step, result.tau, self.dtype)))
         return result.to_dict()

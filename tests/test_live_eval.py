@@ -71,17 +71,17 @@ def test_best_export_replaces_the_folder_whole(target, tmp_path):
     assert (tmp_path / "copy" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
 
 
-def test_cpu_evaluation_runs_at_lower_priority_and_restores_it():
+def test_cpu_evaluation_runs_in_the_idle_class_and_restores_it():
     import os
     import threading
 
-    from app.model.live_eval import CPU_EVAL_NICE, background_priority
+    from app.model.live_eval import background_priority
 
     tid = threading.get_native_id()
-    before = os.getpriority(os.PRIO_PROCESS, tid)
+    before = (os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid))
     with background_priority(torch.device("cpu")):
-        inside = os.getpriority(os.PRIO_PROCESS, tid)
-    assert inside == min(19, before + CPU_EVAL_NICE)
-    assert os.getpriority(os.PRIO_PROCESS, tid) == before  # root (CAP_SYS_NICE) can lower it back
+        inside = os.sched_getscheduler(tid)
+    assert inside == os.SCHED_IDLE
+    assert (os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid)) == before  # root can restore
     with background_priority(torch.device("meta")):  # not CPU: untouched
-        assert os.getpriority(os.PRIO_PROCESS, tid) == before
+        assert os.sched_getscheduler(tid) == before[0]

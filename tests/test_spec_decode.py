@@ -41,6 +41,24 @@ def test_random_drafter_matches_greedy_and_tau_near_one(target, use_cache):
     assert ev.matches_greedy and 1.0 <= ev.tau < 1.3
 
 
+def test_cached_greedy_references_skip_decoding_but_still_check(target, monkeypatch):
+    """Evaluations during a run keep the frozen target's greedy outputs: the second call decodes no
+    reference, gives the same tau, and a wrong cached reference is still caught."""
+    model, head, _ = target
+    drafter = _drafter(model)
+    refs: dict = {}
+    first = sd.measure_tau(model, drafter, head, PROMPTS, 16, LAYERS, B, references=refs)
+    assert len(refs) == len(PROMPTS) and first.greedy_tok_s > 0 and first.matches_greedy
+    calls = []
+    real = sd.greedy_reference
+    monkeypatch.setattr(sd, "greedy_reference", lambda *a, **k: calls.append(1) or real(*a, **k))
+    second = sd.measure_tau(model, drafter, head, PROMPTS, 16, LAYERS, B, references=refs)
+    assert calls == [] and second.tau == first.tau and second.matches_greedy and second.greedy_tok_s == 0
+    key = next(iter(refs))
+    refs[key] = [t + 1 for t in refs[key]]
+    assert not sd.measure_tau(model, drafter, head, PROMPTS, 16, LAYERS, B, references=refs).matches_greedy
+
+
 def _oracle(model, correct: int):
     """A draft_block stand-in that knows the target's greedy continuation for `correct` tokens."""
 
