@@ -265,7 +265,7 @@ class LoggingConfig:
     wandb_project: str = "dflash-ray"
     run_name: str = ""  # empty = derived from checkpoint.dir; also the metrics' run label
     status_every_s: float = 10.0
-    step_log: bool = False  # append each step record's job ids to <checkpoint.dir>/steps.jsonl (app/training/step_log.py)
+    step_log: bool = False  # drafter rank 0 appends each step's job ids per rank to <checkpoint.dir>/steps.jsonl (app/training/step_log.py)
 
     def __post_init__(self) -> None:
         _one_of("logging.wandb_mode", self.wandb_mode, ("offline", "online", "disabled"))
