@@ -84,8 +84,11 @@ def main(spec: dict) -> dict:
         removal = spec.get("remove_node")
         deadline = t0 + spec.get("timeout_s", 900)
         placements: list[list[int]] = []
+        pool_node: int | None = None
         while proc.poll() is None and time.monotonic() < deadline:
             time.sleep(1.0)
+            if pool_node is None:
+                pool_node = _pool_node(node_ids)
             now = bundle_nodes(node_ids)
             if now and (not placements or now != placements[-1]):
                 placements.append(now)
@@ -102,7 +105,7 @@ def main(spec: dict) -> dict:
     wall = time.monotonic() - t0
     summary_path = run_dir / "summary.json"
     ray.shutdown()
-    result = {"rc": rc, "wall_s": round(wall, 1), "events": events, "placements": placements,
+    result = {"rc": rc, "wall_s": round(wall, 1), "events": events, "placements": placements, "pool_node": pool_node,
               "summary": json.loads(summary_path.read_text()) if summary_path.exists() else None,
               "log": str(log_path)}
     cluster.shutdown()
@@ -115,6 +118,17 @@ def main(spec: dict) -> dict:
         result["ray_logs"] = str(run_dir.parent / f"{run_dir.name}.ray-logs")
     shutil.rmtree(temp_dir, ignore_errors=True)  # the nodes' session folders (logs, sockets, spilled objects)
     return result
+
+
+def _pool_node(node_ids: list[str]) -> int | None:
+    """Node index of the run's live pool actor, None before it exists (the GCS actor table)."""
+    import ray._private.state as ray_state  # the public state API needs the dashboard
+
+    for a in ray_state.actors().values():
+        if a.get("ActorClassName") == "HSPoolActor" and a.get("State") == "ALIVE":
+            node = (a.get("Address") or {}).get("NodeID")
+            return node_ids.index(node) if node in node_ids else None
+    return None
 
 
 def _victim(where: list[int], removal: dict) -> int:

@@ -74,6 +74,7 @@ def test_three_node_run_spreads_and_trains_every_job_once(tmp_path: Path) -> Non
     assert s["jobs_acked"] == s["jobs_scheduled"] > 0 and s["replicas_identical"] is True
     where = r["placements"][0]
     assert len(where) == 8 and set(where) == {1, 2}  # SPREAD: both GPU nodes hold bundles
+    assert r["pool_node"] == 0  # the head: no worker node's loss can take the pool down
     assert {where[i] for i in range(5, 8)} | {where[i] for i in range(5)} == {1, 2}
 
 
@@ -158,6 +159,7 @@ def test_losing_drafter_gpus_with_no_spare_rebuilds_a_smaller_group(tmp_path: Pa
         assert f"rebuilding the drafter group with {len(survivors)} of 3 ranks" in log
         assert f"drafter group of {len(survivors)} ready" in log
     assert s["tau_trained"] is not None
+    assert r["pool_node"] == 0  # on the head; pinned to the driver's node it once died with a worker node
 
 
 def _removed(r: dict) -> int:

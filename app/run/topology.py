@@ -10,6 +10,9 @@ from typing import Any
 
 from app.config.schema import Config, TopologyConfig
 
+# The custom resource Ray puts on the head node only.
+HEAD_NODE_RESOURCE = "node:__internal_head__"
+
 
 @dataclass(frozen=True)
 class BundlePlan:
@@ -66,12 +69,17 @@ class Topology:
         return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=bundle)
 
     @staticmethod
-    def _driver_node() -> Any:
-        """The driver's node (soft): the pool shares its fate, so losing a worker node never loses the pool."""
+    def _pool_node() -> Any:
+        """The head node (soft), else the driver's: the pool then shares the fate of the GCS, whose
+        loss ends the cluster anyway, so losing any worker node never loses the pool. The driver's
+        own node is not enough: a driver attached to a worker node's raylet (several raylets on one
+        address, or `ray.init(address=...)` from a worker) would take the pool down with that node."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
+        head = next((n["NodeID"] for n in ray.nodes()
+                     if n.get("Alive") and HEAD_NODE_RESOURCE in n.get("Resources", {})), None)
+        return NodeAffinitySchedulingStrategy(node_id=head or ray.get_runtime_context().get_node_id(), soft=True)
 
     def wait_bundles(self, bundles: list[int], timeout_s: float) -> list[int]:
         """Wait until each bundle sits on a live node again; returns those that did not within `timeout_s`.
@@ -94,7 +102,7 @@ class Topology:
         topo = self.cfg.topology
         return ray.remote(HSPoolActor).options(
             num_cpus=0, max_concurrency=pool_max_concurrency(topo.num_targets, topo.num_drafters),
-            name=f"dflash-pool-{self.run_name}", max_restarts=0, scheduling_strategy=self._driver_node(),
+            name=f"dflash-pool-{self.run_name}", max_restarts=0, scheduling_strategy=self._pool_node(),
         ).remote(self.cfg.pool, num_buckets, self.run_name, ranks=topo.num_drafters, accum=self.cfg.train.grad_accum)
 
     def make_target(self, i: int, model_dir: str, layer_ids: list[int], dataset_ref: Any, faults: Any) -> Any:
