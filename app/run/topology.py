@@ -70,16 +70,16 @@ class Topology:
 
     @staticmethod
     def _pool_node() -> Any:
-        """The head node (soft), else the driver's: the pool then shares the fate of the GCS, whose
-        loss ends the cluster anyway, so losing any worker node never loses the pool. The driver's
-        own node is not enough: a driver attached to a worker node's raylet (several raylets on one
-        address, or `ray.init(address=...)` from a worker) would take the pool down with that node."""
+        """The head node, else the driver's: the pool then shares the fate of the GCS, whose loss ends
+        the cluster anyway, so losing any worker node never loses the pool. Hard affinity: a soft one
+        was seen placing the pool on a worker node although the head was alive and had room (the
+        pool takes no CPU), and a removed worker node then took the pool down with it."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         head = next((n["NodeID"] for n in ray.nodes()
                      if n.get("Alive") and HEAD_NODE_RESOURCE in n.get("Resources", {})), None)
-        return NodeAffinitySchedulingStrategy(node_id=head or ray.get_runtime_context().get_node_id(), soft=True)
+        return NodeAffinitySchedulingStrategy(node_id=head or ray.get_runtime_context().get_node_id(), soft=False)
 
     def wait_bundles(self, bundles: list[int], timeout_s: float) -> list[int]:
         """Wait until each bundle sits on a live node again; returns those that did not within `timeout_s`.
