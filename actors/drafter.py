@@ -117,6 +117,7 @@ class DrafterActor:
     def __init__(self, rank: int, setup: DrafterSetup, pool) -> None:
         limit_threads(setup.num_cpus)
         self.rank, self.cfg, self.pool = rank, setup, pool
+        self.step_log = StepLog(setup.step_log) if rank == 0 and setup.step_log else None  # rank 0 writes it
         self.device = pick_device(setup.device)
         self.dtype = compute_dtype(setup.dtype, self.device)
         self.step_now = 0
@@ -209,8 +210,8 @@ class DrafterActor:
             gathered: list[list[int]] = [[] for _ in range(self.cfg.world_size)]
             dist.all_gather_object(gathered, job_ids)
             self.ledger.update(j for ids in gathered for j in ids)
-            if self.rank == 0 and self.cfg.step_log:  # before any checkpoint of this step
-                StepLog(self.cfg.step_log).step(self.trainer.step, gathered)
+            if self.step_log:  # before any checkpoint of this step
+                self.step_log.step(self.trainer.step, gathered)
             self._report(stats, job_ids, wait_s, time.perf_counter() - t_step)
             if stats.stop:
                 stopped = True

@@ -134,13 +134,18 @@ def check_resources(cfg: Config, available: dict[str, float], use_gpu: bool) -> 
         )
 
 
+def leased_jobs(cfg: Config) -> int:
+    """Jobs the drafters can hold leased at once: grad_accum of its step plus one prefetched, each."""
+    return cfg.topology.num_drafters * (cfg.train.grad_accum + 1)
+
+
 def check_object_store(cfg: Config, job_bytes: int, object_store_bytes: float) -> None:
     """The pool's byte budget must fit the cluster's object store, or Ray spills hidden states to disk
     and throughput collapses. `pool.capacity_bytes` covers buffered, in-flight and leased payloads
     (app/pool/budget.py); `pool.capacity` counts buffered and in-flight items only, and each drafter
     leases at most grad_accum + 1 (its step plus one prefetched) on top, so the most the pool can hold
     is the smaller of the two bounds."""
-    leased_items = cfg.topology.num_drafters * (cfg.train.grad_accum + 1)
+    leased_items = leased_jobs(cfg)
     need = min(cfg.pool.capacity_bytes, (cfg.pool.capacity + leased_items) * job_bytes)
     if object_store_bytes and need > object_store_bytes:
         gib = 2**30
@@ -157,7 +162,7 @@ def check_step_fits(cfg: Config, job_bytes: int) -> None:
     prefetched, all counted in pool.capacity_bytes until acked. Less, and drafters hold part of a
     step each while the pool refuses more: steps shrink to what fits, or with one job above the cap,
     its bucket waits forever."""
-    need = cfg.topology.num_drafters * (cfg.train.grad_accum + 1) * job_bytes
+    need = leased_jobs(cfg) * job_bytes
     if need > cfg.pool.capacity_bytes:
         raise ConfigError(
             f"pool.capacity_bytes={cfg.pool.capacity_bytes} is less than one global step needs: "

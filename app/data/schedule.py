@@ -167,9 +167,8 @@ class EpochJobs:
         return self.padded.astype(np.int64) * bytes_per_token + LENGTH_BYTES * np.diff(self.starts)
 
     def max_payload_bytes(self, bytes_per_token: int) -> int:
-        if not len(self) or not bytes_per_token:  # 0 = device unknown, as payload_bytes
-            return 0
-        return int((self.padded.astype(np.int64) * bytes_per_token + LENGTH_BYTES * np.diff(self.starts)).max())
+        """The largest payload_bytes of the epoch (0 for an empty epoch or an unknown device)."""
+        return int(self.all_payload_bytes(bytes_per_token).max(initial=0))
 
     def specs(self, lo: int = 0, hi: int | None = None, est_bytes_per_token: int = 0) -> list[JobSpec]:
         return [self.spec(k, est_bytes_per_token) for k in range(lo, len(self) if hi is None else hi)]

@@ -195,13 +195,14 @@ def measure_tau(
         t1 = time.perf_counter()
         if baseline:
             key = (tuple(prompt), max_new_tokens, eos_token_id)
-            if references is None or key not in references:
+            ref = references.get(key) if references is not None else None
+            if ref is None:
                 ref = greedy_reference(target_model, prompt, max_new_tokens, eos_token_id, use_cache)
                 greedy_s += time.perf_counter() - t1
                 greedy_tokens += len(ref)
                 if references is not None:
                     references[key] = ref
-            same &= res.tokens == (references[key] if references is not None else ref)
+            same &= res.tokens == ref
         spec_s += t1 - t0
         new_tokens += len(res.tokens)
         forwards += res.target_forwards
