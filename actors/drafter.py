@@ -303,7 +303,7 @@ class DrafterActor:
         import tempfile
 
         from app.model.export import export_drafter
-        from app.training.storage import is_uri, open_storage
+        from app.storage import is_uri, open_storage
 
         root = self.cfg.checkpoint.dir
         if not is_uri(root):

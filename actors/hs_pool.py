@@ -1,4 +1,4 @@
-"""HSPoolActor: the async Ray actor around the pure pool policy (app/pool/policy.py).
+"""HSPoolActor: the async Ray actor around the pure pool policy (app/pool/hs_pool.py).
 
 Launch it with `ray.remote(HSPoolActor).options(max_concurrency=pool_max_concurrency(...))`.
 
@@ -27,7 +27,7 @@ from typing import Any
 from app.config.schema import PoolConfig
 from app.data.schedule import EpochJobs
 from app.messages import EndOfStream, ItemMeta, JobSpec, PulledItem, StepRecord, TargetFailure
-from app.pool.policy import Drained, HSPool
+from app.pool.hs_pool import Drained, HSPool
 from app.pool.pull_policy import PullPolicy
 from app.pool.stats import PoolStats
 
@@ -176,7 +176,7 @@ class HSPoolActor:
     async def pull(self, drafter_id: int, generation: int = 0,
                    acks: list[int] | None = None) -> PulledItem | EndOfStream | Drained:
         """Ack `acks` (the drafter's last step rides on its next pull: one call), then lease the next
-        item, waiting for the reservoir; see app.pool.policy.HSPool.pull."""
+        item, waiting for the reservoir; see app.pool.hs_pool.HSPool.pull."""
         self._ensure_started()
         t0 = time.monotonic()
         got = await self._pool.pull(drafter_id, generation, acks or ())

@@ -26,7 +26,7 @@ def fire_once(run_dir: str | Path, name: str) -> bool:
 
 def _marks_dir(run_dir: str | Path) -> Path:
     """`<run_dir>/faults_fired`, or for a URI a folder under the temp dir named by its hash (a shared
-    leaf: no import of app.training.storage)."""
+    leaf: no import of app.storage)."""
     if "://" not in str(run_dir):
         return Path(run_dir) / "faults_fired"
     import hashlib

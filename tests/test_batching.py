@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from app.data.batching import job_hidden_batch
-from app.model.toy import save_tiny_target
+from tests.toy import save_tiny_target
 
 
 def test_job_hidden_batch_matches_one_forward_per_sequence(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""`python -m app.chaos` on the tiny config, one seed, three faults (the pool once, the driver once, one kill)."""
+"""`python -m app.bench chaos` on the tiny config, one seed, three faults (the pool once, the driver once, one kill)."""
 from __future__ import annotations
 
 import re
@@ -19,7 +19,7 @@ def test_chaos_run_survives_and_trains_every_job_once(tmp_path: Path) -> None:
     run_dir = tmp_path / "chaos"
     # Its own process and its own local Ray cluster: the driver is SIGTERMed and resubmitted inside.
     proc = subprocess.run(
-        [sys.executable, "-m", "app.chaos", "--config", "conf/tiny.yaml", "--faults", "3", "--seed", "1",
+        [sys.executable, "-m", "app.bench", "chaos", "--config", "conf/tiny.yaml", "--faults", "3", "--seed", "1",
          f"checkpoint.dir={run_dir}", f"tiny.cache_dir={ROOT / '.cache/tiny'}", "train.epochs=10",
          "eval.num_prompts=4", "eval.max_new_tokens=32", "supervision.stall_timeout_s=60"],
         cwd=ROOT, capture_output=True, text=True, timeout=900,

@@ -8,7 +8,7 @@ import torch
 
 from app.model.export import export_drafter, load_drafter
 from app.model.drafter import DFlashDrafter
-from app.model.toy import tiny_arch, tiny_qwen3_config
+from tests.toy import tiny_arch, tiny_qwen3_config
 
 # z-lab's DFlashDraftModel parameter names (github z-lab/dflash, dflash/model.py), per layer i.
 ZLAB_GLOBAL = {"fc.weight", "hidden_norm.weight", "norm.weight"}

@@ -11,7 +11,7 @@ import pytest
 from app.pool import metric_names as mn
 from app.config.schema import PoolConfig
 from app.messages import EndOfStream, HiddenBatch, ItemMeta, JobSpec, PulledItem, StepRecord
-from app.pool.policy import Drained
+from app.pool.hs_pool import Drained
 
 pytestmark = pytest.mark.ray
 

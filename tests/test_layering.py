@@ -14,8 +14,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ENTRY_POINTS = {"app.train", "app.chaos", "app.prepare", "app.regenerate", "app.evaluate", "app.advise", "app.report"}
-TOP_LEVEL_LEAVES = {"app", "app.messages", "app.devices", "app.faults"}
+ENTRY_POINTS = {"app.train", "app.prepare", "app.regenerate", "app.evaluate", "app.advise", "app.report"}
+TOP_LEVEL_LEAVES = {"app", "app.messages", "app.devices", "app.faults", "app.storage"}
 UPPER_PACKAGES = ("app.run", "app.bench")
 
 

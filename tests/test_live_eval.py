@@ -11,7 +11,7 @@ from app.config.schema import DrafterConfig, EvalConfig
 from app.model.build import build_or_load_drafter
 from app.model.live_eval import (META_KEY, copy_as_best, evaluate_drafter, export_best, per_position_acceptance,
                                  read_best_meta, weights_to_numpy)
-from app.model.toy import save_tiny_target
+from tests.toy import save_tiny_target
 
 LAYERS = [0, 2]
 PROMPTS = [[5, 9, 17, 2], [100, 3], [7, 7, 7, 7, 7, 7, 40]]

@@ -8,7 +8,7 @@ from app.config.schema import DrafterConfig, TrainConfig
 from app.model.drafter import DFlashDrafter
 from app.model.loss import TrainBatch
 from app.model.target_head import TargetHead
-from app.model.toy import save_tiny_target, tiny_arch
+from tests.toy import save_tiny_target, tiny_arch
 from app.training.trainer import DrafterTrainer, warmup_cosine
 
 BLOCK = 4

@@ -126,7 +126,7 @@ def test_pack_blocks_keeps_only_visible_context():
 def test_aligned_packing_gives_the_same_drafter_output():
     # The flex layout pads each sequence's context to the tile; padding must stay invisible.
     from app.model.drafter import DFlashDrafter
-    from app.model.toy import tiny_arch, tiny_qwen3_config
+    from tests.toy import tiny_arch, tiny_qwen3_config
 
     torch.manual_seed(0)
     arch = tiny_arch(tiny_qwen3_config(), num_layers=2, block_size=4, target_layer_ids=(0, 2))

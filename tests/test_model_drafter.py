@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from app.model.drafter import DFlashDrafter
-from app.model.toy import tiny_arch, tiny_qwen3_config
+from tests.toy import tiny_arch, tiny_qwen3_config
 
 
 

@@ -13,7 +13,7 @@ from app.model.chunked_ce import chunked_cross_entropy, full_cross_entropy
 from app.model.drafter import DFlashDrafter
 from app.model.loss import TrainBatch, block_labels, dflash_loss, sample_anchors
 from app.model.target_head import TargetHead
-from app.model.toy import tiny_arch, tiny_qwen3_config
+from tests.toy import tiny_arch, tiny_qwen3_config
 
 
 

@@ -11,7 +11,7 @@ from app.model.drafter import DFlashDrafter
 from app.model.layers import MLP, RMSNorm
 from app.model.loss import TrainBatch, dflash_loss, packed_labels, sample_blocks
 from app.model.target_head import TargetHead
-from app.model.toy import tiny_arch, tiny_qwen3_config
+from tests.toy import tiny_arch, tiny_qwen3_config
 
 B = 4
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from app.model.target_head import TargetHead
-from app.model.toy import save_tiny_target
+from tests.toy import save_tiny_target
 
 
 def test_loads_untied_embed_and_head(tmp_path):

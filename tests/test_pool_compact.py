@@ -13,7 +13,7 @@ from app.config.schema import DataConfig, PoolConfig
 from app.data.costs import sequence_rows, with_costs
 from app.data.schedule import EpochJobs, epoch_jobs
 from app.messages import ItemMeta, JobSpec, PulledItem, make_job_id
-from app.pool.policy import HSPool
+from app.pool.hs_pool import HSPool
 
 BOUNDS = [64, 128, 256, 512]
 BPT = 1000  # bytes per padded token

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from app.config.schema import PoolConfig
 from app.messages import ItemMeta, JobSpec, PulledItem
-from app.pool.policy import HSPool
+from app.pool.hs_pool import HSPool
 from app.pool.pull_policy import RoundRobin
 
 

@@ -17,7 +17,7 @@ from app.config.schema import PoolConfig
 from app.messages import Drained, ItemMeta, JobSpec, PulledItem
 from app.pool.measures import (BacklogMeter, StepMix, bucket_counts, shares_of, step_tv, step_tv_floor,
                                tail_single, tv_distance)
-from app.pool.policy import HSPool, LeaseRevoked
+from app.pool.hs_pool import HSPool, LeaseRevoked
 from app.pool.pull_policy import PullContext, Stratified, apportion
 from app.pool.rounds import RoundTracker
 

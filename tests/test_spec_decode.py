@@ -11,7 +11,7 @@ from app.model.drafter import DFlashDrafter
 from app.model.features import target_features
 from app.model.loss import TrainBatch, dflash_loss
 from app.model.target_head import TargetHead
-from app.model.toy import save_tiny_target, tiny_arch
+from tests.toy import save_tiny_target, tiny_arch
 
 B = 4
 LAYERS = (0, 2)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from app.chaos import plan_faults
+from app.bench.chaos import plan_faults
 from app.training.step_log import StepLog, count_trained
 
 

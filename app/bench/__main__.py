@@ -16,6 +16,7 @@ BENCHES = {
     "flops": ("app.bench.flops", "target/drafter executed vs needed FLOPs and target peak memory at default shapes"),
     "memory": ("app.bench.memory", "drafter peak GPU memory per bucket (fake tensors, full width): now vs before"),
     "data": ("app.bench.data", "tokenizing at scale: single process vs Ray Data, cache load, driver RSS, pool bytes/job"),
+    "chaos": ("app.bench.chaos", "a run of the given config under outside faults: kills, SIGTERM, pool loss; counts every job"),
     "gpu": ("app.bench.gpu", "one CUDA GPU: target prefill and drafter step tok/s, MFU, copy overlap, peak memory"),
 }
 

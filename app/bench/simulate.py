@@ -20,7 +20,7 @@ from app.config.schema import PoolConfig
 from app.data.schedule import interleave
 from app.messages import Drained, EndOfStream, ItemMeta, JobSpec, PulledItem
 from app.pool.measures import BacklogMeter, bucket_counts, shares_of, step_tv, step_tv_floor, tail_single
-from app.pool.policy import HSPool
+from app.pool.hs_pool import HSPool
 from app.pool.pull_policy import PullPolicy
 
 

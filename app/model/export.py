@@ -105,10 +105,10 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu",
                  dtype: torch.dtype | None = None) -> tuple[DFlashDrafter, DrafterArch]:
     """Rebuild a drafter from an exported folder (strict: every tensor must match by name and shape).
 
-    `path` may be a URI (`s3://...`, see app/training/storage.py): it is downloaded first."""
+    `path` may be a URI (`s3://...`, see app/storage.py): it is downloaded first."""
     from safetensors.torch import load_file
 
-    from app.training.storage import fetch_dir
+    from app.storage import fetch_dir
 
     path = fetch_dir(path, cache=False)  # the export is rewritten in place: never reuse an old copy
     if not (path / "config.json").exists():

@@ -197,7 +197,7 @@ def build_summary(plan, sup, monitor: RunMonitor, outcome, tau, elapsed: float) 
 
 def write_summary(cfg: Config, summary: dict) -> str:
     """`<checkpoint.dir>/summary.json`, replaced in one step (a local path or a URI)."""
-    from app.training.storage import open_storage
+    from app.storage import open_storage
 
     data = json.dumps(summary, indent=2, default=str).encode()
     return open_storage(cfg.checkpoint.dir).write_file("summary.json", data)

@@ -26,7 +26,7 @@ class EvalRunner:
         self.eos_token_id = eos_token_id
         self.schedule = EvalSchedule(timeout_s=sup.cfg.supervision.stall_timeout_s)
         self.book = TauBook()
-        from app.training.storage import is_uri
+        from app.storage import is_uri
 
         # Targets write drafter-best/ themselves: on a URI checkpoint.dir they have no path to write to.
         self.best_dir = None if is_uri(self.cfg.checkpoint.dir) else str(Path(self.cfg.checkpoint.dir) / BEST_DIR_NAME)

@@ -17,7 +17,7 @@ class RunOutputs:
     """Listeners of the run's monitor, and what they add to the summary at the end."""
 
     def __init__(self, cfg, run_name: str, monitor, resumed_step: int, log=print) -> None:
-        from app.training.storage import is_uri, local_cache_dir
+        from app.storage import is_uri, local_cache_dir
 
         self.cfg, self.monitor, self.log = cfg, monitor, log
         # A URI checkpoint.dir: the files live in its local cache and are uploaded by close().
@@ -53,7 +53,7 @@ class RunOutputs:
         """Close the timeline and write report.html (a report that cannot be drawn is a warning, not a failure)."""
         from app.run.report import write_report
 
-        from app.training.storage import open_storage
+        from app.storage import open_storage
 
         self.timeline.close()
         try:

@@ -143,6 +143,6 @@ def _check_same_data(cfg: Config, ckpt: Path, fingerprint: str) -> None:
 
 def run_name(cfg: Config) -> str:
     """`logging.run_name`, or the checkpoint folder's name: the `run` label of every metric."""
-    from app.training.storage import root_name
+    from app.storage import root_name
 
     return cfg.logging.run_name or root_name(cfg.checkpoint.dir)

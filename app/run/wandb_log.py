@@ -16,7 +16,7 @@ class WandbLogger:
             return
         import wandb
 
-        from app.training.storage import local_cache_dir  # wandb writes local files, even for s3:// runs
+        from app.storage import local_cache_dir  # wandb writes local files, even for s3:// runs
 
         self.run = wandb.init(project=cfg.wandb_project, name=run_name, id=run_name, resume="allow",
                               mode=cfg.wandb_mode, config=asdict(full), dir=str(local_cache_dir(full.checkpoint.dir)))

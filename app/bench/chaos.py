@@ -1,6 +1,6 @@
 """Chaos rehearsal: train while a separate thread kills actors from outside, then count honestly.
 
-    python -m app.chaos --config conf/tiny.yaml --faults 8 --seed 0 [key=value ...]
+    python -m app.bench chaos --config conf/tiny.yaml --faults 8 --seed 0 [key=value ...]
 
 Starts a local Ray cluster, submits the driver (`python -m app.train`) as its own process, and
 meanwhile injects `--faults` faults at random times (seeded): SIGKILL of a random target or
@@ -55,7 +55,7 @@ def plan_faults(n: int, rng: random.Random) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     from app.config.load import ConfigError, load_config
 
-    ap = argparse.ArgumentParser(prog="python -m app.chaos", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m app.bench chaos", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="conf/tiny.yaml")
     ap.add_argument("--faults", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
