@@ -159,3 +159,30 @@ def test_resume_fingerprint_covers_the_target_and_its_layers() -> None:
     cfg = load_config(root / "conf/tiny.yaml", [])
     other = SimpleNamespace(data=cfg.data, model=SimpleNamespace(target="/models/other", target_layer_ids=[]))
     assert data_fingerprint(data, other) != base
+
+
+def test_rng_and_optimizer_restore_from_a_checkpoint_loaded_onto_another_device(tmp_path: Path) -> None:
+    """GPU resume (issue 23, item 1): loading onto a device moved the CPU RNG state there and
+    `torch.set_rng_state` raised TypeError. `meta` stands in for CUDA: any non-CPU map_location."""
+    import random
+
+    import numpy as np
+
+    from app.training.checkpoint import restore_rng, rng_state
+
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([w], lr=0.1)
+    w.grad = torch.ones(3)
+    opt.step()
+    torch.manual_seed(7)
+    state = TrainState(step=1, epoch=0, ledger=[], drafter={"w": w.detach()}, optimizer=opt.state_dict(), rng=rng_state())
+    expect = float(torch.rand(1))
+    loaded = load_checkpoint(save_checkpoint(tmp_path, state, keep=1), map_location="meta")
+    assert loaded.drafter["w"].device.type == "meta"  # the weights go where asked
+    assert loaded.rng["torch"].device.type == "cpu" and loaded.rng["torch"].dtype == torch.uint8
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    restore_rng(loaded.rng)
+    assert float(torch.rand(1)) == expect
+    fresh = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    fresh.load_state_dict(loaded.optimizer)  # moved to the parameter's device by the optimizer itself
+    assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])

@@ -55,7 +55,7 @@ def restore_rng(state: dict[str, Any]) -> None:
     random.setstate((version, tuple(internal), gauss))
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(state["torch"].cpu())  # a CPU ByteTensor only, wherever the state was loaded
 
 
 def save_checkpoint(root: str | Path, state: TrainState, keep: int) -> Path | str:
@@ -164,16 +164,21 @@ def read_ledger(path: str | Path) -> tuple[int, int, list[int]]:
 
 
 def load_checkpoint(path: str | Path, map_location: str = "cpu") -> TrainState:
-    """The full state of a checkpoint (a URI's files are downloaded to a local cache first)."""
+    """The full state of a checkpoint (a URI's files are downloaded to a local cache first).
+
+    `map_location` places the weights. `trainer.pt` is always read onto the CPU: its RNG states must
+    stay CPU ByteTensors (`torch.set_rng_state` refuses any other, which crashed every GPU resume),
+    and `optimizer.load_state_dict` moves the optimizer's state to its parameters' device itself."""
     path = fetch_dir(path)
     meta = json.loads((path / "state.json").read_text())
     # weights_only: a checkpoint folder (shared storage) must not be a way to run code in the driver
     # and every drafter. Older checkpoints hold numpy's RNG state as an array: allow exactly that.
     safe = [getattr(np, "_core", np).multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
     with torch.serialization.safe_globals(safe):
-        trainer = torch.load(path / "trainer.pt", map_location=map_location, weights_only=True)
+        trainer = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
+    weights = load_file(str(path / "drafter.safetensors"), device="cpu")  # mmap'd; then moved in one pass
     return TrainState(
         step=int(meta["step"]), epoch=int(meta["epoch"]), ledger=ledger_ids(meta),
-        drafter=load_file(str(path / "drafter.safetensors"), device=map_location),
+        drafter={k: v.to(map_location) for k, v in weights.items()},
         optimizer=trainer["optimizer"], scheduler=trainer["scheduler"], rng=trainer["rng"], extra=meta.get("extra", {}),
     )
