@@ -40,6 +40,7 @@ class TargetInfo:
     pad_token_id: int | None
     eos_token_ids: tuple[int, ...]
     mask_token_id: int | None  # the tokenizer's own mask token, if it has one
+    head_dim: int = 0  # the attention head width the drafter copies (0 = unknown)
 
 
 def read_target_info(model_dir: str | Path) -> TargetInfo:
@@ -68,6 +69,7 @@ def read_target_info(model_dir: str | Path) -> TargetInfo:
         pad_token_id=pad,
         eos_token_ids=eos_ids,
         mask_token_id=mask,
+        head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg.get("num_attention_heads") or 1)),
     )
 
 
@@ -91,13 +93,14 @@ def resolved_mask_token_id(cfg: Config, info: TargetInfo) -> int:
 
 
 def check_target(cfg: Config, info: TargetInfo) -> None:
-    """Layer ids inside the target, mask token a real, non-special row."""
+    """Layer ids inside the target, mask token a real, non-special row, head_dim flex can run on CUDA."""
     for lid in cfg.model.target_layer_ids:
         if not 0 <= lid < info.num_layers:
             raise ConfigError(
                 f"model.target_layer_ids={list(cfg.model.target_layer_ids)} has {lid}, outside the target's "
                 f"{info.num_layers} layers (0..{info.num_layers - 1}); use ids in that range or [] for the default"
             )
+    check_head_dim(info.head_dim, cfg.topology.device != "cpu" and cfg.topology.gpus_per_drafter > 0)
     mask = resolved_mask_token_id(cfg, info)
     if not 0 <= mask < info.vocab_size:
         raise ConfigError(
@@ -109,6 +112,18 @@ def check_target(cfg: Config, info: TargetInfo) -> None:
         raise ConfigError(
             f"drafter.mask_token_id={mask} is the target's {which} token; pick an unused row that is "
             "neither pad nor eos"
+        )
+
+
+MIN_FLEX_HEAD_DIM = 16  # compiled flex_attention on CUDA refuses narrower heads
+
+
+def check_head_dim(head_dim: int, on_cuda: bool) -> None:
+    """The drafter copies the target's head_dim; on CUDA its attention is compiled flex, which needs >= 16."""
+    if on_cuda and 0 < head_dim < MIN_FLEX_HEAD_DIM:
+        raise ConfigError(
+            f"the target's head_dim={head_dim} is below {MIN_FLEX_HEAD_DIM}, which the drafter's compiled "
+            "flex_attention on CUDA refuses; use a target with head_dim >= 16 or topology.device=cpu"
         )
 
 
