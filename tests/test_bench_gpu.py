@@ -20,6 +20,24 @@ def test_jobs_mix_every_bucket_round_robin():
     assert gpu._mixed(per_bucket, 5) == [[10], [30, 30], [40], [11], [41]]
 
 
+def test_asking_more_jobs_than_the_schedule_holds_takes_them_all_and_ends():
+    """Item 3 of issue 23: --small at its defaults asks 26 jobs of a 22-job schedule; _mixed never ended."""
+    import signal
+
+    def hang(*_):
+        raise TimeoutError("_mixed did not end")
+
+    old = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(20)  # pure Python loop: the alarm interrupts it on the old code
+    try:
+        assert gpu._mixed([[[1]], [], [[2], [3]]], 9) == [[1], [2], [3]]
+        setup = gpu.make_setup(gpu.parse(["--small"]))  # the defaults
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert 3 <= len(setup.jobs) <= 24 + 2  # warm-up + at least one timed job, never more than asked
+
+
 def test_drafter_training_flops_count_only_valid_anchors():
     from types import SimpleNamespace
 

@@ -101,14 +101,11 @@ def _jobs_for(lengths: np.ndarray, data) -> list[list[list[int]]]:
 
 
 def _mixed(per_bucket: list[list[list[int]]], n: int) -> list[list[int]]:
-    """n jobs taken round-robin over the buckets, so every length class is in the timing."""
+    """Up to n jobs taken round-robin over the buckets, so every length class is in the timing (all
+    of them when the schedule holds fewer than n)."""
     out: list[list[int]] = []
-    i = 0
-    while len(out) < n and any(per_bucket):
-        for b in per_bucket:
-            if i < len(b) and len(out) < n:
-                out.append(b[i])
-        i += 1
+    for i in range(max((len(b) for b in per_bucket), default=0)):  # a round past the longest adds nothing
+        out += [b[i] for b in per_bucket if i < len(b)][: n - len(out)]
     return out
 
 
