@@ -17,7 +17,7 @@ import time
 
 from app.data.batching import start_job
 from app.config.schema import DrafterConfig, EvalConfig, FaultsConfig, ModelConfig
-from app.devices import compute_dtype, limit_threads, pick_device
+from app.devices import compute_dtype, limit_threads, pick_device, target_attention
 from app.faults import fire_once
 from app.messages import HiddenBatch, ItemMeta, JobSpec
 
@@ -119,18 +119,6 @@ class TargetActor:
         if best_dir and result.tau > beat_tau:
             result = replace(result, exported_to=str(export_best(drafter, arch, best_dir, step, result.tau, self.dtype)))
         return result.to_dict()
-
-
-def target_attention(device, dtype) -> str:
-    """flash_attention_2 on CUDA in bf16/fp16 when flash-attn is installed (packed varlen jobs), else sdpa."""
-    import torch
-
-    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
-        import importlib.util
-
-        if importlib.util.find_spec("flash_attn") is not None:
-            return "flash_attention_2"
-    return "sdpa"
 
 
 def target_concurrency(device_setting: str, use_gpu: bool, jobs_in_flight: int) -> int:

@@ -1,6 +1,9 @@
 """Device and dtype choice from config (tests fake GPUs, so torch's own view decides nothing alone)."""
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -25,3 +28,26 @@ def limit_threads(num_cpus: float) -> int:
     n = max(1, int(num_cpus))
     torch.set_num_threads(n)
     return n
+
+
+def target_attention(device: torch.device, dtype: torch.dtype) -> str:
+    """flash_attention_2 on CUDA in bf16/fp16 when flash-attn really imports (packed varlen jobs), else sdpa."""
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and flash_attn_usable():
+        return "flash_attention_2"
+    return "sdpa"
+
+
+@functools.cache
+def flash_attn_usable() -> bool:
+    """Imports flash-attn for real, once per process: a wheel built for another torch or CUDA is found by
+    `find_spec` but fails to load its extension, which would fail every target job at the first forward."""
+    try:
+        import flash_attn  # noqa: F401  (its __init__ loads the CUDA extension)
+    except ModuleNotFoundError:
+        return False
+    except (ImportError, OSError, RuntimeError) as e:  # undefined symbol, missing libcudart, ABI check
+        warnings.warn(f"flash-attn is installed but does not load ({type(e).__name__}: {str(e)[:200]}); "
+                      "the targets use SDPA (padded jobs). Reinstall flash-attn built for this torch", RuntimeWarning)
+        return False
+    return True
+

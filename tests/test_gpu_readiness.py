@@ -33,3 +33,51 @@ def test_head_dim_is_read_from_the_target_folder(tmp_path):
     assert read_target_info(tmp_path).head_dim == 8  # hidden // heads when head_dim is absent
     (tmp_path / "config.json").write_text(json.dumps(cfg | {"head_dim": 128}))
     assert read_target_info(tmp_path).head_dim == 128
+
+
+def _fake_flash_attn(root: Path, body: str) -> None:
+    pkg = root / "flash_attn"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(body)
+
+
+def test_a_flash_attn_that_does_not_load_falls_back_to_sdpa_with_one_warning(tmp_path, monkeypatch):
+    """Item 4: a wheel built for another torch passes `find_spec` but fails at import (its extension)."""
+    import sys
+    import warnings
+
+    import torch
+
+    from app import devices
+
+    _fake_flash_attn(tmp_path, "raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDevice')")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    devices.flash_attn_usable.cache_clear()
+    cuda = torch.device("cuda", 0)  # a descriptor only: nothing here touches a GPU
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        picks = [devices.target_attention(cuda, torch.bfloat16) for _ in range(3)]
+    devices.flash_attn_usable.cache_clear()
+    assert picks == ["sdpa"] * 3
+    assert len(seen) == 1 and "does not load" in str(seen[0].message) and "undefined symbol" in str(seen[0].message)
+
+
+def test_a_flash_attn_that_imports_is_used_on_cuda_in_half_precision_only(tmp_path, monkeypatch):
+    import sys
+
+    import torch
+
+    from app import devices
+
+    _fake_flash_attn(tmp_path, "")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    devices.flash_attn_usable.cache_clear()
+    try:
+        assert devices.target_attention(torch.device("cuda", 0), torch.bfloat16) == "flash_attention_2"
+        assert devices.target_attention(torch.device("cuda", 0), torch.float32) == "sdpa"
+        assert devices.target_attention(torch.device("cpu"), torch.bfloat16) == "sdpa"
+    finally:
+        devices.flash_attn_usable.cache_clear()
+        sys.modules.pop("flash_attn", None)

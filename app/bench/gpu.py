@@ -113,7 +113,7 @@ def build_target(s: Setup):
     """Random-weight Qwen3 CausalLM of the setup's shape on its device, in its dtype (std 0.02 init)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from actors.target import target_attention
+    from app.devices import target_attention
 
     sh = s.target
     cfg = Qwen3Config(vocab_size=sh.vocab, hidden_size=sh.hidden, intermediate_size=sh.intermediate,
