@@ -15,6 +15,8 @@ from app.pool import metric_names
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
 ENTRYPOINT = "python -m app.train --config conf/default.yaml"
+AUTH_SECRET = "dflash-ray-auth"  # the Secret docker/README.md tells users to create
+RAY_CONTROL_PORTS = {6379, 8265, 10001}  # GCS, dashboard (job API), Ray Client: whoever reaches them runs code
 # Ray's Prometheus exporter prefixes custom metrics; histograms add these series suffixes.
 RAY_PREFIX = "ray_"
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
@@ -33,6 +35,26 @@ def _dockerfile_base_image() -> str:
              if line.strip().upper().startswith("FROM ")]
     assert len(froms) == 1, f"expected one FROM line, got {froms}"
     return froms[0]
+
+
+def _rayjob_docs() -> dict[str, dict]:
+    """The documents of rayjob.yaml by kind (the RayJob and its NetworkPolicy)."""
+    docs = [d for d in yaml.safe_load_all((DOCKER / "rayjob.yaml").read_text()) if d]
+    kinds = {d["kind"]: d for d in docs}
+    assert len(kinds) == len(docs), [d["kind"] for d in docs]
+    return kinds
+
+
+def _pod_templates(job: dict) -> dict[str, dict]:
+    """Every pod the RayJob creates, by role: head, each worker group, the submitter."""
+    cluster = job["spec"]["rayClusterSpec"]
+    pods = {"head": cluster["headGroupSpec"]["template"], "submitter": job["spec"]["submitterPodTemplate"]}
+    pods.update({f"worker {g['groupName']}": g["template"] for g in cluster["workerGroupSpecs"]})
+    return pods
+
+
+def _env(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
 
 
 def _dashboard() -> dict:
@@ -95,7 +117,7 @@ def test_dockerfile_installs_the_project():
 
 
 def test_rayjob_is_a_kuberay_job_with_head_and_8_gpu_workers():
-    job = yaml.safe_load((DOCKER / "rayjob.yaml").read_text())
+    job = _rayjob_docs()["RayJob"]
     assert job["apiVersion"] == "ray.io/v1" and job["kind"] == "RayJob"
     spec = job["spec"]
     assert spec["entrypoint"].startswith(ENTRYPOINT)
@@ -109,6 +131,61 @@ def test_rayjob_is_a_kuberay_job_with_head_and_8_gpu_workers():
     assert "nvidia.com/gpu" not in head["resources"].get("limits", {})
     images = {head["image"], worker["image"], spec["submitterPodTemplate"]["spec"]["containers"][0]["image"]}
     assert len(images) == 1, f"head, workers and submitter must run one image, got {images}"
+
+
+def test_every_pod_gets_ray_token_auth_from_the_secret():
+    """Issue 22 item 13: head, workers and submitter all run with RAY_AUTH_MODE=token and the token from
+    one Kubernetes Secret (never a literal in the manifest)."""
+    pods = _pod_templates(_rayjob_docs()["RayJob"])
+    assert {"head", "submitter"} < set(pods) and len(pods) >= 3
+    for role, pod in pods.items():
+        for container in pod["spec"]["containers"]:
+            env = _env(container)
+            assert env.get("RAY_AUTH_MODE") == {"name": "RAY_AUTH_MODE", "value": "token"}, (role, env)
+            token = env.get("RAY_AUTH_TOKEN", {})
+            assert "value" not in token, f"{role}: the token must come from the Secret, not the manifest"
+            assert token.get("valueFrom") == {"secretKeyRef": {"name": AUTH_SECRET, "key": "auth_token"}}, (role, token)
+
+
+def test_network_policy_admits_only_the_jobs_own_pods_to_the_ray_ports():
+    docs = _rayjob_docs()
+    policy, pods = docs["NetworkPolicy"], _pod_templates(docs["RayJob"])
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    assert selector, "an empty podSelector would protect every pod of the namespace, not the job's"
+    for role, pod in pods.items():  # the policy covers every pod the job creates
+        assert selector.items() <= pod["metadata"]["labels"].items(), role
+    assert "Ingress" in policy["spec"]["policyTypes"]
+    rules = policy["spec"]["ingress"]
+    own = [r for r in rules if r.get("from") == [{"podSelector": {"matchLabels": selector}}]]
+    assert len(own) == 1 and "ports" not in own[0], "the job's pods must reach each other on every Ray port"
+    for rule in rules:
+        if rule in own:
+            continue
+        assert rule.get("from") and rule.get("ports"), f"{rule} admits every source or every port"
+        ports = {p["port"] for p in rule["ports"]}
+        operator = all(f.get("podSelector", {}).get("matchLabels") == {"app.kubernetes.io/name": "kuberay-operator"}
+                       for f in rule["from"])
+        # Only the operator may reach a control port (the dashboard, to poll the job); others get metrics.
+        assert ports == {8265} if operator else not ports & RAY_CONTROL_PORTS, rule
+
+
+def test_nothing_binds_the_dashboard_to_all_interfaces_without_auth():
+    job = _rayjob_docs()["RayJob"]
+    cluster = job["spec"]["rayClusterSpec"]
+    groups = {"head": cluster["headGroupSpec"], **{g["groupName"]: g for g in cluster["workerGroupSpecs"]}}
+    for name, group in groups.items():
+        params = group.get("rayStartParams", {})
+        if params.get("dashboard-host", "127.0.0.1") in ("0.0.0.0", "::"):
+            for container in group["template"]["spec"]["containers"]:
+                assert _env(container).get("RAY_AUTH_MODE", {}).get("value") == "token", name
+        assert "ray-client-server-port" not in params, name
+    assert "RAY_AUTH_MODE" not in job["spec"].get("runtimeEnvYAML", "")  # the pods' env decides, not the job's
+
+
+def test_readme_creates_the_secret_the_job_reads():
+    readme = (DOCKER / "README.md").read_text()
+    assert f"kubectl create secret generic {AUTH_SECRET} --from-literal=auth_token=" in readme
+    assert "RAY_AUTH_TOKEN=" in readme and "RAY_AUTH_MODE=token" in readme
 
 
 def test_prometheus_scrapes_ray_service_discovery_file():
