@@ -2,7 +2,10 @@
 
 Greedy speculative decoding with the target on held-out prompts: prints tau (mean tokens per
 verify forward, bonus included) and tokens/s beside plain greedy decoding, checks that both give
-the same tokens, and ends with `RESULT tau=... tok_s=...`. Without `--drafter` the drafter is freshly
+the same tokens, and ends with `RESULT tau=... tok_s=...`. Exits 1 only when speculative decoding is
+not lossless: a kept token that is not its verify forward's own argmax, or, with an fp32 target on
+CPU (exact arithmetic), any difference from plain greedy; in bf16 on a GPU a near-tie flip between
+the two is reported (`mismatch_rate`, `first_divergence`), not failed on. Without `--drafter` the drafter is freshly
 initialised (tau should be close to 1); without `--prompts` the config's held-out prompts are used.
 """
 from __future__ import annotations
@@ -70,10 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tau={res.tau:.3f} (mean tokens per target forward, bonus included)")
     print(f"spec {res.tok_s:.1f} tok/s vs greedy {res.greedy_tok_s:.1f} tok/s: speedup {res.speedup:.2f}x "
           f"(target KV cache in both)")
-    print(f"output equals greedy: {res.matches_greedy}")
+    print(f"output equals greedy: {res.matches_greedy} (prompts differing {res.mismatch_rate:.3f}, first divergence "
+          f"{res.first_divergence}; {'exact check, fp32 on CPU' if res.exact else 'bf16 kernels may flip near-ties'}); "
+          f"kept tokens off their verify argmax: {res.verify_mismatches}")
     print(f"RESULT tau={res.tau:.4f} tok_s={res.tok_s:.2f} greedy_tok_s={res.greedy_tok_s:.2f} "
-          f"speedup={res.speedup:.3f} matches_greedy={int(res.matches_greedy)}")
-    return 0 if res.matches_greedy else 1
+          f"speedup={res.speedup:.3f} matches_greedy={int(res.matches_greedy)} mismatch_rate={res.mismatch_rate:.3f} "
+          f"first_divergence={res.first_divergence} lossless={int(res.lossless)}")
+    return 0 if res.lossless else 1  # only a real acceptance bug (or any drift on fp32 CPU) fails
 
 
 if __name__ == "__main__":

@@ -59,6 +59,41 @@ def test_cached_greedy_references_skip_decoding_but_still_check(target, monkeypa
     assert not sd.measure_tau(model, drafter, head, PROMPTS, 16, LAYERS, B, references=refs).matches_greedy
 
 
+def _drifted(refs: dict, prompt: list[int], at: int) -> None:
+    """Make the cached greedy reference of `prompt` differ from position `at` on: what a bf16 near-tie
+    flip between the one-token reference and the multi-token verify looks like on a GPU."""
+    key = next(k for k in refs if list(k[0]) == prompt)
+    refs[key] = refs[key][:at] + [(t + 1) % 128 for t in refs[key][at:]]
+
+
+def test_a_greedy_drift_fails_an_fp32_cpu_target_but_is_only_reported_where_kernels_differ(target, monkeypatch):
+    """Item 5 of issue 23: bf16 on a GPU flips near-ties between verify and the one-token reference;
+    that is reported (mismatch rate, first divergence), not failed on. The fp32 CPU check stays exact."""
+    model, head, _ = target
+    drafter = _drafter(model)
+    refs: dict = {}
+    clean = sd.measure_tau(model, drafter, head, PROMPTS, 16, LAYERS, B, references=refs)
+    assert clean.exact and clean.lossless and clean.mismatch_rate == 0 and clean.first_divergence == -1
+    _drifted(refs, PROMPTS[1], at=3)
+    cpu = sd.measure_tau(model, drafter, head, PROMPTS, 16, LAYERS, B, references=refs)
+    assert cpu.exact and not cpu.matches_greedy and not cpu.lossless  # fp32 on CPU: exact, so a failure
+    assert cpu.mismatch_rate == pytest.approx(1 / 3) and cpu.first_divergence == 3 and cpu.verify_mismatches == 0
+    monkeypatch.setattr(sd, "exact_arithmetic", lambda m: False)  # as a bf16 target on a GPU
+    gpu = sd.measure_tau(model, drafter, head, PROMPTS, 16, LAYERS, B, references=refs)
+    assert not gpu.exact and not gpu.matches_greedy and gpu.lossless
+    assert gpu.mismatch_rate == pytest.approx(1 / 3) and gpu.first_divergence == 3
+
+
+def test_an_acceptance_bug_fails_whatever_the_arithmetic(target, monkeypatch):
+    """Keeping a draft the verify forward's own argmax rejects is a real bug, on a GPU too."""
+    model, head, _ = target
+    real = sd.accepted_prefix
+    monkeypatch.setattr(sd, "accepted_prefix", lambda d, g: min(len(d), real(d, g) + 1))  # one too many
+    monkeypatch.setattr(sd, "exact_arithmetic", lambda m: False)
+    ev = sd.measure_tau(model, _drafter(model), head, PROMPTS, 16, LAYERS, B)
+    assert ev.verify_mismatches > 0 and not ev.lossless
+
+
 def _oracle(model, correct: int):
     """A draft_block stand-in that knows the target's greedy continuation for `correct` tokens."""
 

@@ -36,6 +36,8 @@ class LiveEval:
     new_tokens: int
     seconds: float
     exported_to: str | None = None
+    lossless: bool = True  # no acceptance bug (on an fp32 CPU target: equal to greedy); warn only when False
+    mismatch_rate: float = 0.0  # share of prompts differing from plain greedy (bf16 near-tie flips on a GPU)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -111,7 +113,8 @@ def evaluate_drafter(target_model, model_dir: str, layer_ids: list[int], step: i
                           references=references)
     result = LiveEval(step=step, tau=float(res.tau),
                       per_pos_accept=per_position_acceptance(res.accepted_per_forward, arch.block_size),
-                      matches_greedy=bool(res.matches_greedy), num_prompts=res.num_prompts,
+                      matches_greedy=bool(res.matches_greedy), lossless=bool(res.lossless),
+                      mismatch_rate=float(res.mismatch_rate), num_prompts=res.num_prompts,
                       new_tokens=res.new_tokens, seconds=time.perf_counter() - t0)
     return result, drafter, arch
 
