@@ -16,10 +16,11 @@ import threading
 import time
 
 from app.data.batching import start_job
-from app.config.schema import DrafterConfig, EvalConfig, FaultsConfig, ModelConfig
+from app.config.schema import FaultsConfig, ModelConfig
 from app.devices import compute_dtype, limit_threads, pick_device, target_attention
 from app.faults import fire_once
 from app.messages import HiddenBatch, ItemMeta, JobSpec
+from app.model.live_eval import EvalSpec
 
 
 class TargetActor:
@@ -86,26 +87,12 @@ class TargetActor:
         if job.index == self.faults.stall_target_at_job and job.epoch == 0 and fire_once(self.run_dir, "stall_target"):
             time.sleep(10**6)  # a hang: only the watchdog gets us out
 
-    def evaluate(self, drafter_dir: str | None, prompts: list[list[int]], drafter_cfg: DrafterConfig,
-                 eval_cfg: EvalConfig, mask_token_id: int, seed: int = 0) -> dict:
-        """Acceptance length (tau) of an exported drafter, or of a fresh one when `drafter_dir` is None."""
-        from app.model.build import build_or_load_drafter
-        from app.model.spec_decode import measure_tau
-
-        drafter, head, arch = build_or_load_drafter(
-            self.model_dir, drafter_dir, drafter_cfg, self.layer_ids, mask_token_id, self.device, self.dtype, seed
-        )
-        with self.compute_lock:
-            result = measure_tau(self.model, drafter, head, prompts[: eval_cfg.num_prompts],
-                                 eval_cfg.max_new_tokens, self.layer_ids, arch.block_size)
-        return {"tau": float(result.tau), "tok_s": float(result.tok_s)}
-
-    def evaluate_weights(self, step: int, weights, prompts: list[list[int]], drafter_cfg: DrafterConfig,
-                         eval_cfg: EvalConfig, mask_token_id: int, seed: int, eos_token_id: int | None,
-                         best_dir: str | None = None, beat_tau: float = float("inf")) -> dict:
-        """An evaluation during the run (`eval.every_steps`): tau and per-position acceptance of rank 0's
-        weights at `step` (a numpy state dict from the object store, or an exported folder), checked
-        against plain greedy decoding; exported to `best_dir` when tau > `beat_tau`. See app/model/live_eval.py."""
+    def evaluate_weights(self, step: int, weights, spec: EvalSpec, best_dir: str | None = None,
+                         beat_tau: float = float("inf")) -> dict:
+        """tau and per-position acceptance of drafter weights at `step`, checked against plain greedy
+        decoding: rank 0's numpy state dict during the run (`eval.every_steps`), an exported folder, or
+        None for a fresh drafter (the end of the run uses this same method). Exported to `best_dir` when
+        tau > `beat_tau`. See app/model/live_eval.py."""
         from dataclasses import replace
 
         from app.model.live_eval import background_priority, evaluate_drafter, export_best
@@ -113,9 +100,8 @@ class TargetActor:
         # The pool pauses this target's jobs (the ones it held finish first); on CPU the evaluation
         # yields the cores to training.
         with self.compute_lock, background_priority(self.device):
-            result, drafter, arch = evaluate_drafter(
-                self.model, self.model_dir, self.layer_ids, step, weights, prompts, drafter_cfg, eval_cfg,
-                mask_token_id, self.device, self.dtype, seed, eos_token_id, self.greedy_references)
+            result, drafter, arch = evaluate_drafter(self.model, self.model_dir, self.layer_ids, step, weights, spec,
+                                                     self.device, self.dtype, self.greedy_references)
         if best_dir and result.tau > beat_tau:
             result = replace(result, exported_to=str(export_best(drafter, arch, best_dir, step, result.tau, self.dtype)))
         return result.to_dict()

@@ -24,15 +24,14 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def run(cfg, drafter_dir: str | None = None, prompts_file: str | None = None):
-    """Load target, head and drafter per `cfg`; return the `EvalResult`."""
-    import torch
+    """Load target, head and drafter per `cfg`; return the `EvalResult`. The measurement is the run's own
+    (`measure_spec`: the same prompts cut, budget and target EOS as every tau of a training run)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from app.config.checks import read_target_info, resolved_layer_ids, resolved_mask_token_id
     from app.data.dataset import load_eval_prompts
     from app.devices import compute_dtype, pick_device
-    from app.model.build import build_or_load_drafter
-    from app.model.spec_decode import measure_tau
+    from app.model.live_eval import EvalSpec, drafter_for, measure_spec, stop_token
     from app.tiny.build import resolve_target
 
     target = resolve_target(cfg)
@@ -41,10 +40,6 @@ def run(cfg, drafter_dir: str | None = None, prompts_file: str | None = None):
     dtype = compute_dtype(cfg.model.dtype, device)
     mask_id = target.mask_token_id if cfg.drafter.mask_token_id < 0 and target.mask_token_id is not None \
         else resolved_mask_token_id(cfg, info)
-    drafter, head, arch = build_or_load_drafter(
-        target.model_dir, drafter_dir, cfg.drafter, resolved_layer_ids(cfg, info), mask_id, device, dtype,
-        cfg.train.seed,
-    )
     model = AutoModelForCausalLM.from_pretrained(target.model_dir, dtype=dtype).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(target.model_dir)
     path = prompts_file or target.eval_prompts_file
@@ -53,10 +48,9 @@ def run(cfg, drafter_dir: str | None = None, prompts_file: str | None = None):
     prompts = load_eval_prompts(path, tokenizer, cfg.data.enable_thinking)[: cfg.eval.num_prompts]
     if not prompts:
         raise ValueError(f"{path} holds no prompts; give a JSONL with one prompt per line")
-    eos = info.eos_token_ids[0] if info.eos_token_ids else None
-    with torch.no_grad():
-        return measure_tau(model, drafter.eval(), head, prompts, cfg.eval.max_new_tokens,
-                           list(arch.target_layer_ids), arch.block_size, eos)
+    spec = EvalSpec(prompts, cfg.drafter, cfg.eval, mask_id, cfg.train.seed, stop_token(info.eos_token_ids))
+    drafter, head, arch = drafter_for(drafter_dir, target.model_dir, resolved_layer_ids(cfg, info), spec, device, dtype)
+    return measure_spec(model, drafter, head, arch, spec)
 
 
 def main(argv: list[str] | None = None) -> int:

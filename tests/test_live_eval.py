@@ -9,14 +9,15 @@ import torch
 import app.model.spec_decode as sd
 from app.config.schema import DrafterConfig, EvalConfig
 from app.model.build import build_or_load_drafter
-from app.model.live_eval import (META_KEY, copy_as_best, evaluate_drafter, export_best, per_position_acceptance,
-                                 read_best_meta, weights_to_numpy)
+from app.model.live_eval import (META_KEY, EvalSpec, copy_as_best, evaluate_drafter, export_best,
+                                 per_position_acceptance, read_best_meta, weights_to_numpy)
 from tests.toy import save_tiny_target
 
 LAYERS = [0, 2]
 PROMPTS = [[5, 9, 17, 2], [100, 3], [7, 7, 7, 7, 7, 7, 40]]
 DCFG = DrafterConfig(num_layers=1, block_size=4)
 ECFG = EvalConfig(num_prompts=3, max_new_tokens=12)
+SPEC = EvalSpec(PROMPTS, DCFG, ECFG, mask_token_id=3, seed=0, eos_token_id=None)
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +44,8 @@ def test_weights_from_the_object_store_give_the_drafters_own_tau(target, tmp_pat
     model, model_dir = target
     drafter, head, arch = _trained_like(model_dir, seed=7)
     direct = sd.measure_tau(model, drafter, head, PROMPTS, ECFG.max_new_tokens, LAYERS, arch.block_size)
-    live, rebuilt, _ = evaluate_drafter(model, model_dir, LAYERS, 40, weights_to_numpy(drafter), PROMPTS, DCFG, ECFG,
-                                        3, torch.device("cpu"), torch.float32, seed=0, eos_token_id=None)
+    live, rebuilt, _ = evaluate_drafter(model, model_dir, LAYERS, 40, weights_to_numpy(drafter), SPEC,
+                                        torch.device("cpu"), torch.float32)
     assert live.matches_greedy and live.step == 40
     assert live.tau == pytest.approx(direct.tau)  # seed 0 built it, the state dict made it rank 0's drafter
     # E[accepted drafts] = sum over k of P(accepted >= k) = tau - 1 (tau counts the target's own token).
@@ -52,8 +53,7 @@ def test_weights_from_the_object_store_give_the_drafters_own_tau(target, tmp_pat
     # Exported as the best, then evaluated from the folder (what python -m app.evaluate does): same tau.
     best = export_best(rebuilt, arch, tmp_path / "drafter-best", step=40, tau=live.tau)
     assert read_best_meta(best) == {"step": 40, "tau": live.tau}
-    again, _, _ = evaluate_drafter(model, model_dir, LAYERS, 40, str(best), PROMPTS, DCFG, ECFG, 3,
-                                   torch.device("cpu"), torch.float32, seed=0, eos_token_id=None)
+    again, _, _ = evaluate_drafter(model, model_dir, LAYERS, 40, str(best), SPEC, torch.device("cpu"), torch.float32)
     assert again.tau == live.tau and again.per_pos_accept == live.per_pos_accept
 
 

@@ -1,5 +1,7 @@
-"""The supervision policy without Ray: events and a clock in, actions out."""
+"""The supervision policy without Ray: events and a clock in, actions out; the pool client's retries."""
 from __future__ import annotations
+
+import pytest
 
 from app.config.schema import SupervisionConfig
 from app.run.supervision import (DrafterGroupFailed, DrafterGroupStarted, DrafterPhase, Fail, GiveUpTarget,
@@ -138,3 +140,64 @@ def test_stop_once_then_fail_past_the_timeout() -> None:
     assert p.on(_tick(steps=1), 39.0) == []
     [action] = p.on(_tick(steps=1), 41.0)
     assert isinstance(action, Fail) and "supervision.stop_timeout_s=30" in action.message
+
+
+# ---- the pool client: retries and a dead pool, driven without a cluster ---------------------------
+
+class _Handle:
+    """An actor handle whose `method.remote(*args)` returns the call itself (a stand-in object ref)."""
+
+    def __getattr__(self, name):
+        return type("M", (), {"remote": staticmethod(lambda *args: (name, args))})
+
+
+def _client(tmp_path, failures: list[BaseException]):
+    """A PoolClient whose calls raise `failures` in turn, then answer; returns it and the pauses it took."""
+    from app.run.pool_client import PoolClient
+
+    pauses: list[float] = []
+
+    def get(ref, timeout):
+        assert timeout == 60.0
+        if failures:
+            raise failures.pop(0)
+        return ref
+
+    return PoolClient(_Handle(), str(tmp_path), get=get, sleep=pauses.append), pauses
+
+
+def _unavailable():
+    from ray.exceptions import ActorUnavailableError
+
+    return ActorUnavailableError("connection blip", None)
+
+
+def test_an_idempotent_pool_call_is_retried_with_a_doubling_pause(tmp_path) -> None:
+    client, pauses = _client(tmp_path, [_unavailable(), _unavailable()])
+    assert client.set_ranks(2) == ("set_ranks", (2,))
+    assert pauses == [0.5, 1.0]
+
+
+def test_a_pool_that_stays_unavailable_ends_the_run_after_the_retries(tmp_path) -> None:
+    from app.run.failures import RunFailed
+
+    client, pauses = _client(tmp_path, [_unavailable() for _ in range(6)])
+    with pytest.raises(RunFailed) as info:
+        client.stats()
+    assert pauses == [0.5, 1.0, 2.0, 4.0, 8.0]
+    assert str(info.value) == ("pool actor HSPoolActor died (ActorUnavailableError); the run stops here. Resubmit "
+                               "the same command to resume from the start (no checkpoint yet)")
+
+
+def test_a_call_that_is_unsafe_twice_is_never_retried_and_a_dead_pool_is_one_line(tmp_path) -> None:
+    from ray.exceptions import ActorDiedError
+
+    from app.run.failures import RunFailed
+
+    client, pauses = _client(tmp_path, [_unavailable()])
+    with pytest.raises(RunFailed, match=r"^pool actor HSPoolActor died \(ActorUnavailableError\)"):
+        client.rollback([1, 2])  # it may have run: re-sending could roll back twice
+    client, pauses = _client(tmp_path, [ActorDiedError()])
+    with pytest.raises(RunFailed) as info:
+        client.stats()
+    assert pauses == [] and "\n" not in str(info.value) and "(ActorDiedError)" in str(info.value)

@@ -308,11 +308,14 @@ class EvalConfig:
     num_prompts: int = 64
     max_new_tokens: int = 256
     every_steps: int = 500  # optimizer steps between evaluations during the run (0 = off; tau_trained is measured anyway)
+    timeout_s: float = 900.0  # one tau measurement on one target (during the run or at its end); past it, skipped
 
     def __post_init__(self) -> None:
         _at_least("eval.num_prompts", self.num_prompts, 0, "a count cannot be negative")
         _at_least("eval.every_steps", self.every_steps, 0, "use 0 to turn evaluation during the run off")
         _at_least("eval.max_new_tokens", self.max_new_tokens, 1, "tau needs at least one generated token")
+        if not 0 < self.timeout_s < float("inf"):  # a range test: nan fails it too (nan would never time out)
+            _fail("eval.timeout_s", self.timeout_s, "must be a finite number of seconds > 0; e.g. eval.timeout_s=900")
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,11 @@
 """Acceptance length during the run: rank 0's weights in, tau and per-position acceptance out.
 
-The math the target actor runs for an evaluation job (`TargetActor.evaluate_weights`): build the
-drafter from a state dict (numpy, what rank 0 put in the object store) or an exported folder, run
-greedy speculative decoding with the target on the held-out prompts, check the output equals plain
-greedy, and, when asked, export the drafter as the new best one, atomically.
+The math the target actor runs for every tau measurement of a run (`TargetActor.evaluate_weights`),
+during it and at its end alike: build the drafter (fresh, from a state dict - numpy, what rank 0 put
+in the object store - or from an exported folder), run greedy speculative decoding with the target on
+the held-out prompts up to the target's EOS (`EvalSpec`), check the output equals plain greedy, and,
+when asked, export the drafter as the new best one, atomically. `python -m app.evaluate` measures
+with the same `measure_spec`, so every tau the project reports comes from one piece of code.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import shutil
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,6 +25,24 @@ import torch
 META_KEY = "dflash_ray_eval"
 # Niceness added to the evaluating thread on CPU where the idle scheduling class is refused.
 CPU_EVAL_NICE = 19  # the lowest priority: weight 15 against 1024 for a training thread at 0
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    """What every tau measurement of a run decodes with: the held-out prompts, the drafter and eval
+    settings, the mask token and init seed of a fresh drafter, and the EOS decoding stops at."""
+
+    prompts: list[list[int]]
+    drafter: Any  # app.config.schema.DrafterConfig
+    eval: Any  # app.config.schema.EvalConfig
+    mask_token_id: int
+    seed: int
+    eos_token_id: int | None
+
+
+def stop_token(eos_token_ids: tuple[int, ...]) -> int | None:
+    """The EOS tau decoding stops at: the target's first eos_token_id (None when it has none)."""
+    return eos_token_ids[0] if eos_token_ids else None
 
 
 @dataclass(frozen=True)
@@ -90,33 +111,44 @@ def background_priority(device):
             os.setpriority(os.PRIO_PROCESS, tid, nice)
 
 
-def evaluate_drafter(target_model, model_dir: str, layer_ids: list[int], step: int, weights, prompts,
-                     drafter_cfg, eval_cfg, mask_token_id: int, device, dtype, seed: int,
-                     eos_token_id: int | None, references: dict | None = None
-                     ) -> tuple[LiveEval, torch.nn.Module, object]:
-    """(result, drafter, arch) for `weights`: a numpy state dict, or an exported drafter folder.
-    `references`: the target's greedy outputs kept across evaluations (`measure_tau`)."""
+def evaluate_drafter(target_model, model_dir: str, layer_ids: list[int], step: int, weights, spec: EvalSpec,
+                     device, dtype, references: dict | None = None) -> tuple[LiveEval, torch.nn.Module, object]:
+    """(result, drafter, arch) for `weights` at `step`. `references`: the target's greedy outputs kept
+    across evaluations (`measure_tau`)."""
     import time
 
-    from app.model.build import build_or_load_drafter
-    from app.model.spec_decode import measure_tau
-
     t0 = time.perf_counter()
-    folder = weights if isinstance(weights, (str, os.PathLike)) else None
-    drafter, head, arch = build_or_load_drafter(model_dir, folder, drafter_cfg, layer_ids, mask_token_id, device,
-                                                dtype, seed)
-    if folder is None:
-        drafter.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in weights.items()})  # copies: the store is read-only
-    with torch.no_grad():
-        res = measure_tau(target_model, drafter.eval(), head, prompts[: eval_cfg.num_prompts],
-                          eval_cfg.max_new_tokens, list(arch.target_layer_ids), arch.block_size, eos_token_id,
-                          references=references)
+    drafter, head, arch = drafter_for(weights, model_dir, layer_ids, spec, device, dtype)
+    res = measure_spec(target_model, drafter, head, arch, spec, references)
     result = LiveEval(step=step, tau=float(res.tau),
                       per_pos_accept=per_position_acceptance(res.accepted_per_forward, arch.block_size),
                       matches_greedy=bool(res.matches_greedy), lossless=bool(res.lossless),
                       mismatch_rate=float(res.mismatch_rate), num_prompts=res.num_prompts,
                       new_tokens=res.new_tokens, seconds=time.perf_counter() - t0)
     return result, drafter, arch
+
+
+def drafter_for(weights, model_dir: str, layer_ids: list[int], spec: EvalSpec, device, dtype):
+    """(drafter, head, arch): `weights` None is a fresh drafter (the spec's seed), a path an exported
+    folder, else a numpy state dict (rank 0's weights from the object store)."""
+    from app.model.build import build_or_load_drafter
+
+    folder = weights if isinstance(weights, (str, os.PathLike)) else None
+    drafter, head, arch = build_or_load_drafter(model_dir, folder, spec.drafter, layer_ids, spec.mask_token_id,
+                                                device, dtype, spec.seed)
+    if weights is not None and folder is None:
+        drafter.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in weights.items()})  # copies: the store is read-only
+    return drafter.eval(), head, arch
+
+
+def measure_spec(target_model, drafter, head, arch, spec: EvalSpec, references: dict | None = None):
+    """The one tau measurement (`EvalResult`): the spec's prompts and token budget, stopping at its EOS."""
+    from app.model.spec_decode import measure_tau
+
+    with torch.no_grad():
+        return measure_tau(target_model, drafter, head, spec.prompts[: spec.eval.num_prompts],
+                           spec.eval.max_new_tokens, list(arch.target_layer_ids), arch.block_size,
+                           spec.eos_token_id, references=references)
 
 
 def export_best(drafter, arch, out_dir: str | Path, step: int, tau: float, dtype: torch.dtype | None = None) -> Path:

@@ -21,7 +21,7 @@ def log(msg: str) -> None:
 
 def run(cfg: Config) -> int:
     """Run (or resume) training; returns the process exit code."""
-    from app.run.supervisor import RunFailed
+    from app.run.failures import RunFailed
 
     try:
         plan = make_plan(cfg)  # before ray.init: a mistake in the config or the data never waits for the cluster

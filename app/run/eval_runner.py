@@ -3,7 +3,10 @@ target, and sends tau to the status line, the timeline, the `dflash_tau` gauge a
 
 A listener of the RunMonitor: every pool snapshot the supervisor folds in (each loop turn) is a tick.
 Everything here is non-blocking (`ray.wait(timeout=0)`), so the supervision loop, and training, never
-wait for an evaluation; only `finish` at the end of the run waits, for the last one.
+wait for an evaluation; only `finish` at the end of the run waits, for the last one. Each evaluation has
+`eval.timeout_s`; one past it is skipped and its target goes back to training. The pool is reached
+through the supervisor's `PoolClient`; targets are asked with `ask_tau` and the run's one `EvalSpec`, as
+the end-of-run tau is (app/run/final_tau.py).
 """
 from __future__ import annotations
 
@@ -11,7 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.run.evaluation import EvalOffer, EvalSchedule, TauBook
+from app.run.evaluation import EvalOffer, EvalSchedule, TauBook, eval_spec
+from app.run.final_tau import ask_tau
 
 BEST_DIR_NAME = "drafter-best"
 
@@ -23,8 +27,8 @@ class EvalRunner:
                  clock=time.monotonic) -> None:
         self.sup, self.monitor, self.timeline, self.log, self.clock = sup, monitor, timeline, log, clock
         self.cfg, self.plan = sup.cfg, sup.plan
-        self.eos_token_id = eos_token_id
-        self.schedule = EvalSchedule(timeout_s=sup.cfg.supervision.stall_timeout_s)
+        self.spec = eval_spec(self.plan, eos_token_id)
+        self.schedule = EvalSchedule(timeout_s=sup.cfg.eval.timeout_s)
         self.book = TauBook()
         from app.storage import is_uri
 
@@ -63,7 +67,7 @@ class EvalRunner:
         if not self.enabled:
             return
         self._poll()
-        offer = self.sup._pool_call(self.sup.pool.take_eval)
+        offer = self.sup.pool.take_eval()
         if offer is not None:
             step, weights = offer
             self.schedule.offer(EvalOffer(step, weights[0]))
@@ -77,15 +81,11 @@ class EvalRunner:
 
     def _alive(self) -> dict[int, Any]:
         """Live targets by id, as the supervisor's own end-of-run evaluation picks them."""
-        sup = self.sup
-        alive = sup.policy.alive() if hasattr(sup, "policy") else [t for t in sup.targets if t not in sup.given_up]
-        return {t: sup.targets[t] for t in alive if t in sup.targets}
+        return dict(self.sup.alive_targets())
 
     def _launch(self, offer: EvalOffer, tid: int, handle: Any) -> None:
-        self.sup._pool_call(self.sup.pool.pause_target, tid)
-        self._ref = handle.evaluate_weights.remote(
-            offer.step, offer.weights, self.plan.eval_prompts, self.cfg.drafter, self.cfg.eval,
-            self.plan.mask_token_id, self.cfg.train.seed, self.eos_token_id, self.best_dir, self.book.best_tau)
+        self.sup.pool.pause_target(tid)
+        self._ref = ask_tau(handle, offer.step, offer.weights, self.spec, self.best_dir, self.book.best_tau)
 
     def _poll(self, timeout: float = 0.0) -> None:
         import ray
@@ -98,10 +98,10 @@ class EvalRunner:
             return
         run = self.schedule.finished()
         ref, self._ref = self._ref, None
-        self.sup._pool_call(self.sup.pool.resume_target, run.target_id)
+        self.sup.pool.resume_target(run.target_id)
         if not ready:
             self.log(f"evaluation of step {run.offer.step} on target {run.target_id} took over "
-                     f"supervision.stall_timeout_s={self.schedule.timeout_s:g} s; skipped, target back to training")
+                     f"eval.timeout_s={self.schedule.timeout_s:g} s; skipped, target back to training")
             return
         try:
             result = ray.get(ref)
@@ -116,20 +116,22 @@ class EvalRunner:
         self.monitor.add_tau(result["step"], result["tau"])
         self.timeline.evaluation(result["step"], result["tau"], result["per_pos_accept"],
                                  matches_greedy=result["matches_greedy"], best=best, seconds=result["seconds"])
-        self.sup.pool.report_tau.remote(result["step"], result["tau"])
+        self.sup.pool.report_tau(result["step"], result["tau"])
         if not result["matches_greedy"]:
             self.log(f"WARNING: speculative decoding at step {result['step']} differs from plain greedy decoding")
         self.log(f"tau {result['tau']:.3f} at step {result['step']} ({result['seconds']:.1f} s)"
                  + (f", best so far: exported to {result['exported_to']}" if best and result["exported_to"] else ""))
 
-    def finish(self, final_step: int, export_dir: str | None, timeout_s: float = 600.0) -> None:
+    def finish(self, final_step: int, export_dir: str | None) -> None:
         """End of the run: let the running evaluation land, evaluate the newest offer still pending, then
-        the exported drafter/ (what `python -m app.evaluate --drafter` measures) unless its step was evaluated."""
+        the exported drafter/ (what `python -m app.evaluate --drafter` measures) unless its step was
+        evaluated; each waits `eval.timeout_s` at most."""
         import ray
         from ray.exceptions import RayError
 
         if not self.enabled:
             return
+        timeout_s = self.cfg.eval.timeout_s
         self._poll(timeout=timeout_s)
         offers = [self.schedule.pending] if self.schedule.pending is not None else []
         self.schedule.pending = None
@@ -140,10 +142,8 @@ class EvalRunner:
             if not alive or offer.step in {r["step"] for r in self.book.history}:
                 continue
             try:
-                result = ray.get(next(iter(alive.values())).evaluate_weights.remote(
-                    offer.step, offer.weights, self.plan.eval_prompts, self.cfg.drafter, self.cfg.eval,
-                    self.plan.mask_token_id, self.cfg.train.seed, self.eos_token_id, self.best_dir,
-                    self.book.best_tau), timeout=timeout_s)
+                result = ray.get(ask_tau(next(iter(alive.values())), offer.step, offer.weights, self.spec,
+                                         self.best_dir, self.book.best_tau), timeout=timeout_s)
             except (RayError, ray.exceptions.GetTimeoutError) as exc:
                 self.log(f"evaluation of step {offer.step} at the end failed: {type(exc).__name__}")
                 continue

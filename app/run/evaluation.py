@@ -1,6 +1,8 @@
 """Evaluation during the run, the policy: which offer to evaluate, on which target, which tau is the best.
 
 Pure (no Ray): fed offers (rank 0's weights at a step), the pool's in-flight counts and the clock.
+- Every measurement of the run, during it and at its end, decodes with one `EvalSpec` (`eval_spec`):
+  the same prompts, budget and EOS, so `tau_trained` and the last `tau_history` point agree.
 - One evaluation at a time. A newer offer replaces a pending one: evaluation falls behind training
   rather than queueing up, and training never waits for it.
 - The target with the fewest training jobs in flight evaluates (it gets no new ones meanwhile).
@@ -10,6 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from app.model.live_eval import EvalSpec
+
+
+def eval_spec(plan, eos_token_id: int | None) -> EvalSpec:
+    """The run's one EvalSpec: its held-out prompts and settings, decoding up to `eos_token_id`."""
+    cfg = plan.cfg
+    return EvalSpec(plan.eval_prompts, cfg.drafter, cfg.eval, plan.mask_token_id, cfg.train.seed, eos_token_id)
 
 
 @dataclass(frozen=True)
