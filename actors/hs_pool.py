@@ -1,4 +1,6 @@
-"""HSPoolActor: the async Ray actor around the pure pool policy (app/pool/hs_pool.py).
+"""HSPoolActor: the async Ray actor around the pure pool (app/pool/hs_pool.py) and its control state
+(app/pool/control.py: targets, pauses, eval offers, the stop flag, step records). What remains here
+is Ray: the calls in, the dispatch loop that launches target forwards, the metrics loop.
 
 Launch it with `ray.remote(HSPoolActor).options(max_concurrency=pool_max_concurrency(...))`.
 
@@ -18,15 +20,13 @@ not cancelled by Ray; `release(drafter)` fences it (it raises LeaseRevoked and t
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import time
-from collections import deque
 from typing import Any
 
 from app.config.schema import PoolConfig
 from app.data.schedule import EpochJobs
-from app.messages import EndOfStream, ItemMeta, JobSpec, PulledItem, StepRecord, TargetFailure
+from app.messages import EndOfStream, ItemMeta, JobSpec, PulledItem, StepRecord
+from app.pool.control import PoolControl
 from app.pool.hs_pool import Drained, HSPool
 from app.pool.pull_policy import PullPolicy
 from app.pool.stats import PoolStats
@@ -60,20 +60,10 @@ class HSPoolActor:
         is one global step, which the stratified policy mixes."""
         self._cfg = pool_cfg
         self._pool = HSPool(pool_cfg, num_buckets, pull_policy=pull_policy, ranks=ranks, accum=accum)
+        self._control = PoolControl(self._pool)
         self._run_name = run_name
-        self._targets: dict[int, Any] = {}
-        self._failures: list[TargetFailure] = []
-        self._steps: deque[StepRecord] = deque(maxlen=4096)
-        self._undrained: list[StepRecord] = []
-        self._waits: list[float] = []  # pull waits since the last metrics tick
         self._tasks: set[asyncio.Task] = set()
         self._started = False
-        self._metrics: Any = None
-        self._stop_requested = False
-        # Live evaluation (eval.every_steps): rank 0 offers its weights, the driver takes the newest
-        # and runs it on one target, which gets no training jobs meanwhile (paused).
-        self._eval_offer: tuple[int, list] | None = None
-        self._paused: set[int] = set()
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -101,19 +91,19 @@ class HSPoolActor:
     async def add_target(self, target_id: int, handle: Any) -> None:
         """Register (or replace after a restart) a target; it gets jobs at once."""
         self._ensure_started()
-        if self._pool.in_flight_count(target_id):
-            self._pool.target_lost(target_id)  # the old incarnation's jobs go back to the queue
-        self._targets[target_id] = handle
-        self._pool.notify()
+        self._control.add_target(target_id, handle)
 
-    async def target_failures(self) -> list[TargetFailure]:
-        """One line per target failure seen (target, job, error), oldest first."""
-        return list(self._failures)
+    async def pause_target(self, target_id: int) -> None:
+        """Issue no training jobs to this target (it evaluates); the ones it holds finish."""
+        self._control.pause(target_id)
+
+    async def resume_target(self, target_id: int) -> None:
+        self._control.resume(target_id)
 
     async def _dispatch_loop(self) -> None:
         while True:
-            for tid, handle in list(self._targets.items()):
-                while tid in self._targets and tid not in self._paused and (job := self._pool.next_job(tid)) is not None:
+            for tid, handle in self._control.targets():
+                while (job := self._control.next_job(tid, handle)) is not None:
                     self._launch(tid, handle, job)
             await self._pool.wait_changed()
 
@@ -136,21 +126,12 @@ class HSPoolActor:
         self._pool.job_done(tid, meta, payload_ref)
 
     def _on_target_error(self, tid: int, handle: Any, job: JobSpec, err: Exception) -> None:
-        # Only the registered incarnation counts: when a target was removed or replaced, its
-        # in-flight jobs were re-queued then, and the job id may now run on the new incarnation.
         from ray.exceptions import RayActorError, RayTaskError
 
-        if self._targets.get(tid) is handle:
-            lines = [l for l in str(err).strip().splitlines() if l.strip()]
-            if isinstance(err, RayTaskError) and not isinstance(err, RayActorError):
-                # forward raised but the target lives: only the job failed (twice: quarantined).
-                self._pool.job_raised(tid, job.job_id, f"{lines[-1][:300] if lines else type(err).__name__}")
-                return
-            self._pool.job_failed(tid, job.job_id)
-            del self._targets[tid]
-            self._pool.target_lost(tid)
-            first_line = (lines or [""])[0][:300]
-            self._failures.append(TargetFailure(tid, job.job_id, f"{type(err).__name__}: {first_line}"))
+        if isinstance(err, RayTaskError) and not isinstance(err, RayActorError):  # forward raised, target lives
+            self._control.target_raised(tid, handle, job.job_id, type(err).__name__, str(err))
+        else:
+            self._control.target_died(tid, handle, job.job_id, type(err).__name__, str(err))
 
     # ---- jobs -----------------------------------------------------------------------------
 
@@ -176,25 +157,9 @@ class HSPoolActor:
     async def pull(self, drafter_id: int, generation: int = 0,
                    acks: list[int] | None = None) -> PulledItem | EndOfStream | Drained:
         """Ack `acks` (the drafter's last step rides on its next pull: one call), then lease the next
-        item, waiting for the reservoir; see app.pool.hs_pool.HSPool.pull."""
+        item, waiting for the reservoir; see app.pool.hs_pool.HSPool.pull (which times the wait)."""
         self._ensure_started()
-        t0 = time.monotonic()
-        got = await self._pool.pull(drafter_id, generation, acks or ())
-        if isinstance(got, PulledItem):
-            self._waits.append(time.monotonic() - t0)
-        return got
-
-    async def pull_many(self, drafter_id: int, n: int, generation: int = 0,
-                        acks: list[int] | None = None) -> list[PulledItem | EndOfStream | Drained]:
-        """Acks, then up to n pulls in one call: waits for the first, then takes what is ready now."""
-        first = await self.pull(drafter_id, generation, acks)
-        out = [first]
-        while len(out) < n and isinstance(out[-1], PulledItem):
-            got = self._pool.try_pull(drafter_id)
-            if not isinstance(got, PulledItem):
-                break
-            out.append(got)
-        return out
+        return await self._pool.pull(drafter_id, generation, acks or ())
 
     async def ack(self, drafter_id: int, job_ids: list[int], generation: int | None = None) -> int:
         return self._pool.ack(drafter_id, job_ids, generation)
@@ -209,9 +174,6 @@ class HSPoolActor:
     async def release(self, drafter_id: int) -> list[int]:
         return self._pool.release(drafter_id)
 
-    async def reset_drafters(self) -> list[int]:
-        return self._pool.reset_drafters()
-
     async def set_ranks(self, ranks: int | None) -> None:
         """A rebuilt drafter group of another size: see HSPool.set_ranks."""
         self._pool.set_ranks(ranks)
@@ -220,77 +182,53 @@ class HSPoolActor:
         """Drafter group rebuilt from a checkpoint: see HSPool.rollback."""
         return self._pool.rollback(keep_ids)
 
-    async def request_stop(self) -> None:
-        """The driver got SIGTERM: drafter rank 0 sees this and the group checkpoints and returns."""
-        self._stop_requested = True
-
-    async def stop_requested(self) -> bool:
-        return self._stop_requested
-
     async def ledger(self) -> list[int]:
         return self._pool.ledger()
 
-    # ---- telemetry ------------------------------------------------------------------------
+    # ---- the driver's controls ------------------------------------------------------------
 
-    async def report_step(self, rec: StepRecord) -> None:
-        self._pool.record_step(rec.step, rec.job_ids)
-        self._steps.append(rec)
-        self._undrained.append(rec)
-        if self._metrics is not None:
-            self._metrics.step(rec)
+    async def request_stop(self) -> None:
+        """The driver got SIGTERM: drafter rank 0 sees this and the group checkpoints and returns."""
+        self._control.request_stop()
 
-    async def report_restart(self, kind: str) -> None:
-        """The driver restarted a target (`target`) or rebuilt the drafters (`drafter_group`)."""
-        if self._metrics is not None:
-            self._metrics.restart(kind)
+    async def stop_requested(self) -> bool:
+        return self._control.stop_requested
 
     async def offer_eval(self, step: int, weights: list) -> None:
         """Rank 0's weights at `step` (`[ref]`: the list keeps Ray from resolving it here); a newer
         offer replaces one not yet taken, so evaluation never queues up behind training."""
-        self._eval_offer = (step, weights)
+        self._control.offer_eval(step, weights)
 
     async def take_eval(self) -> tuple[int, list] | None:
         """The newest offered weights, once (the driver's evaluation runner)."""
-        offer, self._eval_offer = self._eval_offer, None
-        return offer
+        return self._control.take_eval()
 
-    async def pause_target(self, target_id: int) -> None:
-        """Issue no training jobs to this target (it evaluates); the ones it holds finish."""
-        self._paused.add(target_id)
+    # ---- telemetry ------------------------------------------------------------------------
 
-    async def resume_target(self, target_id: int) -> None:
-        self._paused.discard(target_id)
-        self._pool.notify()
+    async def report_step(self, rec: StepRecord) -> None:
+        self._control.report_step(rec)
+
+    async def report_restart(self, kind: str) -> None:
+        """The driver restarted a target (`target`) or rebuilt the drafters (`drafter_group`)."""
+        self._control.report_restart(kind)
 
     async def report_tau(self, step: int, tau: float) -> None:
         """An evaluation's tau, for the `dflash_tau` gauge."""
-        if self._metrics is not None:
-            self._metrics.evaluation(tau)
+        self._control.report_tau(tau)
 
     async def drain_step_records(self) -> list[StepRecord]:
         """Step records reported since the previous drain (for the driver's logging)."""
-        out, self._undrained = self._undrained, []
-        return out
-
-    async def pull_policy(self) -> PullPolicy:
-        """The pull policy object as it is now (benches read what their own policies recorded)."""
-        return self._pool.policy
+        return self._control.drain_step_records()
 
     async def stats(self) -> PoolStats:
-        return self._stats()
-
-    def _stats(self) -> PoolStats:
-        return dataclasses.replace(
-            self._pool.stats(), target_failures=list(self._failures), targets=sorted(self._targets)
-        )
+        return self._control.stats()
 
     async def _metrics_loop(self) -> None:
         from actors.pool_metrics import PoolMetrics
 
-        self._metrics = PoolMetrics(self._run_name)
-        for rec in self._steps:
-            self._metrics.step(rec)
+        metrics = PoolMetrics(self._run_name)
         while True:
-            waits, self._waits = self._waits, []
-            self._metrics.tick(self._pool.stats(), waits)
+            for rec in self._control.take_unexported():
+                metrics.step(rec)
+            metrics.tick(self._control.stats(), self._pool.drain_pull_waits())
             await asyncio.sleep(self._cfg.metrics_every_s)

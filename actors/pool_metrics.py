@@ -2,8 +2,9 @@
 
 Every metric carries the tag `run`. Gauges are re-set on every tick (the pool calls `tick` every
 pool.metrics_every_s seconds) because Ray drops gauges that are not refreshed. Counters are fed
-deltas on each tick, and pull waits are observed in batches, so the pull/ack hot path makes no
-metrics calls at all.
+deltas on each tick from the pool's snapshot (PoolStats, which carries the reported restarts and
+tau too), pull waits are observed in batches and step records folded in before each tick, so the
+pull/ack hot path makes no metrics calls at all.
 
 Prometheus names as scraped from Ray 2.60: each name gets the `ray_` prefix
 (`ray_dflash_pool_items`); a Counter named `dflash_served_total` is exported as
@@ -54,10 +55,10 @@ class PoolMetrics:
         )
         self.restarts = Counter(mn.RESTARTS_TOTAL, "Target restarts and drafter-group rebuilds", run + ("kind",))
         self.tau = Gauge(mn.TAU, "Acceptance length (tau) of the latest evaluation during the run", run)
-        self._tau: float | None = None
         self._last_backlog: tuple[float, float] | None = None  # (share x seconds, seconds) at the last tick
-        self._last_served: list[int] = []
+        self._last_served: dict[int, int] = {}  # running totals at the previous tick
         self._last_tokens: dict[int, int] = {}
+        self._last_restarts: dict[str, int] = {}
         self._last_forward: dict[int, tuple[float, float]] = {}  # target -> (forward_s, wall time)
         self._busy: dict[int, float] = {}
         self._wait_ratio: dict[int, float] = {}
@@ -91,21 +92,20 @@ class PoolMetrics:
             self.train_step.set(self._step, self._t())
         if self._loss is not None:
             self.train_loss.set(self._loss, self._t())
-        if self._tau is not None:
-            self.tau.set(self._tau, self._t())
+        if st.tau is not None:  # the latest evaluation during the run, as the driver reported it
+            self.tau.set(st.tau, self._t())
 
     def _counters(self, st: PoolStats) -> None:
-        if not self._last_served:
-            self._last_served = [0] * len(st.served_per_bucket)
-        for b, n in enumerate(st.served_per_bucket):
-            if n > self._last_served[b]:
-                self.served.inc(n - self._last_served[b], self._t(bucket=b))
-                self._last_served[b] = n
-        for t, n in st.tokens_by_target.items():
-            delta = n - self._last_tokens.get(t, 0)
-            if delta > 0:
-                self.target_tokens.inc(delta, self._t(target=t))
-                self._last_tokens[t] = n
+        self._deltas(self.served, dict(enumerate(st.served_per_bucket)), self._last_served, "bucket")
+        self._deltas(self.target_tokens, st.tokens_by_target, self._last_tokens, "target")
+        self._deltas(self.restarts, st.restarts, self._last_restarts, "kind")  # restarts and rebuilds
+
+    def _deltas(self, counter: Any, totals: dict, last: dict, tag: str) -> None:
+        """Feed `counter` what each running total grew by since the previous tick."""
+        for key, n in totals.items():
+            if n > last.get(key, 0):
+                counter.inc(n - last.get(key, 0), self._t(**{tag: key}))
+                last[key] = n
 
     def _backlog_gauge(self, st: PoolStats) -> None:
         """The buffer's largest-bucket share, time-averaged over the last tick interval (the pool's
@@ -133,12 +133,3 @@ class PoolMetrics:
             self._wait_ratio[rec.rank] = rec.data_wait_s / total
         if rec.step >= self._step:  # every rank carries the step's global loss; keep the newest
             self._step, self._loss = rec.step, rec.loss
-
-    def evaluation(self, tau: float) -> None:
-        """tau measured during the run (the driver reports each evaluation); re-set every tick."""
-        self._tau = tau
-        self.tau.set(tau, self._t())
-
-    def restart(self, kind: str) -> None:
-        """A target restart or a drafter-group rebuild (the driver reports them)."""
-        self.restarts.inc(1, self._t(kind=kind))

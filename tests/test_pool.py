@@ -166,7 +166,7 @@ def test_ack_twice_is_counted_not_fatal():
     pool.try_pull(0)
     assert pool.ack(0, [0]) == 1
     assert pool.ack(0, [0]) == 0
-    assert pool.acked_twice == 1 and pool.ledger() == [0]
+    assert pool.stats().acked_twice == 1 and pool.ledger() == [0]
 
 
 def test_restored_ledger_is_never_issued_again():
@@ -201,7 +201,8 @@ class Sim:
         self.pool = make_pool(
             capacity=cap, capacity_bytes=cap_bytes, min_ready=3, jobs_in_flight_per_target=2, seed=seed
         )
-        self.pool.add_jobs(job(i, self.rng.randrange(6), est=self.rng.randrange(50, 600)) for i in range(n_jobs))
+        self.jobs = {i: job(i, self.rng.randrange(6), est=self.rng.randrange(50, 600)) for i in range(n_jobs)}
+        self.pool.add_jobs(self.jobs.values())
         self.pool.finish_adding()
         self.held: dict[int, list[int]] = {d: [] for d in range(3)}
         self.n_jobs = n_jobs
@@ -216,7 +217,7 @@ class Sim:
             if fl:
                 t = rng.choice(sorted(fl))
                 jid = rng.choice(fl[t])[0]
-                j = p._in_flight.get(jid).job
+                j = self.jobs[jid]
                 p.job_done(t, meta_for(j, t, rng.randrange(0, j.est_bytes + 1)), None)
         elif op == 2:
             fl = p.stats().in_flight_by_target.get(t)
@@ -245,7 +246,7 @@ class Sim:
         assert s.buffered + s.in_flight <= s.capacity_items
         assert s.pool_bytes <= s.capacity_bytes
         assert s.pending + s.in_flight + s.buffered + s.leased + s.acked == s.total_jobs == self.n_jobs
-        assert sum(s.q_hsb) == s.buffered == len(self.pool._buffer)
+        assert sum(s.q_hsb) == s.buffered
 
     def run_to_end(self) -> None:
         for _ in range(200_000):
@@ -268,7 +269,7 @@ def test_random_failures_and_releases_still_ack_every_job_exactly_once(seed):
     sim = Sim(seed)
     sim.run_to_end()
     assert sim.pool.ledger() == list(range(sim.n_jobs))
-    assert sim.pool.acked_twice == 0
+    assert sim.pool.stats().acked_twice == 0
     assert sim.pool.stats().bytes_overshoot == 0
 
 
@@ -386,7 +387,7 @@ def test_rollback_requeues_leases_and_jobs_acked_after_the_checkpoint():
     while not pool.done:
         g = pool.try_pull(1)
         pool.ack(1, [g.meta.job_id])
-    assert pool.ledger() == list(range(8)) and pool.acked_twice == 0
+    assert pool.ledger() == list(range(8)) and pool.stats().acked_twice == 0
 
 
 def test_rollback_fences_a_waiting_pull_of_a_drafter_that_held_no_lease():
@@ -439,7 +440,7 @@ def test_a_lost_payload_requeues_only_that_job():
     while not pool.done:
         g = pool.try_pull(0)
         pool.ack(0, [g.meta.job_id])
-    assert pool.ledger() == [0, 1, 2, 3] and pool.acked_twice == 0
+    assert pool.ledger() == [0, 1, 2, 3] and pool.stats().acked_twice == 0
 
 
 def test_a_pull_sent_by_a_released_incarnation_is_refused():

@@ -58,10 +58,7 @@ class OldQueue:
 
 def make_pool(old_queue: bool = False) -> HSPool:
     cfg = PoolConfig(capacity=100_000, capacity_bytes=1 << 40, min_ready=1, jobs_in_flight_per_target=100_000)
-    pool = HSPool(cfg, len(BOUNDS))
-    if old_queue:
-        pool._queue = OldQueue(pool._catalog)
-    return pool
+    return HSPool(cfg, len(BOUNDS), queue=OldQueue) if old_queue else HSPool(cfg, len(BOUNDS))
 
 
 def drive(pool: HSPool, add) -> tuple[list[JobSpec], list[int], dict]:
@@ -167,5 +164,5 @@ def test_a_queued_job_costs_about_a_byte_of_pool_heap():
     finally:
         tracemalloc.stop()
     assert queued == 2 * n - len(range(0, n, 97))
-    assert len(pool._queue) == queued - 10
+    assert pool.stats().pending == queued - 10
     assert per_job < 4, per_job  # a state byte and two skip bits; a JobSpec each was ~1.4 KB

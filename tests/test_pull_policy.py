@@ -202,7 +202,7 @@ def test_rollback_acks_leases_the_checkpoint_already_holds():
         land(pool, pool.next_job(0))
     got = [pool.try_pull(0).meta.job_id for _ in range(3)]
     assert pool.rollback(got[:2]) == 1  # two were trained into the checkpoint: acked, not re-queued
-    assert pool.ledger() == sorted(got[:2]) and pool.stats().pending == 1 and pool.acked_twice == 0
+    assert pool.ledger() == sorted(got[:2]) and pool.stats().pending == 1 and pool.stats().acked_twice == 0
 
 
 # ---- measures ----------------------------------------------------------------------------------
@@ -244,7 +244,20 @@ def test_pool_stats_carry_the_mix_measures():
 
 
 def test_a_smaller_rebuilt_group_sets_the_step_size():
-    pool = HSPool(PoolConfig(capacity=20, min_ready=1), 2, ranks=3, accum=2)
-    assert pool._rounds.step_items == 6
+    seen: list[PullContext] = []
+
+    class Recording(Stratified):
+        def choose(self, ctx, rng):
+            seen.append(ctx)
+            return super().choose(ctx, rng)
+
+    pool = HSPool(PoolConfig(capacity=20, min_ready=1, jobs_in_flight_per_target=20), 2,
+                  pull_policy=Recording(2), ranks=3, accum=2)
+    pool.add_jobs(job(i, i % 2) for i in range(4))
+    for _ in range(4):
+        land(pool, pool.next_job(0))
+    assert isinstance(pool.try_pull(0), PulledItem)
     pool.set_ranks(2)
-    assert pool._rounds.step_items == 4 and pool._rounds.slots_in(0) == {-1: 2, -2: 2}
+    assert isinstance(pool.try_pull(0), PulledItem)
+    assert [c.step_items for c in seen] == [6, 4]  # the policy sees the group's new size
+    assert seen[0].round_slots == {0: 2, -1: 2, -2: 2} and seen[1].round_slots == {0: 1, -1: 2}

@@ -6,7 +6,9 @@ both sides, in the same run: P producer actors make N items (meta + a numpy payl
 each producer with the same jobs in flight (4), and C consumers take them all and read every
 payload, B items per call:
 - pool: the HSPoolActor calls each producer's `forward` (num_returns=2, so the pool owns the refs);
-  consumers `pull_many` up to B items and their acks ride on the next call (as the drafters' do).
+  consumers `pull` one item per call at B=1 (the drafters' own call), and at B>1 up to B items per
+  call (`BatchPullPool.pull_many`, the pool actor with a batched pull defined here, to match the
+  queue's batch calls); their acks ride on the next call (as the drafters' do).
 - queue: a feeder (the driver) calls the same `forward`s with the same jobs in flight, owns the refs
   as the pool does, and puts (meta, payload ref) pairs with `put_nowait_batch` (up to B at once);
   consumers `get_nowait_batch(B)`, falling back to a blocking `get` when fewer are queued, and read
@@ -21,6 +23,7 @@ import time
 
 import numpy as np
 
+from actors.hs_pool import HSPoolActor, pool_max_concurrency
 from app.config.schema import PoolConfig
 from app.messages import Drained, EndOfStream, HiddenBatch, ItemMeta, JobSpec, PulledItem
 
@@ -54,6 +57,21 @@ class BenchProducer:
         return make_item(job.job_id, job.bucket, self.floats, self.target_id)
 
 
+class BatchPullPool(HSPoolActor):
+    """The pool actor plus a batched pull, for B > 1 (the drafters pull one item per call)."""
+
+    async def pull_many(self, drafter_id: int, n: int, generation: int = 0,
+                        acks: list[int] | None = None) -> list[PulledItem | EndOfStream | Drained]:
+        """Acks, then up to n pulls in one call: waits for the first, then takes what is ready now."""
+        out = [await self.pull(drafter_id, generation, acks)]
+        while len(out) < n and isinstance(out[-1], PulledItem):
+            got = self._pool.try_pull(drafter_id)
+            if not isinstance(got, PulledItem):
+                break
+            out.append(got)
+        return out
+
+
 class BenchConsumer:
     """Takes items until end-of-stream and reads every payload; returns how many it took."""
 
@@ -65,7 +83,10 @@ class BenchConsumer:
 
         n, acks = 0, []
         while True:
-            got = ray.get(pool.pull_many.remote(drafter_id, batch, 0, acks))
+            if batch == 1:  # the drafters' own call
+                got = [ray.get(pool.pull.remote(drafter_id, 0, acks))]
+            else:
+                got = ray.get(pool.pull_many.remote(drafter_id, batch, 0, acks))
             items = [g for g in got if isinstance(g, PulledItem)]
             for it, payload in zip(items, ray.get([it.payload_ref for it in items])):
                 assert payload.job_id == it.meta.job_id
@@ -98,10 +119,8 @@ class BenchConsumer:
 
 
 def run_pool(ray, n: int, prods: list, cons: list, floats: int, buckets: int, batch: int) -> float:
-    from actors.hs_pool import HSPoolActor, pool_max_concurrency
-
     cfg = PoolConfig(capacity=CAPACITY, min_ready=1, jobs_in_flight_per_target=IN_FLIGHT, metrics_every_s=5.0)
-    pool = ray.remote(HSPoolActor).options(
+    pool = ray.remote(BatchPullPool).options(
         max_concurrency=pool_max_concurrency(len(prods), len(cons))
     ).remote(cfg, buckets, "bench-pool", None, len(cons), batch)
     ray.get(pool.ledger.remote())

@@ -1,1 +1,2 @@
-"""The HSPool policy (pure, no Ray), its stats and the metric names the pool actor exports."""
+"""The hidden-state pool (pure, no Ray): HSPool and its parts, the pool actor's control state, telemetry,
+stats and the metric names the pool actor exports."""

@@ -1,7 +1,6 @@
 """The pool's snapshot for the driver, the watchdog and the metrics exporter."""
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -13,32 +12,6 @@ class WaitSnapshot:
     sum_s: float = 0.0
     p50_s: float = 0.0
     p95_s: float = 0.0
-
-
-class WaitStats:
-    """Accumulates pull wait times; percentiles over the last `window` pulls."""
-
-    def __init__(self, window: int = 512) -> None:
-        self.count = 0
-        self.sum_s = 0.0
-        self._recent: deque[float] = deque(maxlen=window)
-
-    def add(self, seconds: float) -> None:
-        self.count += 1
-        self.sum_s += seconds
-        self._recent.append(seconds)
-
-    def snapshot(self) -> WaitSnapshot:
-        if not self._recent:
-            return WaitSnapshot(self.count, self.sum_s)
-        xs = sorted(self._recent)
-        return WaitSnapshot(self.count, self.sum_s, _quantile(xs, 0.50), _quantile(xs, 0.95))
-
-
-def _quantile(sorted_xs: list[float], q: float) -> float:
-    """Nearest-rank quantile of an already sorted list."""
-    k = min(len(sorted_xs) - 1, max(0, round(q * (len(sorted_xs) - 1))))
-    return sorted_xs[k]
 
 
 @dataclass(frozen=True)
@@ -83,10 +56,14 @@ class PoolStats:
     backlog_share: float = float("nan")  # time-averaged share of the buffer held by its largest bucket
     backlog_integral: float = 0.0  # that share x seconds, and the seconds averaged over (for windows)
     backlog_seconds: float = 0.0
-    # Filled in by the actor shell (the pure pool knows nothing about Ray):
-    target_failures: list = field(default_factory=list)  # app.messages.TargetFailure, oldest first
-    targets: list[int] = field(default_factory=list)
     quarantined: dict[int, str] = field(default_factory=dict)  # poison job id -> its last forward error
+    # Filled in by the actor's control state (app/pool/control.py; HSPool leaves them empty):
+    target_failures: list = field(default_factory=list)  # app.messages.TargetFailure, oldest first
+    targets: list[int] = field(default_factory=list)  # registered targets
+    paused_targets: list[int] = field(default_factory=list)  # evaluating: no training jobs meanwhile
+    eval_offers_superseded: int = 0  # eval offers replaced in the pool by a newer one before taken
+    restarts: dict[str, int] = field(default_factory=dict)  # reported restarts per kind (target, drafter_group)
+    tau: float | None = None  # the latest evaluation's tau, as the driver reported it
 
     def jobs_by_state(self) -> dict[str, int]:
         return {
