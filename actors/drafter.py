@@ -1,10 +1,10 @@
 """DrafterActor: one replica of the data-parallel drafter group.
 
-Each replica pulls its own micro-batches from the pool (prefetching the next pull while it computes),
-and every `train.grad_accum` micro-batches joins the step's single all-reduce (`app/training/trainer.py`).
-After the optimizer step every rank acks its own jobs to the pool, and the ranks all-gather the step's
-job ids into the ledger rank 0 checkpoints, so that ledger is exactly the set of jobs inside the saved
-weights. A rank that runs dry joins with zeros until all are dry.
+The rank's step protocol (accumulate `train.grad_accum` micro-batches with one pull prefetched, the
+step's single all-reduce, acks after the optimizer step, the all-gather of job ids into the ledger rank 0
+checkpoints, drains and end-of-stream, checkpoint and eval cadence) is `app/training/loop.py`; this
+module drives it with the Ray calls, the trainer (`app/training/trainer.py`), the process group, the
+step log, checkpoints and export, fault hooks, and the phases the supervisor's watchdog reads.
 """
 from __future__ import annotations
 
@@ -17,8 +17,11 @@ from pathlib import Path
 
 import torch
 
-from app.training.step_log import StepLog
 from app.training.checkpoint import TrainState, load_checkpoint, restore_rng, rng_state, save_checkpoint, state_checksum
+from app.training.loop import (AwaitPull, Checkpoint, Compute, Fetched, Gather, LoopConfig, OfferEval, PullAnswered,
+                               RankLoop, ReadStop, Reduce, SendAcks, Sleep, StartPull, StepDone, StepStart, Updated,
+                               drive)
+from app.training.step_log import StepLog
 from app.config.schema import CheckpointConfig, DrafterConfig, FaultsConfig, TrainConfig
 from app.devices import compute_dtype, limit_threads, pick_device
 from app.faults import fire_once
@@ -60,55 +63,116 @@ class DrafterResult:
     export_dir: str | None
 
 
-class _Prefetcher:
-    """Keeps one pull (and its payload fetch) in flight while the replica computes. A step's acks
-    ride on the next pull it sends (one call per item), or go at once if a pull is still waiting."""
+class _RankOps:
+    """The step protocol's operations (app/training/loop.py) for one DrafterActor: Ray calls to the
+    pool (one pull and its payload fetch in flight in a worker thread while the rank computes), the
+    trainer, the process group, the step log, checkpoints, and the watchdog's phases."""
 
-    def __init__(self, pool, rank: int, generation: int, stage=None) -> None:
-        self.pool, self.rank, self.generation = pool, rank, generation
-        self.stage = stage or (lambda payload: payload)  # CUDA: pinned copy to the GPU, in this thread
+    def __init__(self, actor: "DrafterActor", generation: int) -> None:
+        self.a, self.generation = actor, generation
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
         self.pending: Future | None = None
-        self.acks: list[int] = []
+        self.t_step = time.perf_counter()
+        self.last_ckpt: str | None = None
 
-    def ack(self, job_ids: list[int]) -> None:
-        """After the optimizer step: these jobs go to the pool's ledger with the next pull."""
-        if self.pending is not None and not self.pending.done():
-            import ray  # the pull in flight waits for data: do not hold the acks behind it
+    def step_start(self, _: StepStart) -> None:
+        self.t_step = time.perf_counter()
 
-            ray.get(self.pool.ack.remote(self.rank, self.acks + job_ids, self.generation))
-            self.acks = []
-        else:
-            self.acks += job_ids
+    def start_pull(self, eff: StartPull) -> None:
+        self.pending = self.executor.submit(self._fetch, list(eff.acks))
 
-    def _submit(self) -> Future:
-        acks, self.acks = self.acks, []
-        return self.executor.submit(self._fetch, acks)
+    def pull_answered(self, _: PullAnswered) -> bool:
+        return self.pending is None or self.pending.done()
+
+    def await_pull(self, _: AwaitPull) -> Fetched:
+        assert self.pending is not None, "the loop awaits a pull it never started"
+        self.a._enter(DrafterPhase.WAIT_DATA)
+        t0 = time.perf_counter()
+        item, payload = self.pending.result()
+        self.pending = None
+        self.a._enter(DrafterPhase.COMPUTE)
+        return Fetched(item, payload, time.perf_counter() - t0)
 
     def _fetch(self, acks: list[int]):
         import ray
         from ray.exceptions import ObjectLostError
 
+        pool, rank = self.a.pool, self.a.rank
         while True:
-            pulled = ray.get(self.pool.pull.remote(self.rank, self.generation, acks))
+            pulled = ray.get(pool.pull.remote(rank, self.generation, acks))
             acks = []
             if isinstance(pulled, (EndOfStream, Drained)):
                 return pulled, None
-            try:
-                return pulled, self.stage(ray.get(pulled.payload_ref))
+            try:  # CUDA: the stager copies it to the GPU (pinned, side stream), in this thread
+                return pulled, self.a.stager.stage(ray.get(pulled.payload_ref))
             except ObjectLostError:  # the node holding it died: recompute that job, pull another
-                ray.get(self.pool.payload_lost.remote(self.rank, pulled.meta.job_id, self.generation))
+                ray.get(pool.payload_lost.remote(rank, pulled.meta.job_id, self.generation))
 
-    def next(self):
-        """(item, payload, seconds waited); item is EndOfStream when the stream is over."""
-        if self.pending is None:
-            self.pending = self._submit()
-        t0 = time.perf_counter()
-        item, payload = self.pending.result()
-        waited = time.perf_counter() - t0
-        # After end-of-stream or a drain, pull again only when asked (a drain clears after acks).
-        self.pending = None if isinstance(item, (EndOfStream, Drained)) else self._submit()
-        return item, payload, waited
+    def compute(self, eff: Compute) -> None:
+        from app.model.loss import TrainBatch
+
+        a, job_id = self.a, eff.item.meta.job_id
+        a.epoch = max(a.epoch, split_job_id(job_id)[0])
+        if isinstance(eff.payload, TrainBatch):  # staged on the GPU by the prefetch thread
+            batch = a.stager.ready(eff.payload)
+        else:
+            batch = TrainBatch.from_hidden_batch(eff.payload, a.device, a.dtype)
+        a.trainer.micro_step(batch, job_id)
+
+    def send_acks(self, eff: SendAcks) -> None:
+        import ray
+
+        ray.get(self.a.pool.ack.remote(self.a.rank, list(eff.job_ids), self.generation))
+
+    def read_stop(self, _: ReadStop) -> bool:
+        import ray
+
+        return bool(ray.get(self.a.pool.stop_requested.remote()))
+
+    def reduce(self, eff: Reduce):
+        self.a._maybe_stall(eff.eos)
+        self.a._enter(DrafterPhase.COLLECTIVE)
+        stats = self.a.trainer.finish_step(stop_requested=eff.stop, eos=eff.eos)
+        self.a.step_now = self.a.trainer.step
+        return stats
+
+    def sleep(self, eff: Sleep) -> None:
+        time.sleep(eff.seconds)
+
+    def updated(self, eff: Updated) -> None:
+        self.a._maybe_crash(eff.step)
+
+    def gather(self, eff: Gather) -> list[list[int]]:
+        import torch.distributed as dist
+
+        gathered: list[list[int]] = [[] for _ in range(self.a.cfg.world_size)]
+        dist.all_gather_object(gathered, list(eff.job_ids))
+        return gathered
+
+    def step_done(self, eff: StepDone) -> None:
+        a, stats = self.a, eff.totals
+        a.ledger.update(j for ids in eff.gathered for j in ids)
+        if a.step_log:  # before any checkpoint of this step
+            a.step_log.step(eff.step, eff.gathered)
+        step_s = time.perf_counter() - self.t_step
+        a.pool.report_step.remote(StepRecord(  # fire and forget: telemetry must not slow the step
+            rank=a.rank, step=eff.step, epoch=a.epoch, loss=stats.loss, weight_sum=stats.weight_sum,
+            correct=stats.accuracy, tokens=stats.local_tokens, accept_len=stats.accept_len,
+            per_pos_acc=stats.per_pos_acc, topk_acc=stats.topk_acc, compute_s=max(0.0, step_s - eff.wait_s),
+            data_wait_s=eff.wait_s, lr=stats.lr, grad_norm=stats.grad_norm, job_ids=eff.job_ids))
+
+    def checkpoint(self, _: Checkpoint) -> None:
+        self.a._enter(DrafterPhase.COMPUTE)
+        self.last_ckpt = self.a.save()
+
+    def offer_eval(self, eff: OfferEval) -> None:
+        """Rank 0: put the current weights in the object store for an evaluation on a target; the pool
+        keeps the newest offer. Fire and forget: training goes on at once (app/run/eval_runner.py)."""
+        import ray
+
+        from app.model.live_eval import weights_to_numpy
+
+        self.a.pool.offer_eval.remote(eff.step, [ray.put(weights_to_numpy(self.a.trainer.drafter))])
 
 
 class DrafterActor:
@@ -181,80 +245,23 @@ class DrafterActor:
             restore_rng(state.rng)
 
     def run(self) -> DrafterResult:
-        """Train until every rank is dry or a stop is requested."""
+        """Train until every rank is dry or a stop is requested (the protocol: app/training/loop.py)."""
         import ray
-        import torch.distributed as dist
 
         if self.device.type == "cuda":  # run may execute on another actor thread than setup did
             torch.cuda.set_device(self.device)
         # This incarnation's generation: pulls a dead predecessor sent are refused, not served.
-        fetch = _Prefetcher(self.pool, self.rank, ray.get(self.pool.generation.remote(self.rank)),
-                            stage=self.stager.stage)
-        eos, stopped, last_ckpt = False, False, None
-        while True:
-            t_step = time.perf_counter()
-            job_ids, wait_s, eos = self._accumulate(fetch, eos)
-            self._maybe_stall(eos)
-            stop = self.rank == 0 and bool(ray.get(self.pool.stop_requested.remote()))
-            self._enter(DrafterPhase.COLLECTIVE)
-            stats = self.trainer.finish_step(stop_requested=stop, eos=eos)
-            self.step_now = self.trainer.step
-            if stats.eos_ranks == self.cfg.world_size:
-                break  # every rank's stream is over
-            if stats.active_ranks == 0 and not stats.stop:
-                time.sleep(0.05)  # all ranks drained while leases elsewhere await acks: pull again
-                continue
-            self._maybe_crash(stats.step)
-            if job_ids:  # after the optimizer step: a crash before this re-issues the jobs
-                fetch.ack(job_ids)
-            gathered: list[list[int]] = [[] for _ in range(self.cfg.world_size)]
-            dist.all_gather_object(gathered, job_ids)
-            self.ledger.update(j for ids in gathered for j in ids)
-            if self.step_log:  # before any checkpoint of this step
-                self.step_log.step(self.trainer.step, gathered)
-            self._report(stats, job_ids, wait_s, time.perf_counter() - t_step)
-            if stats.stop:
-                stopped = True
-                break
-            if self.rank == 0 and self.trainer.step % self.cfg.checkpoint.every_steps == 0:
-                self._enter(DrafterPhase.COMPUTE)
-                last_ckpt = self.save()
-            if self.rank == 0 and self.cfg.eval_every_steps and self.trainer.step % self.cfg.eval_every_steps == 0:
-                self._offer_eval()
+        ops = _RankOps(self, ray.get(self.pool.generation.remote(self.rank)))
+        c = self.cfg
+        loop = RankLoop(LoopConfig(self.rank, c.world_size, c.train.grad_accum, c.checkpoint.every_steps,
+                                   c.eval_every_steps, start_step=self.trainer.step))
+        outcome = drive(loop, ops)
+        ops.executor.shutdown(wait=False)
         self._enter(DrafterPhase.COMPUTE)
-        if self.rank == 0:
-            last_ckpt = self.save()
-        result = DrafterResult(self.rank, self.trainer.step, stopped, self.weights_checksum(), last_ckpt,
-                               self.export() if (self.rank == 0 and not stopped) else None)
+        result = DrafterResult(self.rank, self.trainer.step, outcome.stopped, self.weights_checksum(), ops.last_ckpt,
+                               self.export() if (self.rank == 0 and not outcome.stopped) else None)
         self._enter(DrafterPhase.DONE)
         return result
-
-    def _accumulate(self, fetch: "_Prefetcher", eos: bool) -> tuple[list[int], float, bool]:
-        """Up to grad_accum micro-batches: (job ids trained, seconds waiting for data, stream ended)."""
-        from app.model.loss import TrainBatch
-
-        job_ids: list[int] = []
-        wait_s = 0.0
-        for _ in range(self.cfg.train.grad_accum):
-            if eos:
-                break
-            self._enter(DrafterPhase.WAIT_DATA)
-            item, payload, waited = fetch.next()
-            self._enter(DrafterPhase.COMPUTE)
-            wait_s += waited
-            if isinstance(item, EndOfStream):
-                eos = True
-                break
-            if isinstance(item, Drained):
-                break  # nothing buffered, others hold the last leases: step with what we have
-            self.epoch = max(self.epoch, split_job_id(item.meta.job_id)[0])
-            if isinstance(payload, TrainBatch):  # staged on the GPU by the prefetch thread
-                batch = self.stager.ready(payload)
-            else:
-                batch = TrainBatch.from_hidden_batch(payload, self.device, self.dtype)
-            self.trainer.micro_step(batch, item.meta.job_id)
-            job_ids.append(item.meta.job_id)
-        return job_ids, wait_s, eos
 
     def _maybe_stall(self, eos: bool) -> None:
         # The last rank hangs outside any collective (the others wait in the all-reduce): at the
@@ -270,24 +277,6 @@ class DrafterActor:
         if self.rank == 0 and step == self.cfg.faults.kill_drafter_at_step and fire_once(
                 self.cfg.checkpoint.dir, "kill_drafter"):
             os._exit(1)
-
-    def _report(self, stats, job_ids: list[int], wait_s: float, step_s: float) -> None:
-        rec = StepRecord(
-            rank=self.rank, step=self.trainer.step, epoch=self.epoch, loss=stats.loss, weight_sum=stats.weight_sum,
-            correct=stats.accuracy, tokens=stats.local_tokens, accept_len=stats.accept_len,
-            per_pos_acc=stats.per_pos_acc, topk_acc=stats.topk_acc, compute_s=max(0.0, step_s - wait_s), data_wait_s=wait_s,
-            lr=stats.lr, grad_norm=stats.grad_norm, job_ids=tuple(job_ids),
-        )
-        self.pool.report_step.remote(rec)  # fire and forget: telemetry must not slow the step
-
-    def _offer_eval(self) -> None:
-        """Rank 0: put the current weights in the object store for an evaluation on a target; the pool
-        keeps the newest offer. Fire and forget: training goes on at once (app/run/eval_runner.py)."""
-        import ray
-
-        from app.model.live_eval import weights_to_numpy
-
-        self.pool.offer_eval.remote(self.trainer.step, [ray.put(weights_to_numpy(self.trainer.drafter))])
 
     def save(self) -> str:
         """Rank 0: write the checkpoint (weights, optimizer, scheduler, RNG, step, epoch, ledger)."""
@@ -317,9 +306,3 @@ class DrafterActor:
     def weights_checksum(self) -> float:
         with torch.no_grad():
             return float(sum(p.double().sum() + (p.double() ** 2).sum() for p in self.trainer.drafter.parameters()))
-
-    def shutdown(self) -> None:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()

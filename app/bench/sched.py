@@ -6,10 +6,12 @@ do the drafters stay fed? Four layouts on the same sleeping actors, same schedul
   queue:      one ray.util.queue.Queue per drafter, targets assigned round-robin (t -> t % 3), the
               seed's original layout.
 5 targets produce the schedule (app/data/schedule.py's interleave of the mix) and 3 drafter ranks
-consume it in lockstep, as the real group does: each prefetches its next pull while it sleeps the
-item's cost, steps every 4 items (or on Drained), waits at a barrier for the other ranks (the
-all-reduce), and sends its acks with its next pull. Item costs by bucket span 50-300 ms (short
-buckets cost the drafter most, as query rows do), targets supply 10% more than the drafters eat.
+consume it in lockstep, running the drafter's own step protocol (app/training/loop.py, as
+actors/drafter.py does) with a sleep of the item's cost for compute: each prefetches its next pull,
+steps every 4 items (or on Drained), meets the other ranks at a barrier actor (the all-reduce, then
+the all-gather), and acks on its next pull (at once while a pull still waits). Item costs by bucket
+span 50-300 ms (short buckets cost the drafter most, as query rows do), targets supply 10% more than
+the drafters eat.
 
 Measures (app/pool/measures.py, the same for every layout): step_tv (mean TV distance of each global
 step's bucket mix from the data's shares), step_tv_floor (the schedule's own order cut into steps),
@@ -21,7 +23,8 @@ item; waiting at the barrier for a slower rank is not data starvation and is rep
 window from --warmup seconds to the last job produced.
 
 `--fast` scales costs to 20-80 ms (the pull round trip matters more); `--sim` runs the same setups
-in the discrete-event simulation (app/bench/simulate.py) instead of Ray, in seconds.
+in the discrete-event simulation (app/bench/simulate.py: the same protocol on a virtual clock)
+instead of Ray, in seconds.
 """
 from __future__ import annotations
 
@@ -32,8 +35,10 @@ import time
 import numpy as np
 
 from app.config.schema import PoolConfig
-from app.messages import Drained, EndOfStream, HiddenBatch, ItemMeta, JobSpec, PulledItem
+from app.messages import EndOfStream, HiddenBatch, ItemMeta, JobSpec, PulledItem
 from app.pool.measures import BacklogMeter, bucket_counts, shares_of, step_tv, step_tv_floor, tail_single
+from app.training.loop import (AwaitPull, Compute, Fetched, Gather, LoopConfig, PullAnswered, QuietHooks, RankLoop,
+                               Reduce, SendAcks, Sleep, StartPull, StepTotals, drive, sum_votes)
 
 NUM_TARGETS, NUM_DRAFTERS, ACCUM = 5, 3, 4
 DRAFTER_COST = [0.30, 0.25, 0.20, 0.15, 0.10, 0.05]  # s per item by bucket (short sequences: more rows)
@@ -94,87 +99,98 @@ class SleepTarget:
 
 
 class Barrier:
-    """The all-reduce of one optimizer step: returns once every rank arrived, with the step's totals."""
+    """The step's collectives (the all-reduce, the all-gather): every rank's value, once all arrived."""
 
     def __init__(self, ranks: int) -> None:
-        self.ranks, self.steps = ranks, {}
+        self.ranks, self.rounds = ranks, {}
 
-    async def arrive(self, step: int, items: int, eos: bool) -> tuple[int, int]:
+    async def arrive(self, key: tuple[str, int], rank: int, value) -> list:
         import asyncio
 
-        st = self.steps.setdefault(step, {"n": 0, "items": 0, "eos": 0, "ev": asyncio.Event()})
+        st = self.rounds.setdefault(key, {"values": [None] * self.ranks, "n": 0, "ev": asyncio.Event()})
+        st["values"][rank] = value
         st["n"] += 1
-        st["items"] += items
-        st["eos"] += int(eos)
         if st["n"] == self.ranks:
             st["ev"].set()
         await st["ev"].wait()
-        return st["items"], st["eos"]
+        return st["values"]
+
+
+class _SleepOps(QuietHooks):
+    """The loop's operations of one sleeping rank: Ray pulls (or a queue), sleeps, the barrier actor."""
+
+    def __init__(self, source, is_pool: bool, rank: int, cost: list[float], barrier) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.source, self.is_pool, self.rank, self.cost, self.barrier = source, is_pool, rank, cost, barrier
+        self.ex, self.pending = ThreadPoolExecutor(1), None
+        self.reduces, self.optimizer_steps = 0, 0
+        self.items: list = []  # (step, job id, bucket, time received)
+        self.waits: list = []  # (start, end) of each wait for a pull
+
+    def _fetch(self, acks: tuple[int, ...]):
+        import ray
+
+        if not self.is_pool:
+            got = self.source.get()
+            return (got if isinstance(got, EndOfStream) else PulledItem(got[0], None)), time.time()
+        got = ray.get(self.source.pull.remote(self.rank, 0, list(acks)))
+        if isinstance(got, PulledItem):
+            ray.get(got.payload_ref)
+        return got, time.time()
+
+    def start_pull(self, eff: StartPull) -> None:
+        self.pending = self.ex.submit(self._fetch, eff.acks)
+
+    def pull_answered(self, _: PullAnswered) -> bool:
+        return self.pending.done()
+
+    def await_pull(self, _: AwaitPull) -> Fetched:
+        t0 = time.time()
+        got, t_received = self.pending.result()
+        self.waits.append((t0, time.time()))
+        return Fetched(got, t_received, self.waits[-1][1] - t0)
+
+    def compute(self, eff: Compute) -> None:
+        meta = eff.item.meta
+        self.items.append((self.reduces, meta.job_id, meta.bucket, eff.payload))
+        time.sleep(self.cost[meta.bucket])
+
+    def send_acks(self, eff: SendAcks) -> None:
+        import ray
+
+        if self.is_pool:
+            ray.get(self.source.ack.remote(self.rank, list(eff.job_ids)))
+
+    def reduce(self, eff: Reduce) -> StepTotals:
+        import ray
+
+        votes = ray.get(self.barrier.arrive.remote(("reduce", self.reduces), self.rank, eff))
+        totals = sum_votes(votes, self.optimizer_steps)
+        self.reduces, self.optimizer_steps = self.reduces + 1, totals.step
+        return totals
+
+    def sleep(self, eff: Sleep) -> None:
+        time.sleep(eff.seconds)
+
+    def gather(self, eff: Gather) -> list:
+        import ray
+
+        return ray.get(self.barrier.arrive.remote(("gather", self.reduces), self.rank, list(eff.job_ids)))
 
 
 class SleepDrafter:
-    """One lockstep rank: the loop of actors/drafter.py with sleeps for compute."""
+    """One lockstep rank: the drafter's own step protocol (app/training/loop.py, which actors/drafter.py
+    drives) with a sleep of the item's cost for compute and a barrier actor for the collectives."""
 
     def ready(self) -> bool:
         return True
 
     def run(self, source, is_pool: bool, rank: int, cost: list[float], barrier) -> dict:
-        from concurrent.futures import ThreadPoolExecutor
-
-        import ray
-
-        ex = ThreadPoolExecutor(1)
-        pending, acks = None, []
-
-        def fetch(send: list[int]):
-            if not is_pool:
-                return source.get(), time.time()
-            got = ray.get(source.pull.remote(rank, 0, send))
-            if isinstance(got, PulledItem):
-                ray.get(got.payload_ref)
-                return (got.meta, None), time.time()
-            return got, time.time()
-
-        def submit():
-            nonlocal acks
-            send, acks = acks, []
-            return ex.submit(fetch, send)
-
-        items, waits, step, eos = [], [], 0, False  # items: (step, job id, bucket, time received)
-        while True:
-            mine = []
-            for _ in range(ACCUM):
-                if eos:
-                    break
-                if pending is None:
-                    pending = submit()
-                t0 = time.time()
-                got, _t = pending.result()
-                waits.append((t0, time.time()))
-                if isinstance(got, (EndOfStream, Drained)):
-                    pending = None
-                    eos = isinstance(got, EndOfStream)
-                    break
-                pending = submit()  # prefetch the next while this one computes
-                meta, _payload = got
-                items.append((step, meta.job_id, meta.bucket, _t))
-                mine.append(meta.job_id)
-                time.sleep(cost[meta.bucket])
-            total, eos_ranks = ray.get(barrier.arrive.remote(step, len(mine), eos))
-            step += 1
-            if eos_ranks == NUM_DRAFTERS:
-                break
-            if total == 0:
-                time.sleep(0.05)
-                continue
-            if pending is not None and not pending.done():
-                if is_pool and mine:
-                    ray.get(source.ack.remote(rank, acks + mine))
-                    acks = []
-            else:
-                acks += mine
-        ex.shutdown(wait=False)
-        return {"items": items, "waits": waits}
+        ops = _SleepOps(source, is_pool, rank, cost, barrier)
+        drive(RankLoop(LoopConfig(rank, NUM_DRAFTERS, ACCUM)), ops)
+        ops.ex.shutdown(wait=False)
+        return {"items": ops.items, "waits": ops.waits}
 
 
 def run_layout(ray, layout: str, targets, drafters, jobs: list[JobSpec], dcost: list[float]) -> dict:

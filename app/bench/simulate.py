@@ -1,8 +1,9 @@
-"""A discrete-event simulation of the pipeline around the real pool policy (`HSPool`), on a virtual
-clock: targets that take `target_cost[bucket]` per job (one at a time, `jobs_in_flight_per_target`
-queued), and drafter ranks in lockstep (an all-reduce barrier per step) that prefetch one pull while
-they compute `drafter_cost[bucket]` per item, step every `accum` items (or on `Drained`), and send
-their acks with the next pull, exactly as `actors/drafter.py` does. Pull and ack messages take
+"""A discrete-event simulation of the pipeline around the real pool (`HSPool`), on a virtual clock:
+targets that take `target_cost[bucket]` per job (one at a time, `jobs_in_flight_per_target` queued), and
+drafter ranks that run the drafter's own step protocol (`app/training/loop.py`, the code
+`actors/drafter.py` drives), each rank's loop advanced from the event heap: a micro-batch costs
+`drafter_cost[bucket]` of virtual time, the reduce and the all-gather wait for every rank, acks ride
+on the next pull or go at once exactly where the actor sends them. Pull and ack messages take
 `latency / 2` each way.
 
 Seconds of simulated run cost milliseconds, so tests and `python -m app.bench sched --sim` can look
@@ -18,10 +19,12 @@ from dataclasses import dataclass, field
 
 from app.config.schema import PoolConfig
 from app.data.schedule import interleave
-from app.messages import Drained, EndOfStream, ItemMeta, JobSpec, PulledItem
+from app.messages import ItemMeta, JobSpec, PulledItem
 from app.pool.measures import BacklogMeter, bucket_counts, shares_of, step_tv, step_tv_floor, tail_single
 from app.pool.hs_pool import HSPool
 from app.pool.pull_policy import PullPolicy
+from app.training.loop import (LATER, AwaitPull, Compute, Fetched, Gather, LoopConfig, PullAnswered, QuietHooks,
+                               RankLoop, Reduce, Runner, SendAcks, Sleep, StartPull, StepDone, sum_votes)
 
 
 @dataclass(frozen=True)
@@ -109,22 +112,14 @@ class _Sim:
         self.seq = itertools.count()
         self.target_free = [0.0] * s.targets
         self.waiting_pulls: list[int] = []  # ranks whose pull is at the pool, in arrival order
-        r = range(s.ranks)
-        self.result: list = [None] * s.ranks  # a delivered pull not yet consumed
-        self.pending = [False] * s.ranks
-        self.wait_from: list[float | None] = [None] * s.ranks
-        self.acks: list[list[int]] = [[] for _ in r]
-        self.step_items: list[list[int]] = [[] for _ in r]
-        self.eos = [False] * s.ranks
-        self.arrived: set[int] = set()
-        self.compute = [0.0] * s.ranks
-        self.waited = [0.0] * s.ranks
+        self.ranks = [_SimRank(self, r) for r in range(s.ranks)]
+        self.arrivals: dict[str, dict[int, object]] = {}  # collective -> rank -> its value, until all came
+        self.optimizer_steps = 0
         self.spans: list[tuple[int, str, float, float]] = []  # (rank, kind, start, end)
         self.steps: list[list[int]] = []
         self.step_costs: list[list[float]] = []
         self.backlog = BacklogMeter()
         self.t_produced = 0.0
-        self.finished = False
 
     def _jit(self) -> float:
         return 1.0 + self.s.jitter * (2 * self.rng.random() - 1)
@@ -134,9 +129,9 @@ class _Sim:
 
     def run(self) -> SimResult:
         self.dispatch()
-        for rank in range(self.s.ranks):
-            self.need_item(rank)
-        while self.events and not self.finished:
+        for rank in self.ranks:
+            rank.runner.resume()
+        while self.events and not all(r.runner.done for r in self.ranks):
             self.now, _, fn, args = heapq.heappop(self.events)
             fn(*args)
             self.serve()
@@ -170,12 +165,7 @@ class _Sim:
         active = self.now >= self.s.warmup and not self.t_produced
         self.backlog.update(self.now, self.pool.stats().q_hsb, active)
 
-    # ---- pulls -----------------------------------------------------------------------------
-
-    def issue_pull(self, rank: int) -> None:
-        self.pending[rank] = True
-        acks, self.acks[rank] = self.acks[rank], []
-        self.at(self.now + self.s.latency / 2, self.pull_arrives, rank, acks)
+    # ---- pulls and acks --------------------------------------------------------------------
 
     def pull_arrives(self, rank: int, acks: list[int]) -> None:
         if acks:
@@ -190,67 +180,92 @@ class _Sim:
                 got = self.pool.try_pull(rank)
                 if got is not None:
                     self.waiting_pulls.remove(rank)
-                    self.at(self.now + self.s.latency / 2, self.deliver, rank, got)
+                    self.at(self.now + self.s.latency / 2, self.ranks[rank].deliver, got)
                     served = True
                     if isinstance(got, PulledItem):
                         self._track()
                         self.dispatch()
 
-    def deliver(self, rank: int, got) -> None:
-        self.pending[rank], self.result[rank] = False, got
-        if self.wait_from[rank] is not None:
-            self.spans.append((rank, "wait", self.wait_from[rank], self.now))
-            self.wait_from[rank] = None
-            self.need_item(rank)
+    # ---- the ranks' collectives -------------------------------------------------------------
 
-    # ---- drafters --------------------------------------------------------------------------
+    def collective(self, kind: str, rank: int, value) -> None:
+        """The reduce or the all-gather: once every rank arrived, all resume now with the result."""
+        came = self.arrivals.setdefault(kind, {})
+        came[rank] = value
+        if len(came) < self.s.ranks:
+            return
+        values = [came[r] for r in range(self.s.ranks)]
+        del self.arrivals[kind]
+        result = values
+        if kind == "reduce":
+            result = sum_votes(values, self.optimizer_steps)
+            self.optimizer_steps = result.step
+        for r in self.ranks:
+            self.at(self.now, r.runner.resume, result)
 
-    def need_item(self, rank: int) -> None:
-        """The rank wants its next micro-batch (DrafterActor._accumulate -> _Prefetcher.next)."""
-        got = self.result[rank]
-        if got is None:
-            if not self.pending[rank]:
-                self.issue_pull(rank)
-            self.wait_from[rank] = self.now
-            return
-        self.result[rank] = None
-        if isinstance(got, (Drained, EndOfStream)):
-            self.eos[rank] = self.eos[rank] or isinstance(got, EndOfStream)
-            self.arrive(rank)
-            return
-        self.issue_pull(rank)  # prefetch the next while this one computes
-        jid = got.meta.job_id
-        self.step_items[rank].append(jid)
-        cost = self.cost[jid]
-        self.spans.append((rank, "compute", self.now, self.now + cost))
-        self.at(self.now + cost, self.computed, rank)
+    def step_done(self, rank: int, done: StepDone) -> None:
+        self.pool.record_step(done.step, done.job_ids)  # each rank reports its own jobs, as the actor does
+        if rank == 0:
+            self.steps.append(bucket_counts((self.jobs[j].bucket for ids in done.gathered for j in ids),
+                                            len(self.s.mix)))
+            self.step_costs.append([sum(self.cost[j] for j in ids) for ids in done.gathered])
 
-    def computed(self, rank: int) -> None:
-        if len(self.step_items[rank]) < self.s.accum:
-            self.need_item(rank)
-        else:
-            self.arrive(rank)
 
-    def arrive(self, rank: int) -> None:
-        self.arrived.add(rank)
-        if len(self.arrived) < self.s.ranks:
+class _SimRank(QuietHooks):
+    """One rank's loop operations on the virtual clock: the blocking ones answer LATER and resume the
+    rank's loop from the event heap."""
+
+    def __init__(self, sim: _Sim, rank: int) -> None:
+        self.sim, self.rank = sim, rank
+        self.runner = Runner(RankLoop(LoopConfig(rank, sim.s.ranks, sim.s.accum)), self)
+        self.answer = None  # a delivered pull answer the loop has not awaited yet
+        self.wait_from: float | None = None  # the loop awaits since then
+
+    def start_pull(self, eff: StartPull) -> None:
+        self.sim.at(self.sim.now + self.sim.s.latency / 2, self.sim.pull_arrives, self.rank, list(eff.acks))
+
+    def pull_answered(self, _: PullAnswered) -> bool:
+        return self.answer is not None
+
+    def await_pull(self, _: AwaitPull):
+        if self.answer is None:
+            self.wait_from = self.sim.now
+            return LATER
+        got, self.answer = self.answer, None
+        return Fetched(got)
+
+    def deliver(self, got) -> None:
+        if self.wait_from is None:
+            self.answer = got
             return
-        self.arrived.clear()
-        ids = [self.step_items[r] for r in range(self.s.ranks)]
-        if any(ids):
-            self.steps.append(bucket_counts((self.jobs[j].bucket for r in ids for j in r), len(self.s.mix)))
-            self.step_costs.append([sum(self.cost[j] for j in r) for r in ids])
-            for j_ids in ids:
-                self.pool.record_step(len(self.steps), j_ids)
-        for r in range(self.s.ranks):
-            self.acks[r] += ids[r]
-            self.step_items[r] = []
-        if all(self.eos):
-            self.finished = True
-            return
-        delay = 0.0 if any(ids) else 0.05  # all ranks dry: DrafterActor sleeps 50 ms and pulls again
-        for r in range(self.s.ranks):
-            if self.eos[r]:
-                self.at(self.now + delay, self.arrive, r)
-            else:
-                self.at(self.now + delay, self.need_item, r)
+        sim = self.sim
+        sim.spans.append((self.rank, "wait", self.wait_from, sim.now))
+        waited, self.wait_from = sim.now - self.wait_from, None
+        self.runner.resume(Fetched(got, None, waited))
+
+    def compute(self, eff: Compute):
+        sim, cost = self.sim, self.sim.cost[eff.item.meta.job_id]
+        sim.spans.append((self.rank, "compute", sim.now, sim.now + cost))
+        sim.at(sim.now + cost, self.runner.resume)
+        return LATER
+
+    def send_acks(self, eff: SendAcks):
+        sim = self.sim
+        sim.at(sim.now + sim.s.latency / 2, sim.pool.ack, self.rank, list(eff.job_ids))
+        sim.at(sim.now + sim.s.latency, self.runner.resume)  # the call returns after a round trip
+        return LATER
+
+    def reduce(self, eff: Reduce):
+        self.sim.collective("reduce", self.rank, eff)
+        return LATER
+
+    def gather(self, eff: Gather):
+        self.sim.collective("gather", self.rank, list(eff.job_ids))
+        return LATER
+
+    def sleep(self, eff: Sleep):
+        self.sim.at(self.sim.now + eff.seconds, self.runner.resume)
+        return LATER
+
+    def step_done(self, eff: StepDone) -> None:
+        self.sim.step_done(self.rank, eff)

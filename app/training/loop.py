@@ -1,0 +1,357 @@
+"""One drafter rank's step protocol, once, as pure code: no Ray, no torch.distributed, no clock.
+
+`RankLoop.run()` is a generator: it yields typed effect requests (the dataclasses below) and receives
+their results; whoever drives it maps each effect to an operation. Three drivers share it:
+`actors/drafter.py` (Ray calls, the trainer, the real collective), `app/bench/sched.py` (Ray actors that
+sleep instead of computing) and `app/bench/simulate.py` (a virtual clock around the pure pool). The
+first two use `drive` (every operation returns its result); the simulation uses `Runner`, whose
+operations may answer `LATER` and resume the rank from its event heap.
+
+A step: up to `grad_accum` micro-batches, each a pull answered by an item, `Drained` (step with what
+is held) or `EndOfStream` (this rank's stream is over: it joins every later step with zero items).
+One pull stays in flight while the rank computes (prefetch). Rank 0 reads the stop flag; all ranks
+join the step's reduce, whose totals say what comes next:
+- every rank at end-of-stream: the loop ends;
+- no rank trained anything and no stop: all ranks drained while leases elsewhere wait for acks, so
+  sleep `drain_sleep_s` and pull again (blocking in a pull here would deadlock the group);
+- else the optimizer step is applied (`Updated`, the fault hook's point), then the step's acks: they
+  ride on the next pull, or go at once (`SendAcks`) when a pull is still waiting for its answer (the
+  pool may need these very acks before it can answer); then the all-gather of job ids (`Gather`),
+  `StepDone` (ledger, step log, report), a stop ends the loop, else rank 0's checkpoint and eval cadence.
+Rank 0 checkpoints once more when the loop ends.
+"""
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+from app.messages import Drained, EndOfStream
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """What the protocol needs to know about its rank and cadences."""
+
+    rank: int
+    world_size: int
+    grad_accum: int
+    checkpoint_every: int = 0  # rank 0 checkpoints every N optimizer steps (0: only when the loop ends)
+    eval_every: int = 0  # rank 0 offers its weights for an evaluation every N steps (0: never)
+    drain_sleep_s: float = 0.05  # every rank drained: wait this long before pulling again
+    start_step: int = 0  # optimizer steps already done (a resume)
+
+
+class Totals(Protocol):
+    """The step's all-rank totals the protocol reads (app.training.trainer.StepStats has them)."""
+
+    step: int  # optimizer steps done, this one included
+    active_ranks: int  # ranks that trained on something this step
+    eos_ranks: int  # ranks whose stream has ended
+    stop: bool  # rank 0 asked to stop
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """Totals for drivers without a trainer (benches, tests): see `sum_votes`."""
+
+    step: int
+    active_ranks: int
+    eos_ranks: int
+    stop: bool
+
+
+# ---- effects: what the loop asks its driver to do (`op` names the driver's method) ------------------
+
+@dataclass(frozen=True)
+class StepStart:
+    """A step (or a retry after a drain) begins; drivers time their steps from here."""
+
+    op: ClassVar[str] = "step_start"
+
+
+@dataclass(frozen=True)
+class StartPull:
+    """Send a pull carrying `acks` (the last step's job ids) and do not wait for its answer."""
+
+    acks: tuple[int, ...]
+    op: ClassVar[str] = "start_pull"
+
+
+@dataclass(frozen=True)
+class PullAnswered:
+    """Has the pull in flight got its answer yet? Result: bool."""
+
+    op: ClassVar[str] = "pull_answered"
+
+
+@dataclass(frozen=True)
+class AwaitPull:
+    """Wait for the pull in flight. Result: `Fetched`."""
+
+    op: ClassVar[str] = "await_pull"
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """A pull's answer: a PulledItem (with its payload, staged or not), Drained or EndOfStream."""
+
+    item: Any
+    payload: Any = None
+    waited_s: float = 0.0  # how long the rank waited for it (0 when it had arrived)
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Forward and backward of one micro-batch."""
+
+    item: Any  # PulledItem
+    payload: Any
+    op: ClassVar[str] = "compute"
+
+
+@dataclass(frozen=True)
+class SendAcks:
+    """Ack these jobs now, in their own call (a pull is still waiting: they must not wait behind it)."""
+
+    job_ids: tuple[int, ...]
+    op: ClassVar[str] = "send_acks"
+
+
+@dataclass(frozen=True)
+class ReadStop:
+    """Rank 0 only: has a stop been requested? Result: bool."""
+
+    op: ClassVar[str] = "read_stop"
+
+
+@dataclass(frozen=True)
+class Reduce:
+    """The step's collective, this rank's vote in it. Result: the all-rank `Totals`."""
+
+    items: int  # micro-batches this rank trained this step
+    eos: bool
+    stop: bool
+    op: ClassVar[str] = "reduce"
+
+
+@dataclass(frozen=True)
+class Sleep:
+    """Every rank drained: wait before pulling again."""
+
+    seconds: float
+    op: ClassVar[str] = "sleep"
+
+
+@dataclass(frozen=True)
+class Updated:
+    """The optimizer step `step` is applied and nothing of it is acked yet (the fault hook's point)."""
+
+    step: int
+    op: ClassVar[str] = "updated"
+
+
+@dataclass(frozen=True)
+class Gather:
+    """All-gather of the step's job ids. Result: one list of job ids per rank."""
+
+    job_ids: tuple[int, ...]
+    op: ClassVar[str] = "gather"
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """The step is acked (or its acks are held for the next pull) and gathered: ledger, step log, report."""
+
+    step: int
+    job_ids: tuple[int, ...]
+    gathered: Sequence[Sequence[int]]
+    totals: Any  # what the reduce returned (a Totals)
+    wait_s: float  # seconds this rank waited for data during the step
+    op: ClassVar[str] = "step_done"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Rank 0: save a checkpoint of `step` (`final`: the loop has ended)."""
+
+    step: int
+    final: bool = False
+    op: ClassVar[str] = "checkpoint"
+
+
+@dataclass(frozen=True)
+class OfferEval:
+    """Rank 0: offer the weights of `step` for an evaluation."""
+
+    step: int
+    op: ClassVar[str] = "offer_eval"
+
+
+@dataclass(frozen=True)
+class LoopOutcome:
+    """How the rank's loop ended."""
+
+    steps: int  # optimizer steps done (the last totals' step)
+    stopped: bool  # a stop was requested (else every stream ended)
+
+
+def sum_votes(votes: Sequence[Reduce], step_before: int) -> StepTotals:
+    """The reduce of drivers without a trainer: a step with any item counts as an optimizer step."""
+    active = sum(1 for v in votes if v.items > 0)
+    return StepTotals(step_before + (1 if active else 0), active, sum(1 for v in votes if v.eos),
+                      any(v.stop for v in votes))
+
+
+# ---- the protocol -----------------------------------------------------------------------------------
+
+@dataclass
+class RankLoop:
+    """One rank's step protocol; `run()` is the generator a driver advances."""
+
+    cfg: LoopConfig
+    eos: bool = False  # this rank's stream is over
+    in_flight: bool = False  # a pull is sent and its answer not yet taken
+    held_acks: list[int] = field(default_factory=list)  # ride on the next pull
+
+    def run(self) -> Generator[Any, Any, LoopOutcome]:
+        cfg, step = self.cfg, self.cfg.start_step
+        while True:
+            yield StepStart()
+            job_ids, wait_s = yield from self._accumulate()
+            stop = bool((yield ReadStop())) if cfg.rank == 0 else False
+            totals = yield Reduce(len(job_ids), self.eos, stop)
+            step = totals.step
+            if totals.eos_ranks == cfg.world_size:
+                break  # every rank's stream is over
+            if totals.active_ranks == 0 and not totals.stop:
+                yield Sleep(cfg.drain_sleep_s)  # all drained while leases elsewhere await acks: pull again
+                continue
+            yield Updated(step)
+            if job_ids:  # after the optimizer step: a crash before this re-issues the jobs
+                yield from self._ack(job_ids)
+            gathered = yield Gather(tuple(job_ids))
+            yield StepDone(step, tuple(job_ids), gathered, totals, wait_s)  # before any checkpoint of it
+            if totals.stop:
+                return (yield from self._end(step, stopped=True))
+            yield from self._cadence(step)
+        return (yield from self._end(step, stopped=False))
+
+    def _accumulate(self) -> Generator[Any, Any, tuple[list[int], float]]:
+        """Up to grad_accum micro-batches: (job ids trained, seconds waited for data)."""
+        job_ids: list[int] = []
+        wait_s = 0.0
+        for _ in range(self.cfg.grad_accum):
+            if self.eos:
+                break
+            if not self.in_flight:  # first pull, or the last answer was Drained
+                yield from self._start_pull()
+            got = yield AwaitPull()
+            self.in_flight = False
+            wait_s += got.waited_s
+            if isinstance(got.item, EndOfStream):
+                self.eos = True
+                break
+            if isinstance(got.item, Drained):
+                break  # nothing buffered, others hold the last leases: step with what we have
+            yield from self._start_pull()  # prefetch the next while this one computes
+            yield Compute(got.item, got.payload)
+            job_ids.append(got.item.meta.job_id)
+        return job_ids, wait_s
+
+    def _start_pull(self) -> Generator[Any, Any, None]:
+        acks, self.held_acks = tuple(self.held_acks), []
+        self.in_flight = True
+        yield StartPull(acks)
+
+    def _ack(self, job_ids: list[int]) -> Generator[Any, Any, None]:
+        """The ack routing: ride on the next pull, unless a pull waits now (then the pool may need them)."""
+        if self.in_flight and not (yield PullAnswered()):
+            acks, self.held_acks = tuple(self.held_acks + job_ids), []
+            yield SendAcks(acks)
+        else:
+            self.held_acks += job_ids
+
+    def _cadence(self, step: int) -> Generator[Any, Any, None]:
+        cfg = self.cfg
+        if cfg.rank != 0:
+            return
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+            yield Checkpoint(step)
+        if cfg.eval_every and step % cfg.eval_every == 0:
+            yield OfferEval(step)
+
+    def _end(self, step: int, stopped: bool) -> Generator[Any, Any, LoopOutcome]:
+        if self.cfg.rank == 0:
+            yield Checkpoint(step, final=True)
+        return LoopOutcome(step, stopped)
+
+
+# ---- drivers ----------------------------------------------------------------------------------------
+
+class _Later:
+    """The answer of an operation that resumes the loop itself later (`Runner.resume`)."""
+
+    def __repr__(self) -> str:
+        return "LATER"
+
+
+LATER = _Later()
+
+
+class Runner:
+    """Advances one rank's loop: each effect goes to `ops.<effect.op>(effect)`, whose result is sent
+    back; an operation that answers `LATER` parks the loop until someone calls `resume(result)`."""
+
+    def __init__(self, loop: RankLoop, ops: Any) -> None:
+        self.gen, self.ops = loop.run(), ops
+        self.outcome: LoopOutcome | None = None
+        self.started = False
+
+    @property
+    def done(self) -> bool:
+        return self.outcome is not None
+
+    def resume(self, value: Any = None) -> None:
+        """Run the loop until an operation answers LATER or the loop ends."""
+        if not self.started:  # a new generator takes None first
+            self.started, value = True, None
+        while True:
+            try:
+                effect = self.gen.send(value)
+            except StopIteration as end:
+                self.outcome = end.value
+                return
+            value = getattr(self.ops, effect.op)(effect)
+            if value is LATER:
+                return
+
+
+def drive(loop: RankLoop, ops: Any) -> LoopOutcome:
+    """Run the loop to its end with operations that all return their results (the actor, the Ray bench)."""
+    runner = Runner(loop, ops)
+    runner.resume()
+    assert runner.outcome is not None, "a synchronous driver's operation answered LATER"
+    return runner.outcome
+
+
+class QuietHooks:
+    """No-op defaults for the effects a bench or a test does not act on."""
+
+    def step_start(self, effect: StepStart) -> None:
+        return None
+
+    def read_stop(self, effect: ReadStop) -> bool:
+        return False
+
+    def updated(self, effect: Updated) -> None:
+        return None
+
+    def step_done(self, effect: StepDone) -> None:
+        return None
+
+    def checkpoint(self, effect: Checkpoint) -> None:
+        return None
+
+    def offer_eval(self, effect: OfferEval) -> None:
+        return None
