@@ -17,6 +17,7 @@ Deleting unpublishes first (marker, then data), so a half-deleted entry is never
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 import uuid
@@ -30,6 +31,25 @@ MARKER = "COMMITTED"
 def is_uri(root: str | Path) -> bool:
     """True for `scheme://...` roots (object stores, `file://`); False for plain local paths."""
     return "://" in str(root)
+
+
+# Credentials a URI can carry: userinfo (`s3://KEY:SECRET@bucket`, a secret with `/` included) and
+# pyarrow's secret query options (`?access_key=..&secret_key=..&session_token=..`).
+_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][\w+.-]*://)(?:[^\s'\"@/?#]*|[^\s'\"@/?#]*:[^\s'\"@]*)@")
+_SECRET_QUERY = re.compile(r"(?P<name>[?&](?:access_key|[\w.-]*(?:secret|token|password|credential)[\w.-]*)=)[^&#\s'\"]*",
+                           re.IGNORECASE)
+
+
+def redact(text: str | Path) -> str:
+    """`text` (a URI, a log line, an error message) with every URI credential replaced by `***`:
+    the one function every printed or logged checkpoint location goes through."""
+    text = _USERINFO.sub(lambda m: f"{m['scheme']}***@", str(text))
+    return _SECRET_QUERY.sub(lambda m: f"{m['name']}***", text)
+
+
+def has_credentials(text: str | Path) -> bool:
+    """True when `text` holds a URI credential that `redact` would hide."""
+    return redact(text) != str(text)
 
 
 def open_storage(root: str | Path) -> "Storage":

@@ -90,3 +90,48 @@ def test_prepare_exits_2_with_one_line_on_malformed_data(tmp_path) -> None:
                            "--out", str(tmp_path / "out"), f"data.train_files=[{data}]", TINY_CACHE],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert _one_line(proc).startswith(f"data error: {data}:2: malformed record")
+
+
+# Issue 22 items 4, 14, 18: hostile or broken input is one line and exit 2 from the real command line too.
+CLI_CASES = [
+    ("train.lr=nan", "config error: train.lr=nan is not a finite number; the DFlash default is 6e-4"),
+    ("supervision.stall_timeout_s=nan",
+     "config error: supervision.stall_timeout_s=nan is not a finite number; set a number > 0 seconds"),
+    ("drafter.mask_token_id=-2",
+     "config error: drafter.mask_token_id=-2 must be -1 (the tokenizer's mask token) or an id >= 0"),
+    ("logging.run_name=${oc.env:HOME}", "config error: logging.run_name='${oc.env:HOME}' interpolates more than a "
+     "${section.key} reference; resolvers such as ${oc.env:...} are refused (they copy the environment into run "
+     "names and logs): write the value itself"),
+    ("checkpoint.dir=s3://AKIAEXAMPLE:topsecret@bucket/run", "config error: checkpoint.dir='s3://***@bucket/run' holds "
+     "credentials in the URI; remove them and set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) on "
+     "every node instead"),
+    ('model.target=!!python/object/apply:os.system ["echo x"]', "config error: override 'model.target=!!python/object/"
+     "apply:os.system [\"echo x\"]' is not valid YAML (could not determine a constructor for the tag "
+     "'tag:yaml.org,2002:python/object/apply:os.system' at line 1, column 1); fix or quote the value"),
+    ("train.lr=[", "config error: override 'train.lr=[' is not valid YAML (did not find expected node content at "
+     "line 2, column 1); fix or quote the value"),
+]
+
+
+@pytest.mark.parametrize("override, line", CLI_CASES, ids=[c[0].split("=")[0] + "=" for c in CLI_CASES])
+def test_hostile_or_broken_cli_value_is_one_line(override: str, line: str) -> None:
+    got = _one_line(_train_cli(override))
+    assert got == line
+    assert "topsecret" not in got
+
+
+def test_malformed_yaml_file_cli_one_line(tmp_path) -> None:
+    conf = tmp_path / "bad.yaml"
+    conf.write_text("model:\n  target: tiny\n train: [\n")
+    proc = subprocess.run([sys.executable, "-m", "app.train", "--config", str(conf)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert _one_line(proc) == (f"config error: --config {str(conf)!r} is not valid YAML (did not find expected key "
+                               "at line 3, column 2); fix the file")
+
+
+@pytest.mark.slow  # reuses (or builds) the tiny target
+def test_directory_named_jsonl_cli_one_line(tmp_path) -> None:
+    folder = tmp_path / "train.jsonl"
+    folder.mkdir()
+    line = _one_line(_train_cli(f"data.train_files=[{folder}]", TINY_CACHE, f"checkpoint.dir={tmp_path / 'run'}"))
+    assert line == f"data error: data file '{folder}' is a directory; list the files in it in data.train_files"

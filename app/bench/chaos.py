@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app.storage import redact
+
 FAULT_KINDS = ("target", "drafter")  # repeated; "pool" and "driver" are added once each
 GAP_S = (2.0, 6.0)  # seconds between faults (after the run trains again), drawn uniformly
 MAX_SUBMISSIONS = 6
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     run_dir = Path(cfg.checkpoint.dir)
     if run_dir.exists() and any(run_dir.iterdir()):
-        print(f"chaos error: checkpoint.dir={run_dir} is not empty; chaos counts a run from scratch: pass "
+        print(f"chaos error: checkpoint.dir={redact(run_dir)} is not empty; chaos counts a run from scratch: pass "
               "checkpoint.dir=<a new folder>", file=sys.stderr)
         return 2
     return run_chaos(args.config, overrides, run_dir, args.faults, args.seed)
@@ -211,7 +213,7 @@ def _wait_training(state: ChaosState, step_log: Path, need_starts: int, timeout:
 
 
 def _say(msg: str) -> None:
-    print(f"[chaos {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    print(f"[chaos {time.strftime('%H:%M:%S')}] {redact(msg)}", flush=True)
 
 
 def _fmt(v) -> str:

@@ -5,6 +5,10 @@
                                                                                         __post_init__)
     then `check_paths` (app/config/checks.py): the files the config names exist.
 
+Both layers are read with YAML's safe loader (no `!!python/...` tags) and may interpolate only plain
+`${section.key}` references: a resolver such as `${oc.env:AWS_SECRET_ACCESS_KEY}` would copy the
+environment into the run name, the metrics' labels and wandb, so it is refused before anything resolves.
+
 OmegaConf's own exceptions carry the offending key (`full_key`) and value; they become one
 `ConfigError` each, built from those fields, never from OmegaConf's message text. A ValueError from
 a section's `__post_init__` already starts with the dotted key and becomes a ConfigError as is.
@@ -15,10 +19,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import typing
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
@@ -27,6 +33,8 @@ from app.config.errors import ConfigError
 from app.config.schema import Config
 
 __all__ = ["ConfigError", "load_config"]
+
+_REFERENCE = re.compile(r"\$\{[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*\}")  # ${section.key}, the one interpolation allowed
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -53,12 +61,15 @@ def _read_yaml(path: str | os.PathLike) -> dict:
         raise ConfigError(f"--config {str(path)!r} does not exist; pass a YAML file such as conf/tiny.yaml")
     try:
         data = OmegaConf.to_container(OmegaConf.load(p), resolve=False)
-    except (OmegaConfBaseException, ValueError) as exc:  # yaml errors surface as ValueError subclasses
+    except yaml.YAMLError as exc:  # syntax, and tags the safe loader refuses (!!python/object)
+        raise ConfigError(f"--config {str(path)!r} is not valid YAML ({_yaml_problem(exc)}); fix the file") from None
+    except (OmegaConfBaseException, ValueError, RecursionError) as exc:
         raise ConfigError(f"--config {str(path)!r} is not valid YAML ({_one_line(exc)}); fix the file") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"--config {str(path)!r} must hold a mapping of sections, got {type(data).__name__}")
+    _refuse_resolvers(data, "")
     return data
 
 
@@ -66,10 +77,39 @@ def _parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict:
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override {item!r} is not key=value; write e.g. train.lr=1e-3")
+        try:  # each alone, so the error names the one that is not YAML
+            OmegaConf.from_dotlist([item])
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override {item!r} is not valid YAML ({_yaml_problem(exc)}); fix or quote the value") from None
+        except (OmegaConfBaseException, RecursionError):
+            pass  # reported below with every override
     try:
-        return typing.cast(dict, OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides))))
-    except OmegaConfBaseException as exc:
+        layer = typing.cast(dict, OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides))))
+    except (OmegaConfBaseException, RecursionError) as exc:
         raise ConfigError(f"overrides {list(overrides)} could not be parsed ({_one_line(exc)})") from None
+    _refuse_resolvers(layer, "")
+    return layer
+
+
+def _refuse_resolvers(layer: Any, key: str) -> None:
+    """Every string in `layer` interpolates nothing but `${section.key}` references."""
+    if isinstance(layer, dict):
+        for k, v in layer.items():
+            _refuse_resolvers(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(layer, list):
+        for i, v in enumerate(layer):
+            _refuse_resolvers(v, f"{key}[{i}]")
+    elif isinstance(layer, str) and "${" in _REFERENCE.sub("", layer):
+        raise ConfigError(f"{key}={layer!r} interpolates more than a ${{section.key}} reference; resolvers such as "
+                          "${oc.env:...} are refused (they copy the environment into run names and logs): "
+                          "write the value itself")
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """What the YAML parser found and where, in one line."""
+    problem = getattr(exc, "problem", None) or _one_line(exc)
+    mark = getattr(exc, "problem_mark", None)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark else problem
 
 
 def _merge(merged: DictConfig, layer: dict) -> DictConfig:

@@ -11,10 +11,13 @@ need the filesystem, the target model or the cluster live in `app/config/checks.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from omegaconf import MISSING
+
+from app.storage import has_credentials, redact
 
 TINY_TARGET = "tiny"
 # Token ids the tiny tokenizer reserves before its words (special tokens and role words);
@@ -26,12 +29,20 @@ def _fail(key: str, value: Any, problem: str) -> NoReturn:
     raise ValueError(f"{key}={value!r} {problem}")
 
 
+def _finite(key: str, value: float, fix: str) -> None:
+    # nan passes every `<` test and inf every `>` one: a nan lr trains nan weights, a nan timeout never fires
+    if isinstance(value, float) and not math.isfinite(value):
+        _fail(key, value, f"is not a finite number; {fix}")
+
+
 def _at_least(key: str, value: float, minimum: float, why: str) -> None:
+    _finite(key, value, f"set {key}={minimum} or more")
     if value < minimum:
         _fail(key, value, f"must be >= {minimum} ({why}); set {key}={minimum} or more")
 
 
 def _positive(key: str, value: float, unit: str = "") -> None:
+    _finite(key, value, f"set a number > 0{unit}")
     if value <= 0:
         _fail(key, value, f"must be > 0{unit}")
 
@@ -92,7 +103,7 @@ class TinyConfig:
         _at_least("tiny.num_eval_prompts", self.num_eval_prompts, 0, "a count cannot be negative")
         _at_least("tiny.prompt_length", self.prompt_length, 1, "a prompt needs a word")
         _at_least("tiny.response_length", self.response_length, 4, "responses are at least a quarter of it")
-        if not 0.5 < self.chain_top_prob <= 1.0:
+        if not 0.5 < self.chain_top_prob <= 1.0:  # a range test: nan and inf fail it too
             _fail("tiny.chain_top_prob", self.chain_top_prob, "must be in (0.5, 1] so greedy follows the chain")
         if not 0 <= self.chain_words <= words or self.chain_words == 1:
             _fail("tiny.chain_words", self.chain_words, f"must be 0 (all) or in [2, {words}]")
@@ -202,7 +213,7 @@ class DrafterConfig:
     block_size: int = 16
     num_anchors: int = 512
     loss_gamma: float = 0.0  # 0 = DFlash default for the block size (7 for 16, 5 for 10, 4 for 8)
-    mask_token_id: int = -1  # -1 = the tokenizer's mask token (the tiny target reserves one)
+    mask_token_id: int = -1  # -1 = the tokenizer's mask token (the tiny target reserves one); else an id >= 0
     ce_chunk_rows: int = 1024  # rows of the LM head computed at once in the loss
     max_rows: int = 65536  # query rows (blocks x block_size) per drafter sub-batch; 0 = a whole job at once
 
@@ -210,8 +221,9 @@ class DrafterConfig:
         _at_least("drafter.num_layers", self.num_layers, 1, "the drafter needs a layer")
         _at_least("drafter.block_size", self.block_size, 2, "a block is the anchor plus at least one predicted token")
         _at_least("drafter.num_anchors", self.num_anchors, 1, "each sequence needs at least one anchor")
-        if self.loss_gamma < 0:
-            _fail("drafter.loss_gamma", self.loss_gamma, "must be >= 0 (0 = default for the block)")
+        _at_least("drafter.loss_gamma", self.loss_gamma, 0, "0 = default for the block")
+        if self.mask_token_id < -1:  # only -1 means auto; -2 is a typo, not a second auto
+            _fail("drafter.mask_token_id", self.mask_token_id, "must be -1 (the tokenizer's mask token) or an id >= 0")
         _at_least("drafter.ce_chunk_rows", self.ce_chunk_rows, 1, "the loss computes at least one row at a time")
         _at_least("drafter.max_rows", self.max_rows, 0, "0 = no bound; else rows per sub-batch")
 
@@ -234,10 +246,11 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _one_of("train.compile", self.compile, ("auto", "on", "off"))
         _at_least("train.epochs", self.epochs, 1, "train at least one epoch")
+        _finite("train.lr", self.lr, "the DFlash default is 6e-4")
         if self.lr <= 0:
             _fail("train.lr", self.lr, "must be > 0; the DFlash default is 6e-4")
         _at_least("train.weight_decay", self.weight_decay, 0, "0 = none, the DFlash default")
-        if not 0.0 <= self.warmup_ratio < 1.0:
+        if not 0.0 <= self.warmup_ratio < 1.0:  # a range test: nan and inf fail it too
             _fail("train.warmup_ratio", self.warmup_ratio, "must be in [0, 1); the default is 0.04")
         _at_least("train.grad_accum", self.grad_accum, 1, "it counts micro-batches per optimizer step")
         _positive("train.max_grad_norm", self.max_grad_norm)
@@ -255,6 +268,9 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         _at_least("checkpoint.every_steps", self.every_steps, 1, "checkpoints are written every N >= 1 steps")
         _at_least("checkpoint.keep", self.keep, 1, "keep at least the latest checkpoint")
+        if has_credentials(self.dir):  # a key in the URI reaches wandb, log lines and error messages
+            raise ValueError(f"checkpoint.dir={redact(self.dir)!r} holds credentials in the URI; remove them and set "
+                             "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) on every node instead")
 
 
 @dataclass(frozen=True)

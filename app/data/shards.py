@@ -35,6 +35,8 @@ def file_kind(path: str) -> str:
     p = Path(path)
     if not p.exists():
         raise DataError(f"data file {path!r} does not exist; fix data.train_files")
+    if p.is_dir():  # a folder named *.jsonl would fail reading with a traceback
+        raise DataError(f"data file {path!r} is a directory; list the files in it in data.train_files")
     if p.suffix == ".parquet":
         return "parquet"
     if p.suffix in (".jsonl", ".json"):
@@ -130,6 +132,8 @@ def _parse_line(raw: bytes) -> dict | MalformedRecord:
         return MalformedRecord(f"invalid UTF-8: {e}")
     except json.JSONDecodeError as e:
         return MalformedRecord(f"invalid JSON: {e}")
+    except RecursionError:  # json's decoder recurses once per nesting level
+        return MalformedRecord("JSON nested too deeply")
     return rec if isinstance(rec, dict) else MalformedRecord("record is not a JSON object")
 
 

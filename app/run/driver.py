@@ -13,10 +13,12 @@ from app.config.schema import Config
 from app.config.checks import check_object_store, check_resources
 from app.config.errors import UserError
 from app.run.monitor import RunMonitor
+from app.storage import redact
 
 
 def log(msg: str) -> None:
-    print(f"[dflash {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    """The driver's status line; every plan, supervisor and output message goes through it, redacted."""
+    print(f"[dflash {time.strftime('%H:%M:%S')}] {redact(msg)}", flush=True)
 
 
 def run(cfg: Config) -> int:
@@ -29,13 +31,13 @@ def run(cfg: Config) -> int:
         plan.use_device(use_gpu)
         check_object_store(cfg, plan.jobs.max_payload_bytes(), _object_store_bytes())
     except UserError as exc:  # ConfigError, DataError
-        print(f"{exc.kind} error: {exc}", file=sys.stderr)
+        print(f"{exc.kind} error: {redact(str(exc))}", file=sys.stderr)
         return 2
     stop, restore_signals = install_stop_handler()
     try:
         return supervise(plan, use_gpu, stop)
     except RunFailed as exc:
-        print(f"run failed: {exc}", file=sys.stderr)
+        print(f"run failed: {redact(str(exc))}", file=sys.stderr)
         return 1
     finally:
         restore_signals()
@@ -156,7 +158,7 @@ def supervise(plan, use_gpu: bool, stop: threading.Event) -> int:
         write_summary(cfg, summary)
         wandb.finish(summary)
         log(f"exported drafter to {export_dir}")
-        print("RESULT " + " ".join(f"{k}={_fmt(v)}" for k, v in summary.items() if not isinstance(v, (list, dict))),
+        print(redact("RESULT " + " ".join(f"{k}={_fmt(v)}" for k, v in summary.items() if not isinstance(v, (list, dict)))),
               flush=True)
         return 0
     finally:

@@ -20,6 +20,7 @@ from app.config.checks import (TargetInfo, check_step_fits, check_target, read_t
                                resolved_mask_token_id)
 from app.config.errors import ConfigError
 from app.data.schedule import ScheduledJobs
+from app.storage import redact
 
 
 @dataclass
@@ -135,7 +136,7 @@ def _check_same_data(cfg: Config, ckpt: Path, fingerprint: str) -> None:
     saved = read_extra(ckpt).get("data_fingerprint")
     if saved and saved != fingerprint:
         raise ConfigError(
-            f"checkpoint.dir={cfg.checkpoint.dir!r} holds a run on different data or a different schedule "
+            f"checkpoint.dir={redact(cfg.checkpoint.dir)!r} holds a run on different data or a different schedule "
             f"(fingerprint {saved} != {fingerprint}: data files, data.seed, data.tokens_per_job, "
             "data.bucket_boundaries, data.max_length, model.target or model.target_layer_ids changed); restore them or use a new checkpoint.dir"
         )

@@ -16,10 +16,12 @@ class WandbLogger:
             return
         import wandb
 
-        from app.storage import local_cache_dir  # wandb writes local files, even for s3:// runs
+        from app.storage import local_cache_dir, redact  # wandb writes local files, even for s3:// runs
 
+        config = asdict(full)
+        config["checkpoint"]["dir"] = redact(full.checkpoint.dir)  # wandb uploads its config: no URI credentials
         self.run = wandb.init(project=cfg.wandb_project, name=run_name, id=run_name, resume="allow",
-                              mode=cfg.wandb_mode, config=asdict(full), dir=str(local_cache_dir(full.checkpoint.dir)))
+                              mode=cfg.wandb_mode, config=config, dir=str(local_cache_dir(full.checkpoint.dir)))
 
     def log(self, values: dict[str, Any]) -> None:
         if self.run is not None:
