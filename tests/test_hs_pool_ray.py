@@ -188,10 +188,12 @@ def test_prometheus_endpoint_shows_live_per_bucket_counts(ray_cluster):
     for rank in range(2):
         rec = StepRecord(rank, 3, 0, 0.5, 1.0, 0.5, 100, 1.5, compute_s=0.3, data_wait_s=0.1)
         ray.get(pool.report_step.remote(rec))
+    ray.get(pool.report_restart.remote("target"))  # the driver's reports reach the metrics via the snapshot
+    ray.get(pool.report_tau.remote(3, 2.5))
     want = {str(b): float(n) for b, n in enumerate(q_hsb)}
     port = ray._private.worker.global_worker.node.metrics_export_port
     expected = (mn.POOL_BYTES, mn.POOL_CAPACITY_BYTES, mn.JOBS, mn.TRAIN_STEP, mn.TRAIN_LOSS, mn.TRAIN_TOKENS_TOTAL,
-                mn.TARGET_TOKENS_TOTAL, mn.TARGET_BUSY_RATIO, mn.DRAFTER_DATA_WAIT_RATIO)
+                mn.TARGET_TOKENS_TOTAL, mn.TARGET_BUSY_RATIO, mn.DRAFTER_DATA_WAIT_RATIO, mn.RESTARTS_TOTAL, mn.TAU)
     deadline, text, got, names = time.time() + 30, "", {}, []
     while time.time() < deadline:  # gauges land in different export rounds: wait for all of them
         text = _scrape(port)
@@ -206,3 +208,6 @@ def test_prometheus_endpoint_shows_live_per_bucket_counts(ray_cluster):
         assert any(n in (name, "ray_" + name) for n in names), (name, names)
     loss = [line for line in text.splitlines() if re.match(rf"^(?:ray_)?{mn.TRAIN_LOSS}\{{", line) and run in line]
     assert loss and float(loss[0].rsplit(" ", 1)[1]) == pytest.approx(0.5)  # the step's global loss
+    for name, value in ((mn.TAU, 2.5), (mn.RESTARTS_TOTAL, 1.0)):
+        rows = [line for line in text.splitlines() if re.match(rf"^(?:ray_)?{name}\{{", line) and run in line]
+        assert rows and float(rows[0].rsplit(" ", 1)[1]) == pytest.approx(value), (name, rows)
