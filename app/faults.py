@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from app.storage import local_cache_dir
+
 
 def fire_once(run_dir: str | Path, name: str) -> bool:
     """True the first time `name` is asked for under `run_dir`, False ever after.
@@ -25,12 +27,5 @@ def fire_once(run_dir: str | Path, name: str) -> bool:
 
 
 def _marks_dir(run_dir: str | Path) -> Path:
-    """`<run_dir>/faults_fired`, or for a URI a folder under the temp dir named by its hash (a shared
-    leaf: no import of app.storage)."""
-    if "://" not in str(run_dir):
-        return Path(run_dir) / "faults_fired"
-    import hashlib
-    import tempfile
-
-    digest = hashlib.sha256(str(run_dir).encode()).hexdigest()[:12]
-    return Path(tempfile.gettempdir()) / f"dflash-faults-{digest}"
+    """`<run_dir>/faults_fired`, or for a URI the same folder under the run's local cache dir."""
+    return local_cache_dir(run_dir) / "faults_fired"

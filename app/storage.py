@@ -65,13 +65,18 @@ def root_name(root: str | Path) -> str:
     return Path(root).resolve().name
 
 
+def local_path(root: str | Path) -> Path | None:
+    """The root as a local folder, or None for a URI (a root with no folder of its own on this machine)."""
+    return None if is_uri(root) else Path(root)
+
+
 def local_cache_dir(root: str | Path) -> Path:
     """A local folder tied to a root: the root itself when local, else one under the temp dir.
 
     For what must stay on a local disk even when checkpoints go to object storage (wandb files,
     fault markers, downloaded checkpoints)."""
-    if not is_uri(root):
-        return Path(root)
+    if (local := local_path(root)) is not None:
+        return local
     import hashlib
 
     digest = hashlib.sha256(str(root).encode()).hexdigest()[:12]

@@ -29,6 +29,7 @@ import numpy as np
 
 from app.config.schema import Config, DataConfig
 from app.data.dataset import DataSummary, TokenizedDataset
+from app.storage import local_path
 
 CACHE_VERSION = 1  # bump when the tokenizer path changes what it writes for the same inputs
 _ARRAYS = ("tokens", "loss_mask", "offsets")
@@ -43,9 +44,8 @@ def cache_root(cfg: Config) -> Path:
     `.cache/data` beside the run instead of a folder literally named "s3:"."""
     if cfg.data.cache_dir:
         return Path(cfg.data.cache_dir)
-    if "://" in cfg.checkpoint.dir:
-        return Path(".cache") / "data"
-    return Path(cfg.checkpoint.dir) / "data-cache"
+    run_dir = local_path(cfg.checkpoint.dir)
+    return Path(".cache") / "data" if run_dir is None else run_dir / "data-cache"
 
 
 def tokenizer_fingerprint(model_dir: str | Path, tokenizer) -> str:

@@ -1,0 +1,45 @@
+"""Where a run's local files go for a local or a URI `checkpoint.dir` (app/storage.py), and the users of
+that one rule: fault markers (app/faults.py) and the tokenized-data cache (app/data/cache.py). No Ray."""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from app.faults import fire_once
+from app.storage import is_uri, local_cache_dir, local_path
+
+URI = "s3://bucket/runs/qwen?endpoint_override=127.0.0.1:9000&scheme=http"
+
+
+@pytest.fixture
+def tmp_temp_dir(tmp_path: Path, monkeypatch) -> Path:
+    """tempfile.gettempdir() points into this test's folder."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    return temp
+
+
+def test_a_local_root_is_its_own_folder(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    assert not is_uri(run) and local_path(run) == run and local_cache_dir(run) == run
+    assert not run.exists()  # naming a local root creates nothing
+
+
+def test_a_uri_root_gets_one_stable_folder_under_the_temp_dir(tmp_temp_dir: Path) -> None:
+    assert is_uri(URI) and local_path(URI) is None
+    first = local_cache_dir(URI)
+    assert first.parent == tmp_temp_dir and first.name.startswith("dflash-qwen-") and first.is_dir()
+    assert local_cache_dir(URI) == first  # a restarted process finds the same folder
+    assert local_cache_dir("s3://bucket/runs/other") != first
+
+
+def test_faults_fire_once_per_run_dir_local_and_uri(tmp_path: Path, tmp_temp_dir: Path) -> None:
+    run = tmp_path / "run"
+    assert [fire_once(run, "kill_target"), fire_once(run, "kill_target"), fire_once(run, "kill_pool")] == [True, False, True]
+    assert sorted(p.name for p in (run / "faults_fired").iterdir()) == ["kill_pool", "kill_target"]
+    assert [fire_once(URI, "kill_target"), fire_once(URI, "kill_target")] == [True, False]
+    assert (local_cache_dir(URI) / "faults_fired" / "kill_target").is_file()
+    assert fire_once("s3://bucket/runs/other", "kill_target")  # another run's markers are its own
