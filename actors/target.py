@@ -18,7 +18,7 @@ import time
 from app.data.batching import start_job
 from app.config.schema import FaultsConfig, ModelConfig
 from app.devices import compute_dtype, limit_threads, pick_device, target_attention
-from app.faults import fire_once
+from app.faults import fire_once, injected_delay
 from app.messages import HiddenBatch, ItemMeta, JobSpec
 from app.model.live_eval import EvalSpec
 
@@ -45,7 +45,7 @@ class TargetActor:
 
         self.trunk = TargetTrunk(self.model, self.layer_ids)
         self.compute_lock = threading.Lock()  # one forward at a time; host copies wait outside it
-        self._time_lock, self._last_done = threading.Lock(), 0.0
+        self.busy = BusyClock()
         self.jobs_done = 0
         # Plain greedy outputs of the eval prompts: the target is frozen, so they are computed once
         # and every later evaluation checks against them for free (app/model/spec_decode.py).
@@ -60,24 +60,16 @@ class TargetActor:
         seqs = [self.dataset.sequence(i) for i in job.seq_indices]
         with self.compute_lock:
             t0 = time.perf_counter()
+            injected_delay(self.faults.target_delay_s)  # counted in forward_s, as a slower GPU would be
             pending = start_job(self.trunk, seqs, job.job_id, self.device)
             self.jobs_done += 1
         batch = pending.result()  # CUDA: waits for the pinned copy while the next job computes
         meta = ItemMeta(
             job_id=job.job_id, bucket=job.bucket, num_seqs=len(seqs), num_tokens=int(batch.lengths_B.sum()),
             loss_tokens=int(batch.loss_mask_BS.sum()), nbytes=batch_nbytes(batch), target_id=self.target_id,
-            forward_s=self._busy_since(t0),
+            forward_s=self.busy.share(t0),
         )
         return meta, batch
-
-    def _busy_since(self, t0: float) -> float:
-        """This job's share of busy time: from its start or the previous job's end, whichever is later, so
-        two overlapping jobs never count the same second twice (tokens / forward_s stays a true rate)."""
-        with self._time_lock:
-            now = time.perf_counter()
-            busy = max(0.0, now - max(t0, self._last_done))
-            self._last_done = now
-        return busy
 
     def _maybe_inject_fault(self, job: JobSpec) -> None:
         if job.index == self.faults.poison_job and job.epoch == 0:  # every time, on every target
@@ -105,6 +97,22 @@ class TargetActor:
         if best_dir and result.tau > beat_tau:
             result = replace(result, exported_to=str(export_best(drafter, arch, best_dir, step, result.tau, self.dtype)))
         return result.to_dict()
+
+
+class BusyClock:
+    """A target's busy seconds, job by job, with overlapping jobs never counting the same second twice
+    (tokens / forward_s stays a true rate)."""
+
+    def __init__(self, clock=time.perf_counter) -> None:
+        self.clock, self.lock, self.last_done = clock, threading.Lock(), 0.0
+
+    def share(self, t0: float) -> float:
+        """The job that started at `t0` and ends now: from its start or the previous job's end, whichever is later."""
+        with self.lock:
+            now = self.clock()
+            busy = max(0.0, now - max(t0, self.last_done))
+            self.last_done = now
+        return busy
 
 
 def target_concurrency(device_setting: str, use_gpu: bool, jobs_in_flight: int) -> int:

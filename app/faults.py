@@ -1,11 +1,13 @@
 """Fault injection from `faults.*`: each configured fault fires once per run directory.
 
 A marker file created with O_EXCL makes "once" hold across processes and restarts: a restarted
-target that gets the same job again does not die again.
+target that gets the same job again does not die again. The delays (`faults.target_delay_s`,
+`faults.drafter_delay_s`) are not once: `injected_delay` adds them to every job of their side.
 """
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from app.storage import local_cache_dir
@@ -29,3 +31,10 @@ def fire_once(run_dir: str | Path, name: str) -> bool:
 def _marks_dir(run_dir: str | Path) -> Path:
     """`<run_dir>/faults_fired`, or for a URI the same folder under the run's local cache dir."""
     return local_cache_dir(run_dir) / "faults_fired"
+
+
+def injected_delay(seconds: float, sleep=time.sleep) -> None:
+    """Wait `seconds` inside one job's measured work (0 = off): the side that waits is the slow side by
+    construction, whatever the machine's speed or load (tests of the split advice rely on it)."""
+    if seconds > 0:
+        sleep(seconds)

@@ -148,14 +148,10 @@ def test_cuda_pinned_async_copy_matches_the_device_tensor():
     assert host.is_pinned() and torch.equal(host, x.cpu())
 
 
-def test_overlapping_jobs_never_count_the_same_busy_second_twice(monkeypatch):
-    import threading
+def test_overlapping_jobs_never_count_the_same_busy_second_twice():
+    from actors.target import BusyClock
 
-    import actors.target as target_mod
-
-    actor = target_mod.TargetActor.__new__(target_mod.TargetActor)
-    actor._time_lock, actor._last_done = threading.Lock(), 0.0
     clock = iter([1.0, 1.9, 3.5])  # job A ends at 1.0, job B (started 0.1, behind A) at 1.9, job C at 3.5
-    monkeypatch.setattr(target_mod.time, "perf_counter", lambda: next(clock))
-    spans = [actor._busy_since(0.0), actor._busy_since(0.1), actor._busy_since(2.5)]
+    busy = BusyClock(clock=lambda: next(clock))
+    spans = [busy.share(0.0), busy.share(0.1), busy.share(2.5)]
     assert spans == pytest.approx([1.0, 0.9, 1.0])  # the idle gap 1.9..2.5 is not busy time

@@ -307,7 +307,7 @@ class SupervisionConfig:
 
 @dataclass(frozen=True)
 class FaultsConfig:
-    """Fault injection for tests and rehearsals; -1 = off."""
+    """Fault injection for tests and rehearsals; -1 = off (the delays: 0 = off)."""
 
     kill_target_at_job: int = -1
     kill_drafter_at_step: int = -1
@@ -315,6 +315,14 @@ class FaultsConfig:
     stall_drafter_at_step: int = -1  # the last rank hangs outside any collective at this step (or its stream's end)
     fail_target_restarts: bool = False  # every start of a target after its first in this run dir fails in __init__
     poison_job: int = -1  # the forward of this job (epoch 0, by schedule position) raises every time
+    target_delay_s: float = 0.0  # seconds added to every target forward (0 = off): targets slow by construction
+    drafter_delay_s: float = 0.0  # seconds added to every drafter micro-batch (0 = off): drafters slow by construction
+
+    def __post_init__(self) -> None:
+        for key in ("target_delay_s", "drafter_delay_s"):
+            seconds = getattr(self, key)
+            if not 0.0 <= seconds < float("inf"):  # nan fails every comparison
+                _fail(f"faults.{key}", seconds, f"must be a finite number of seconds >= 0; set faults.{key}=0 to turn it off")
 
 
 @dataclass(frozen=True)

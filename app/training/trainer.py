@@ -16,6 +16,7 @@ from typing import Callable, Protocol
 import torch
 
 from app.config.schema import DrafterConfig, TrainConfig, default_gamma
+from app.faults import injected_delay
 
 # Layout of the statistics that ride along with the gradients in the step's all-reduce.
 _STATS = ("weight_sum", "loss_sum", "correct_sum", "topk_correct_sum", "tokens", "accept_len_sum", "num_blocks",
@@ -102,15 +103,16 @@ class DrafterTrainer:
 
     def __init__(self, drafter: torch.nn.Module, head: torch.nn.Module, dcfg: DrafterConfig,
                  tcfg: TrainConfig, total_steps: int, device: torch.device, reducer: Reducer = local_reducer,
-                 autocast: torch.dtype | None = None, total_jobs: int = 0):
+                 autocast: torch.dtype | None = None, total_jobs: int = 0, delay_s: float = 0.0):
         """`drafter` holds float32 master weights; `autocast` (bf16 on GPU) is the compute dtype.
+        `delay_s` (`faults.drafter_delay_s`) is added to every micro-batch: a drafter slow by construction.
 
         With `total_jobs` > 0 the LR schedule runs on jobs consumed (summed over ranks), not on steps:
         steps made smaller by drains then do not push the schedule past its end (LR 0 for the rest)."""
         self.drafter, self.head, self.dcfg, self.tcfg = drafter, head, dcfg, tcfg
         # fp16 has no loss scaling here: the drafter computes in bf16 whenever a half dtype is asked.
         self.autocast = torch.bfloat16 if autocast is not None else None
-        self.device, self.reducer = device, reducer
+        self.device, self.reducer, self.delay_s = device, reducer, delay_s
         self.gamma = dcfg.loss_gamma or default_gamma(dcfg.block_size)
         params = [p for p in drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.95))
@@ -134,6 +136,7 @@ class DrafterTrainer:
         gen = torch.Generator(device="cpu").manual_seed(self.tcfg.seed * 1_000_003 + job_id)
         topk = TOPK if self.sampling_step() else 0
         self.drafter.train()
+        injected_delay(self.delay_s)
         with torch.autocast(self.device.type, dtype=self.autocast or torch.float32, enabled=self.autocast is not None):
             out = dflash_loss(
                 self.drafter, self.head, batch, block_size=self.dcfg.block_size, num_anchors=self.dcfg.num_anchors,
