@@ -1,10 +1,8 @@
 """The step log and its independent count of trained jobs (no Ray)."""
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
-from app.bench.chaos import plan_faults
 from app.training.step_log import StepLog, count_trained
 
 
@@ -43,10 +41,3 @@ def test_a_torn_last_line_is_skipped(tmp_path: Path) -> None:
         f.write('{"rank": 0, "step": 2, "job_')
     assert count_trained(path).times == {7: 1}
 
-
-def test_chaos_plans_the_pool_and_the_driver_once() -> None:
-    kinds = plan_faults(8, random.Random(0))
-    assert len(kinds) == 8 and kinds.count("pool") == 1 and kinds.count("driver") == 1
-    assert set(kinds) <= {"pool", "driver", "target", "drafter"}
-    assert plan_faults(8, random.Random(0)) == kinds  # seeded
-    assert plan_faults(1, random.Random(0)) in (["target"], ["drafter"])

@@ -3,9 +3,12 @@
     python -m app.bench chaos --config conf/tiny.yaml --faults 8 --seed 0 [key=value ...]
 
 Starts a local Ray cluster, submits the driver (`python -m app.train`) as its own process, and
-meanwhile injects `--faults` faults at random times (seeded): SIGKILL of a random target or
-drafter process, SIGKILL of the pool actor (once; the driver then exits 1 and is resubmitted), and
-SIGTERM of the driver followed by a resubmission (once). It ends with one line:
+meanwhile injects `--faults` faults at random points of training (seeded): SIGKILL of a random target
+or drafter process, SIGKILL of the pool actor (once; the driver then exits 1 and is resubmitted), and
+SIGTERM of the driver followed by a resubmission (once). Each fault waits a random number of
+optimizer steps (`GAP_STEPS`) of the training group after the previous one, read from the step log:
+counted in steps, not seconds, a run long enough for the gaps gets every fault on any machine. It
+ends with one line:
 
     RESULT faults=... survived=... jobs_scheduled=... trained_once=... trained_twice=...
            never_trained=... quarantined=... tau_untrained=... tau_trained=...
@@ -31,7 +34,7 @@ from pathlib import Path
 from app.storage import redact
 
 FAULT_KINDS = ("target", "drafter")  # repeated; "pool" and "driver" are added once each
-GAP_S = (2.0, 6.0)  # seconds between faults (after the run trains again), drawn uniformly
+GAP_STEPS = (2, 6)  # optimizer steps between faults (after the run trains again), drawn uniformly
 MAX_SUBMISSIONS = 6
 
 
@@ -144,9 +147,11 @@ def run_chaos(config: str, overrides: list[str], run_dir: Path, n_faults: int, s
 def inject(state: ChaosState, kinds: list[str], rng: random.Random, step_log: Path) -> None:
     """The chaos thread: one fault after another, each once the run trains again after the last."""
     need_starts = 1  # group starts the step log must show before the next fault
+    after = 0  # step-log lines already seen at the previous fault: the gap counts steps after them
     for kind in kinds:
+        gap = rng.randint(*GAP_STEPS)
         while not state.done.is_set():
-            if not _wait_training(state, step_log, need_starts) or state.done.wait(rng.uniform(*GAP_S)):
+            if not _wait_training(state, step_log, need_starts, gap, after):
                 return
             with state.lock:
                 driver = state.driver
@@ -156,6 +161,7 @@ def inject(state: ChaosState, kinds: list[str], rng: random.Random, step_log: Pa
                     state.fired.append(what)
                     state.planned_exits += kind in ("pool", "driver")
             if what:
+                after = len(_lines(step_log))
                 _say(f"fault {len(state.fired)}/{len(kinds)}: {what}")
                 if kind != "target":  # a new group (or driver) must be training before the next fault
                     need_starts = _group_starts(step_log) + 1
@@ -200,16 +206,25 @@ def _lines(step_log: Path) -> list[str]:
     return step_log.read_text().splitlines() if step_log.exists() else []
 
 
-def _wait_training(state: ChaosState, step_log: Path, need_starts: int, timeout: float = 900.0) -> bool:
-    """Until the log shows `need_starts` group starts and a step after the last; False when the run ended."""
+def _wait_training(state: ChaosState, step_log: Path, need_starts: int, steps: int = 1, after: int = 0,
+                   timeout: float = 900.0) -> bool:
+    """Until the log shows `need_starts` group starts and `steps` steps after the last start and after
+    line `after`; False when the run ended."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not state.done.is_set():
-        lines = _lines(step_log)
-        starts = [i for i, l in enumerate(lines) if '"group_start"' in l]
-        if len(starts) >= need_starts and any('"job_ids"' in l for l in lines[starts[-1] + 1:]):
+        if trained_since(_lines(step_log), need_starts, after) >= steps:
             return True
         time.sleep(0.5)
     return False
+
+
+def trained_since(lines: list[str], need_starts: int, after: int) -> int:
+    """Steps the step log shows after its last group start and after line `after`; 0 before it shows
+    `need_starts` group starts."""
+    starts = [i for i, l in enumerate(lines) if '"group_start"' in l]
+    if len(starts) < need_starts:
+        return 0
+    return sum(l.startswith('{"rank": 0,') for l in lines[max(starts[-1] + 1, after):])  # one line per rank and step
 
 
 def _say(msg: str) -> None:
