@@ -65,13 +65,13 @@ def test_staged_payload_equals_plain_conversion():
 
 
 def test_compiled_training_step_matches_eager():
-    from tests.test_model_subbatch import B, _setup
+    from tests.toy import TOY_BLOCK as B, toy_drafter_parts
 
     from app.model.loss import dflash_loss
 
     losses = []
     for compiled in (False, True):
-        drafter, head, batch, arch = _setup(H=64)  # head_dim 16: compiled flex on CUDA refuses narrower
+        drafter, head, batch, arch = toy_drafter_parts(H=64)  # head_dim 16: compiled flex on CUDA refuses narrower
         assert arch.head_dim >= 16
         drafter, head = drafter.to(CUDA), head.to(CUDA)
         batch.input_ids_BS, batch.loss_mask_BS = batch.input_ids_BS.to(CUDA), batch.loss_mask_BS.to(CUDA)

@@ -7,30 +7,11 @@ import torch
 
 from app.config.schema import default_gamma
 from app.model.chunked_ce import full_cross_entropy, weighted_chunked_ce
-from app.model.drafter import DFlashDrafter
 from app.model.layers import MLP, RMSNorm
 from app.model.loss import TrainBatch, dflash_loss, packed_labels, sample_blocks
-from app.model.target_head import TargetHead
-from tests.toy import tiny_arch, tiny_qwen3_config
+from tests.toy import TOY_BLOCK, toy_drafter_parts
 
-B = 4
-
-
-def _setup(seed=0, V=128, H=32):
-    torch.manual_seed(seed)
-    arch = tiny_arch(tiny_qwen3_config(hidden=H, vocab=V), num_layers=2, block_size=B, target_layer_ids=(0, 2))
-    drafter = DFlashDrafter(arch)
-    for p in drafter.parameters():
-        p.data.normal_(0, 0.2)
-    g = torch.Generator().manual_seed(seed + 1)
-    head = TargetHead(torch.randn(V, H, generator=g), torch.randn(V, H, generator=g) * 0.3)
-    N, S = 3, 30
-    lengths = torch.tensor([30, 17, 24])
-    ids = torch.randint(0, V, (N, S), generator=g)
-    mask = (torch.arange(S)[None] < lengths[:, None]).float()
-    mask[:, :4] = 0
-    batch = TrainBatch(ids, mask, torch.randn(N, S, arch.feature_dim, generator=g), lengths)
-    return drafter, head, batch, arch
+B = TOY_BLOCK
 
 
 def _grads(drafter):
@@ -44,7 +25,7 @@ def _loss(drafter, head, batch, **kw):
 
 
 def test_sub_batched_gradients_equal_one_pass():
-    drafter, head, batch, _ = _setup()
+    drafter, head, batch, _ = toy_drafter_parts()
     one = _loss(drafter, head, batch, max_rows=0, backward=True)
     g_one = _grads(drafter)
     many = _loss(drafter, head, batch, max_rows=3 * B, backward=True)  # 3 blocks per sub-batch
@@ -58,7 +39,7 @@ def test_sub_batched_gradients_equal_one_pass():
 
 
 def test_packed_anchors_give_the_padded_loss_and_gradients():
-    drafter, head, batch, arch = _setup()
+    drafter, head, batch, arch = toy_drafter_parts()
     packed = _loss(drafter, head, batch, max_rows=2 * B, backward=True)
     g_packed = _grads(drafter)
     # The old layout: an [N, A_max] anchor table padded with anchor 0, dense masked attention over
@@ -91,7 +72,7 @@ def test_packed_anchors_give_the_padded_loss_and_gradients():
 
 
 def test_bf16_run_saves_activations_in_bf16():
-    drafter, head, batch, arch = _setup()  # fp32 master weights
+    drafter, head, batch, arch = toy_drafter_parts()  # fp32 master weights
     head = head.to(torch.bfloat16)
     batch.hidden_BSD = batch.hidden_BSD.to(torch.bfloat16)  # as the payload arrives on GPU
     saved = []
@@ -162,7 +143,7 @@ def test_payload_keeps_host_copies_and_cpu_staging_is_a_no_op():
 
 
 def test_activation_checkpointing_gives_the_same_gradients():
-    drafter, head, batch, _ = _setup()
+    drafter, head, batch, _ = toy_drafter_parts()
     plain = _loss(drafter, head, batch, max_rows=5 * B, backward=True)
     g_plain = _grads(drafter)
     drafter.activation_checkpointing = True

@@ -36,3 +36,29 @@ def tiny_arch(target_cfg, num_layers: int = 2, block_size: int = 4, mask_token_i
     """A DrafterArch over `target_cfg` with DFlash's default layer spread unless given."""
     d = DrafterConfig(num_layers=num_layers, block_size=block_size, mask_token_id=mask_token_id)
     return DrafterArch.from_target(target_cfg, d, list(target_layer_ids))
+
+
+TOY_BLOCK = 4  # block size of toy_drafter_parts
+
+
+def toy_drafter_parts(seed: int = 0, V: int = 128, H: int = 32):
+    """(drafter, head, batch, arch): a 2-layer drafter with weights large enough to matter, a random
+    target head and a 3-sequence TrainBatch of uneven lengths (no saved target needed)."""
+    from app.model.drafter import DFlashDrafter
+    from app.model.loss import TrainBatch
+    from app.model.target_head import TargetHead
+
+    torch.manual_seed(seed)
+    arch = tiny_arch(tiny_qwen3_config(hidden=H, vocab=V), num_layers=2, block_size=TOY_BLOCK, target_layer_ids=(0, 2))
+    drafter = DFlashDrafter(arch)
+    for p in drafter.parameters():
+        p.data.normal_(0, 0.2)
+    g = torch.Generator().manual_seed(seed + 1)
+    head = TargetHead(torch.randn(V, H, generator=g), torch.randn(V, H, generator=g) * 0.3)
+    N, S = 3, 30
+    lengths = torch.tensor([30, 17, 24])
+    ids = torch.randint(0, V, (N, S), generator=g)
+    mask = (torch.arange(S)[None] < lengths[:, None]).float()
+    mask[:, :4] = 0
+    batch = TrainBatch(ids, mask, torch.randn(N, S, arch.feature_dim, generator=g), lengths)
+    return drafter, head, batch, arch
