@@ -1,5 +1,5 @@
-"""Leaf types shared by the record readers and the chat-mask code (nothing from the rest of app/ but
-the error base)."""
+"""The data's error types, a leaf shared by the readers (shards.py), the record formats (formats.py) and
+the chat-mask code (nothing from the rest of app/ but the error base)."""
 from __future__ import annotations
 
 from app.config.errors import UserError

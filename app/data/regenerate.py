@@ -100,8 +100,8 @@ def read_done_ids(out_path: Path) -> set[int]:
 
 def pending_records(in_path: str, data_format: str, on_error: str, done: set[int]) -> tuple[list[tuple[int, list[dict]]], dict]:
     """(id, messages) of the records of IN not yet in OUT, and counts of what was read."""
-    from app.data.dataset import MalformedRecord, detect_format, iter_records, to_messages
-    from app.data.records import DataError
+    from app.data.formats import detect_format, iter_records, to_messages
+    from app.data.records import DataError, MalformedRecord
 
     counts = {"records": 0, "already_done": 0, "malformed": 0, "pending": 0}
     todo = []
