@@ -10,89 +10,13 @@ import pytest
 from app.config.schema import DataConfig
 from app.data.dataset import load_dataset, load_eval_prompts
 from app.data.chat_mask import tokenize_conversation
-
-# Qwen2.5-style ChatML: a default system turn, no {% generation %} markers (like the real one).
-QWEN_TEMPLATE = (
-    "{%- if messages[0]['role'] == 'system' -%}"
-    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' -}}"
-    "{%- else -%}"
-    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- for message in messages -%}"
-    "{%- if message['role'] != 'system' or not loop.first -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
-
-# The same template with HF generation markers around each assistant turn's content + <|im_end|>.
-QWEN_TEMPLATE_MARKED = QWEN_TEMPLATE.replace(
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}",
-    "{%- if message['role'] == 'assistant' -%}"
-    "{{- '<|im_start|>assistant\\n' -}}{% generation %}{{- message['content'] + '<|im_end|>' -}}{% endgeneration %}"
-    "{{- '\\n' -}}"
-    "{%- else -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
-    "{%- endif -%}",
-)
-
-# Llama-3 style: different headers and end-of-turn token, no markers.
-LLAMA_TEMPLATE = (
-    "{{- '<|begin_of_text|>' -}}"
-    "{%- for message in messages -%}"
-    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] + '<|eot_id|>' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}"
-)
-
-# Thinking switch as Qwen3 has it: an empty think block in the generation prompt unless enabled.
-THINKING_TEMPLATE = QWEN_TEMPLATE.replace(
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}",
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
-    "{%- endif -%}",
-)
-
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
-    "What is the capital of France? Paris is the capital of France.",
-    "Tell me a joke about cats. Why did the cat sit on the computer? To keep an eye on the mouse!",
-    "Count from one to ten: one two three four five six seven eight nine ten.",
-] * 4
-
-THREE_TURNS = [
-    {"role": "user", "content": "What is the capital of France?"},
-    {"role": "assistant", "content": "Paris is the capital of France."},
-    {"role": "user", "content": "Tell me a joke about cats."},
-    {"role": "assistant", "content": "Why did the cat sit on the computer? To keep an eye on the mouse!"},
-    {"role": "user", "content": "Count from one to ten."},
-    {"role": "assistant", "content": "one two three four five six seven eight nine ten"},
-]
-
-
-def _bpe_tokenizer(template: str, eos: str = "<|im_end|>"):
-    """A small byte-level BPE tokenizer (merges cross word boundaries like real ones do)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
-                "<|end_header_id|>", "<|eot_id|>"]
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    core.train_from_iterator(CORPUS, trainers.BpeTrainer(
-        vocab_size=600, special_tokens=specials, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<|endoftext|>", eos_token=eos,
-                                  additional_special_tokens=specials[1:])
-    tok.chat_template = template
-    return tok
+from tests.chat_toys import (LLAMA_TEMPLATE, QWEN_TEMPLATE, QWEN_TEMPLATE_MARKED, THINKING_TEMPLATE, THREE_TURNS,
+                             bpe_tokenizer)
 
 
 @pytest.fixture(scope="module")
 def qwen_tok():
-    return _bpe_tokenizer(QWEN_TEMPLATE)
+    return bpe_tokenizer(QWEN_TEMPLATE)
 
 
 def _masked_runs(tok, ids, mask) -> list[str]:
@@ -112,7 +36,7 @@ def _masked_runs(tok, ids, mask) -> list[str]:
 @pytest.mark.parametrize("template,eot", [(QWEN_TEMPLATE, "<|im_end|>"), (QWEN_TEMPLATE_MARKED, "<|im_end|>"),
                                           (LLAMA_TEMPLATE, "<|eot_id|>")])
 def test_three_turn_mask_covers_exactly_the_assistant_turns(template, eot):
-    tok = _bpe_tokenizer(template, eos=eot)
+    tok = bpe_tokenizer(template, eos=eot)
     ids, mask = tokenize_conversation(tok, THREE_TURNS)
     assert len(ids) == len(mask)
     # The ids are those of the rendered conversation; every assistant turn is one masked run of
@@ -125,7 +49,7 @@ def test_three_turn_mask_covers_exactly_the_assistant_turns(template, eot):
 
 
 def test_marker_and_prefix_paths_agree():
-    plain, marked = _bpe_tokenizer(QWEN_TEMPLATE), _bpe_tokenizer(QWEN_TEMPLATE_MARKED)
+    plain, marked = bpe_tokenizer(QWEN_TEMPLATE), bpe_tokenizer(QWEN_TEMPLATE_MARKED)
     assert tokenize_conversation(plain, THREE_TURNS) == tokenize_conversation(marked, THREE_TURNS)
 
 
@@ -133,7 +57,7 @@ def test_history_rendered_differently_falls_back_to_content_search():
     # A template that tags only the final assistant turn (as Qwen3 does with think blocks): the
     # prefix renders are no prefixes of the full text, so spans come from locating the content.
     tmpl = QWEN_TEMPLATE.replace("message['content'] + '<|im_end|>", "(('[final] ' if loop.last else '') + message['content']) + '<|im_end|>")
-    tok = _bpe_tokenizer(tmpl)
+    tok = bpe_tokenizer(tmpl)
     ids, mask = tokenize_conversation(tok, THREE_TURNS)
     runs = _masked_runs(tok, ids, mask)
     assert runs[:2] == ["Paris is the capital of France.<|im_end|>",
@@ -142,7 +66,7 @@ def test_history_rendered_differently_falls_back_to_content_search():
 
 
 def test_enable_thinking_reaches_the_template():
-    tok = _bpe_tokenizer(THINKING_TEMPLATE)
+    tok = bpe_tokenizer(THINKING_TEMPLATE)
     prompt = [{"role": "user", "content": "Count from one to ten."}]
     for flag, has_block in ((False, True), (True, False)):
         text = tok.decode(load_eval_prompts_from(tok, prompt, flag))
@@ -242,7 +166,7 @@ def test_on_error_raise_names_file_and_line(tmp_path, qwen_tok):
 
 def test_template_that_rejects_a_record_counts_it_as_malformed(tmp_path):
     strict = "{%- if messages[0]['role'] != 'user' -%}{{ raise_exception('first turn must be user') }}{%- endif -%}"
-    tok = _bpe_tokenizer(strict + QWEN_TEMPLATE)
+    tok = bpe_tokenizer(strict + QWEN_TEMPLATE)
     path = _write_jsonl(tmp_path / "r.jsonl", [{"messages": THREE_TURNS}, {"messages": THREE_TURNS[1:]}])
     ds = load_dataset(_cfg(on_error="skip"), 2, tok, [path])
     assert (len(ds), ds.summary.total().dropped["malformed"]) == (1, 1)
@@ -296,7 +220,7 @@ QWEN3_TEMPLATE = (
 
 @pytest.mark.parametrize("enable_thinking", [False, True])
 def test_qwen3_style_template_masks_every_assistant_turn(enable_thinking):
-    tok = _bpe_tokenizer(QWEN3_TEMPLATE)
+    tok = bpe_tokenizer(QWEN3_TEMPLATE)
     # The user repeats the earlier answer: a naive content search would land in the user turn.
     convo = THREE_TURNS[:2] + [{"role": "user", "content": "Paris is the capital of France."},
                                {"role": "assistant", "content": "Paris is the capital of France."}]
@@ -321,7 +245,7 @@ def _token_starts(tok, ids):
 
 
 def test_empty_assistant_turn_masks_nothing_for_it():
-    tok = _bpe_tokenizer(QWEN3_TEMPLATE)
+    tok = bpe_tokenizer(QWEN3_TEMPLATE)
     convo = [THREE_TURNS[0], {"role": "assistant", "content": ""}, THREE_TURNS[2], THREE_TURNS[3]]
     ids, mask = tokenize_conversation(tok, convo)
     assert _masked_runs(tok, ids, mask) == [THREE_TURNS[3]["content"] + "<|im_end|>"]

@@ -15,7 +15,7 @@ from app.data.dataset import TokenizedDataset, load_dataset
 from app.data.formats import iter_records
 from app.data.records import DataError
 from app.data.shards import plan_shards, read_shard, whole_file
-from tests.test_data import QWEN_TEMPLATE, THREE_TURNS, _bpe_tokenizer
+from tests.chat_toys import QWEN_TEMPLATE, THREE_TURNS, bpe_tokenizer
 
 GOOD = {"messages": THREE_TURNS}
 SHAREGPT = {"conversations": [{"from": {"user": "human", "assistant": "gpt"}[m["role"]], "value": m["content"]}
@@ -30,7 +30,7 @@ TOKENIZED = {"input_ids": list(range(5, 45)), "loss_mask": [0] * 8 + [1] * 32}
 def model_dir(tmp_path_factory) -> str:
     """A tokenizer folder (what AutoTokenizer.from_pretrained reads in the Ray Data workers)."""
     path = tmp_path_factory.mktemp("tok")
-    _bpe_tokenizer(QWEN_TEMPLATE).save_pretrained(path)
+    bpe_tokenizer(QWEN_TEMPLATE).save_pretrained(path)
     return str(path)
 
 
