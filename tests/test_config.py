@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from app.config.schema import Config, ModelConfig, default_gamma, default_target_layer_ids
-from app.config.checks import TargetInfo, check_resources, check_target, read_target_info
+from app.config.checks import (TargetInfo, actor_bundles, check_resources, check_target, read_target_info,
+                               reserved_resources, resolved_mask_token_id)
 from app.config.load import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,6 +141,26 @@ def test_read_target_info_from_a_hf_folder(tmp_path: Path) -> None:
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"pad_token": "<|endoftext|>", "eos_token": "<|im_end|>", "added_tokens_decoder": {"151643": {"content": "<|endoftext|>"}, "151645": {"content": "<|im_end|>"}}}))
     info = read_target_info(tmp_path)
     assert (info.num_layers, info.pad_token_id, info.eos_token_ids, info.mask_token_id) == (36, 151643, (151645,), None)
+
+
+def test_read_target_info_from_a_transformers_5_tokenizer(tmp_path: Path) -> None:
+    """transformers 5 writes the special tokens' ids only to tokenizer.json (the tiny target's case)."""
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 6, "vocab_size": 512, "hidden_size": 64}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"pad_token": "<pad>", "mask_token": "<|mask|>", "eos_token": "<|im_end|>"}))
+    added = [{"id": 0, "content": "<pad>"}, {"id": 2, "content": "<|im_end|>"}, {"id": 3, "content": "<|mask|>"}]
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"added_tokens": added}))
+    info = read_target_info(tmp_path)
+    assert (info.pad_token_id, info.eos_token_ids, info.mask_token_id) == (0, (2,), 3)
+    assert resolved_mask_token_id(_tiny(), info) == 3 and resolved_mask_token_id(_tiny("drafter.mask_token_id=7"), info) == 7
+
+
+def test_reserved_resources_sum_the_bundles() -> None:
+    topo = _tiny("topology.gpus_per_target=1", "topology.gpus_per_drafter=2").topology  # 5 targets, 3 drafters
+    bundles = actor_bundles(topo, use_gpu=True)
+    assert bundles[0] == {"CPU": topo.cpus_per_target, "GPU": 1} and bundles[-1] == {"CPU": topo.cpus_per_drafter, "GPU": 2}
+    cpus = 5 * topo.cpus_per_target + 3 * topo.cpus_per_drafter
+    assert reserved_resources(topo, use_gpu=True) == pytest.approx({"CPU": cpus, "GPU": 11})
+    assert reserved_resources(topo, use_gpu=False) == pytest.approx({"CPU": cpus, "GPU": 0})
 
 
 def test_dflash_defaults() -> None:

@@ -11,7 +11,8 @@ from torch import nn
 from app.messages import HiddenBatch
 from app.model.chunked_ce import chunked_cross_entropy, full_cross_entropy
 from app.model.drafter import DFlashDrafter
-from app.model.loss import TrainBatch, block_labels, dflash_loss, sample_anchors
+from app.config.schema import DrafterConfig
+from app.model.loss import TrainBatch, block_labels, decay_weights, dflash_loss, sample_anchors
 from app.model.target_head import TargetHead
 from tests.toy import tiny_arch, tiny_qwen3_config
 
@@ -80,6 +81,29 @@ def test_loss_trains_same_position_labels_and_weights():
     assert out.num_blocks == 29
     assert math.isclose(out.weight_sum, 29 * (1 + math.exp(-1 / 2) + math.exp(-2 / 2)), rel_tol=1e-6)
     assert out.per_pos_count.tolist() == [29.0, 29.0, 29.0]
+
+
+def test_decay_weights_and_the_gamma_a_run_trains_with():
+    assert decay_weights(4, 2.0).tolist() == pytest.approx([1.0, math.exp(-1 / 2), math.exp(-1)])
+    assert decay_weights(16, 7.0).dtype == np.float32 and len(decay_weights(16, 7.0)) == 15
+    # DrafterConfig.gamma: loss_gamma, or for 0 DFlash's default for the block (7 for 16, 4 for 8)
+    assert (DrafterConfig().gamma, DrafterConfig(block_size=8).gamma, DrafterConfig(loss_gamma=2.5).gamma) == (7.0, 4.0, 2.5)
+
+
+def test_loss_without_gamma_uses_the_block_default():
+    V = 32
+    b = _batch(V=V)
+    arch = tiny_arch(tiny_qwen3_config(vocab=V), block_size=4, target_layer_ids=(0, 2))
+    head = TargetHead(torch.randn(V, 32), torch.eye(V) * 10)
+
+    def weight_sum(**kw) -> float:
+        return dflash_loss(_OracleDrafter(arch, b.input_ids_BS), head, b, block_size=4, num_anchors=64,
+                           generator=torch.Generator().manual_seed(0), **kw).weight_sum
+
+    default = DrafterConfig(block_size=4).gamma  # 7 * 4 / 16 = 1.75
+    assert default == 1.75
+    expected = 29 * (1 + math.exp(-1 / 1.75) + math.exp(-2 / 1.75))  # 29 blocks, all 3 labels masked in
+    assert weight_sum() == pytest.approx(expected, rel=1e-6) and weight_sum(gamma=default) == pytest.approx(expected, rel=1e-6)
 
 
 def test_chunked_ce_matches_full_in_fp32():

@@ -3,7 +3,8 @@
 Value checks live in the schema's sections (`app/config/schema.py`). Here: `check_paths` (run by the
 loader), `check_target` (run when the run is planned, before Ray starts) and `check_resources` (run
 once Ray is connected, before any actor starts). They take plain values (no Ray, no model weights),
-so tests call them directly.
+so tests call them directly. The topology's bundles and what they reserve in all (`actor_bundles`,
+`reserved_resources`) are computed here once, for this check, the placement check and the driver.
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app.config.errors import ConfigError
-from app.config.schema import TINY_TARGET, Config, default_target_layer_ids
+from app.config.schema import TINY_TARGET, Config, TopologyConfig
+from app.model.arch import resolve_layer_ids
 
 
 def check_paths(cfg: Config) -> None:
@@ -56,7 +58,7 @@ def read_target_info(model_dir: str | Path) -> TargetInfo:
     tok_path = model_dir / "tokenizer_config.json"
     if tok_path.is_file():
         tok = json.loads(tok_path.read_text())
-        added = {v.get("content"): int(k) for k, v in tok.get("added_tokens_decoder", {}).items()}
+        added = _added_token_ids(model_dir, tok)
         pad = pad if pad is not None else added.get(tok.get("pad_token"))
         mask = added.get(tok.get("mask_token"))
         eos_tok = added.get(tok.get("eos_token"))
@@ -73,11 +75,20 @@ def read_target_info(model_dir: str | Path) -> TargetInfo:
     )
 
 
+def _added_token_ids(model_dir: Path, tok: dict) -> dict[str, int]:
+    """Special token text -> id: tokenizer_config.json's `added_tokens_decoder` (transformers 4 writes
+    it), else tokenizer.json's `added_tokens` (all that transformers 5 writes, e.g. the tiny target's)."""
+    if tok.get("added_tokens_decoder"):
+        return {v.get("content"): int(k) for k, v in tok["added_tokens_decoder"].items()}
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        return {}
+    return {t.get("content"): int(t["id"]) for t in json.loads(path.read_text()).get("added_tokens", [])}
+
+
 def resolved_layer_ids(cfg: Config, info: TargetInfo) -> list[int]:
-    """`model.target_layer_ids`, or the DFlash default when it is empty."""
-    if cfg.model.target_layer_ids:
-        return list(cfg.model.target_layer_ids)
-    return default_target_layer_ids(info.num_layers, cfg.drafter.num_layers)
+    """`model.target_layer_ids`, or the DFlash default when it is empty (the drafter's own rule)."""
+    return resolve_layer_ids(cfg.model.target_layer_ids, info.num_layers, cfg.drafter.num_layers)
 
 
 def resolved_mask_token_id(cfg: Config, info: TargetInfo) -> int:
@@ -127,11 +138,36 @@ def check_head_dim(head_dim: int, on_cuda: bool) -> None:
         )
 
 
+def actor_bundles(topo: TopologyConfig, use_gpu: bool) -> list[dict[str, float]]:
+    """The placement group's bundles, one per actor, targets first: CPUs always, GPUs when the run uses them."""
+    def bundle(cpus: float, gpus: float) -> dict[str, float]:
+        return {"CPU": cpus, "GPU": gpus} if use_gpu and gpus > 0 else {"CPU": cpus}
+
+    return ([bundle(topo.cpus_per_target, topo.gpus_per_target) for _ in range(topo.num_targets)]
+            + [bundle(topo.cpus_per_drafter, topo.gpus_per_drafter) for _ in range(topo.num_drafters)])
+
+
+def bundle_totals(bundles: list[dict[str, float]]) -> dict[str, float]:
+    """Each resource summed over `bundles` (CPU and GPU always present)."""
+    total = {"CPU": 0.0, "GPU": 0.0}
+    for b in bundles:
+        for k, v in b.items():
+            total[k] = total.get(k, 0.0) + v
+    return total
+
+
+def reserved_resources(topo: TopologyConfig, use_gpu: bool) -> dict[str, float]:
+    """What the actors' bundles reserve in all. The CPU count does not depend on `use_gpu`: what the
+    cluster has beyond it is left to tokenizing (the driver's `spare_cpus`)."""
+    return bundle_totals(actor_bundles(topo, use_gpu))
+
+
 def check_resources(cfg: Config, available: dict[str, float], use_gpu: bool) -> None:
     """The placement group must fit the cluster: one bundle per actor."""
     topo = cfg.topology
+    reserved = reserved_resources(topo, use_gpu)
     if use_gpu:
-        need = topo.num_targets * topo.gpus_per_target + topo.num_drafters * topo.gpus_per_drafter
+        need = reserved["GPU"]
         have = available.get("GPU", 0.0)
         if need > have:
             raise ConfigError(
@@ -139,7 +175,7 @@ def check_resources(cfg: Config, available: dict[str, float], use_gpu: bool) -> 
                 f"{topo.gpus_per_target:g} + topology.num_drafters={topo.num_drafters} x "
                 f"{topo.gpus_per_drafter:g}) but the cluster has {have:g}; lower the counts or add GPUs"
             )
-    need_cpu = topo.num_targets * topo.cpus_per_target + topo.num_drafters * topo.cpus_per_drafter
+    need_cpu = reserved["CPU"]
     have_cpu = available.get("CPU", 0.0)
     if need_cpu > have_cpu:
         raise ConfigError(

@@ -227,6 +227,11 @@ class DrafterConfig:
         _at_least("drafter.ce_chunk_rows", self.ce_chunk_rows, 1, "the loss computes at least one row at a time")
         _at_least("drafter.max_rows", self.max_rows, 0, "0 = no bound; else rows per sub-batch")
 
+    @property
+    def gamma(self) -> float:
+        """The loss decay the drafter trains with: `loss_gamma`, or for 0 DFlash's default for the block."""
+        return self.loss_gamma or default_gamma(self.block_size)
+
 
 @dataclass(frozen=True)
 class TrainConfig:

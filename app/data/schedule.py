@@ -231,9 +231,6 @@ class ScheduledJobs(Sequence):
             for k in range(len(e)):
                 yield e.spec(k, self.est_bytes_per_token)
 
-    def max_padded_tokens(self) -> int:
-        return max((int(e.padded.max()) for e in self.epochs if len(e)), default=0)
-
     def max_payload_bytes(self) -> int:
         """The largest job's exact payload size at `est_bytes_per_token` (its JobSpec.est_bytes)."""
         return max((e.max_payload_bytes(self.est_bytes_per_token) for e in self.epochs), default=0)

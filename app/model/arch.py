@@ -75,15 +75,14 @@ class DrafterArch:
         target_hf_config: Any,
         drafter: DrafterConfig,
         target_layer_ids: list[int] | tuple[int, ...],
-        mask_token_id: int | None = None,
     ) -> "DrafterArch":
-        """Copy the target's Qwen3 fields; an empty `target_layer_ids` means the DFlash default."""
+        """Copy the target's Qwen3 fields; an empty `target_layer_ids` means the DFlash default.
+        `drafter.mask_token_id` is the resolved row (`app.config.checks.resolved_mask_token_id`), not -1."""
         get = _getter(target_hf_config)
         n_target = int(get("num_hidden_layers"))
         heads = int(get("num_attention_heads"))
         hidden = int(get("hidden_size"))
         head_dim = get("head_dim") or hidden // heads
-        mask_id = drafter.mask_token_id if mask_token_id is None else mask_token_id
         return cls(
             hidden_size=hidden,
             num_layers=drafter.num_layers,
@@ -96,7 +95,7 @@ class DrafterArch:
             vocab_size=int(get("vocab_size")),
             block_size=drafter.block_size,
             target_layer_ids=tuple(resolve_layer_ids(target_layer_ids, n_target, drafter.num_layers)),
-            mask_token_id=int(mask_id),
+            mask_token_id=int(drafter.mask_token_id),
             max_position_embeddings=int(get("max_position_embeddings") or 32768),
             num_target_layers=n_target,
             attention_bias=bool(get("attention_bias") or False),

@@ -11,7 +11,6 @@ one tensor and read back once per micro-batch.
 """
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass
 
@@ -170,7 +169,7 @@ def dflash_loss(
     *,
     block_size: int,
     num_anchors: int,
-    gamma: float = 0.0,
+    gamma: float | None = None,
     ce_chunk_rows: int = 1024,
     generator: torch.Generator | None = None,
     topk: int = 0,
@@ -183,10 +182,10 @@ def dflash_loss(
     `max_rows` > 0 bounds the query rows per sub-batch (0 = the whole job in one pass). With
     `backward=True` each sub-batch backpropagates before the next one runs (so only one sub-batch's
     activations are alive) and the returned `loss_sum` is detached; otherwise it is differentiable.
+    `gamma` None: DFlash's default for `block_size` (a run passes `DrafterConfig.gamma`).
     """
     module = getattr(drafter, "module", drafter)  # DDP wraps the module
     arch, B = module.arch, block_size
-    gamma = gamma or default_gamma(B)
     device = batch.input_ids_BS.device
     ids_h, mask_h, lens_h = batch.host()
     tokens = int(lens_h.sum())
@@ -197,8 +196,7 @@ def dflash_loss(
     from app.model.packing import pack_blocks, split_rows
 
     labels_h, lmask_h = packed_labels(ids_h, mask_h, lens_h, seq_M, anchors_M, B)
-    decay = np.exp(-np.arange(B - 1, dtype=np.float64) / gamma).astype(np.float32)
-    weight_h = lmask_h * decay
+    weight_h = lmask_h * decay_weights(B, default_gamma(B) if gamma is None else gamma)
     block_ids_h = np.full((len(seq_M), B), arch.mask_token_id, dtype=np.int64)
     block_ids_h[:, 0] = ids_h[seq_M, anchors_M]
     N, S = ids_h.shape
@@ -245,6 +243,7 @@ def dflash_loss(
     )
 
 
-def decay_weights(block_size: int, gamma: float) -> list[float]:
-    """exp(-(k-1)/gamma) for k = 1..B-1 (for docs and tests)."""
-    return [math.exp(-(k - 1) / gamma) for k in range(1, block_size)]
+def decay_weights(block_size: int, gamma: float) -> np.ndarray:
+    """The loss weight of each predicted position k = 1..B-1 of a block: exp(-(k-1)/gamma), float32."""
+    assert gamma > 0, gamma  # DrafterConfig.gamma resolves the config's 0 to the block's default
+    return np.exp(-np.arange(block_size - 1, dtype=np.float64) / gamma).astype(np.float32)

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from app.config.checks import bundle_totals
+
 STRATEGIES = ("PACK", "SPREAD")
 RESOURCES = ("GPU", "CPU")  # what a bundle asks for; memory and custom resources are not reserved
 
@@ -116,7 +118,7 @@ def _shortfall(bundle: dict[str, float], label: str, nodes: list[NodeRoom], stra
         short = [f"{_fmt(max(n.left.get(k, 0.0), 0.0))} of {_fmt(n.total.get(k, 0.0))} {k} left"
                  for k, v in sorted(bundle.items(), reverse=True) if v > 0 and n.left.get(k, 0.0) + 1e-9 < v]
         per_node.append(f"{n.name} has {' and '.join(short)}")
-    need = sum(b.get(k, 0) for b in bundles for k in ("GPU",))
+    need = bundle_totals(bundles)["GPU"]
     total_gpu = sum(n.total.get("GPU", 0.0) for n in nodes)
     totals = f" (the topology needs {_fmt(need)} GPU, the cluster has {_fmt(total_gpu)})" if need > total_gpu else ""
     fix = (f"add a node with {want.replace(': ', ' ').replace(', ', ' and ')}, or lower topology.num_{kind}s / "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -84,8 +84,6 @@ def plan_run(cfg: Config, on_gpu: bool | None = None, *, spare_cpus: Callable[[]
 
     target = resolve_target(cfg)
     info = read_target_info(target.model_dir)
-    if cfg.drafter.mask_token_id < 0 and target.mask_token_id is not None:
-        info = replace(info, mask_token_id=target.mask_token_id)
     check_target(cfg, info)
     layer_ids, mask_id = resolved_layer_ids(cfg, info), resolved_mask_token_id(cfg, info)
     tokenizer = AutoTokenizer.from_pretrained(target.model_dir)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from app.config.checks import actor_bundles
 from app.config.schema import Config, TopologyConfig
 
 # The custom resource Ray puts on the head node only.
@@ -31,16 +32,8 @@ class BundlePlan:
 
 
 def plan_bundles(topo: TopologyConfig, use_gpu: bool) -> BundlePlan:
-    """One bundle per actor: GPUs when the run uses them, CPU shares always."""
-    def bundle(cpus: float, gpus: float) -> dict[str, float]:
-        b = {"CPU": cpus}
-        if use_gpu and gpus > 0:
-            b["GPU"] = gpus
-        return b
-
-    bundles = [bundle(topo.cpus_per_target, topo.gpus_per_target) for _ in range(topo.num_targets)]
-    bundles += [bundle(topo.cpus_per_drafter, topo.gpus_per_drafter) for _ in range(topo.num_drafters)]
-    return BundlePlan(bundles, topo.num_targets, topo.num_drafters, use_gpu)
+    """One bundle per actor (`actor_bundles`: GPUs when the run uses them, CPU shares always)."""
+    return BundlePlan(actor_bundles(topo, use_gpu), topo.num_targets, topo.num_drafters, use_gpu)
 
 
 def uses_gpu(topo: TopologyConfig, cluster_gpus: float) -> bool:

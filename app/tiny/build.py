@@ -67,7 +67,8 @@ class ResolvedTarget:
     model_dir: str
     train_files: list[str]
     eval_prompts_file: str
-    mask_token_id: int | None  # known for the tiny target; None: take drafter.mask_token_id
+    mask_token_id: int | None  # the tiny target's `<|mask|>` row (None for others), for summaries: runs take
+    # the mask id from the tokenizer (app.config.checks.resolved_mask_token_id), which names the same row
 
 
 def settings_hash(tiny: TinyConfig) -> str:

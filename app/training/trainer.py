@@ -15,7 +15,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from app.config.schema import DrafterConfig, TrainConfig, default_gamma
+from app.config.schema import DrafterConfig, TrainConfig
 from app.faults import injected_delay
 
 # Layout of the statistics that ride along with the gradients in the step's all-reduce.
@@ -113,7 +113,6 @@ class DrafterTrainer:
         # fp16 has no loss scaling here: the drafter computes in bf16 whenever a half dtype is asked.
         self.autocast = torch.bfloat16 if autocast is not None else None
         self.device, self.reducer, self.delay_s = device, reducer, delay_s
-        self.gamma = dcfg.loss_gamma or default_gamma(dcfg.block_size)
         params = [p for p in drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.95))
         self.jobs_per_unit = total_jobs > 0  # the scheduler's last_epoch counts jobs instead of steps
@@ -140,7 +139,7 @@ class DrafterTrainer:
         with torch.autocast(self.device.type, dtype=self.autocast or torch.float32, enabled=self.autocast is not None):
             out = dflash_loss(
                 self.drafter, self.head, batch, block_size=self.dcfg.block_size, num_anchors=self.dcfg.num_anchors,
-                gamma=self.gamma, ce_chunk_rows=self.dcfg.ce_chunk_rows, generator=gen, topk=topk,
+                gamma=self.dcfg.gamma, ce_chunk_rows=self.dcfg.ce_chunk_rows, generator=gen, topk=topk,
                 max_rows=self.dcfg.max_rows, backward=True,
             )
         self.acc.add(out, job_id)
