@@ -11,14 +11,15 @@ A step: up to `grad_accum` micro-batches, each a pull answered by an item, `Drai
 is held) or `EndOfStream` (this rank's stream is over: it joins every later step with zero items).
 One pull stays in flight while the rank computes (prefetch). Rank 0 reads the stop flag; all ranks
 join the step's reduce, whose totals say what comes next:
-- every rank at end-of-stream: the loop ends;
+- every rank at end-of-stream: the loop ends (the pool ends a stream only once every job is acked);
 - no rank trained anything and no stop: all ranks drained while leases elsewhere wait for acks, so
   sleep `drain_sleep_s` and pull again (blocking in a pull here would deadlock the group);
 - else the optimizer step is applied (`Updated`, the fault hook's point), then the step's acks: they
   ride on the next pull, or go at once (`SendAcks`) when a pull is still waiting for its answer (the
   pool may need these very acks before it can answer); then the all-gather of job ids (`Gather`),
   `StepDone` (ledger, step log, report), a stop ends the loop, else rank 0's checkpoint and eval cadence.
-Rank 0 checkpoints once more when the loop ends.
+Rank 0 checkpoints once more when the loop ends (after a stop, acks still held for a next pull are
+not sent: that checkpoint's ledger holds their jobs).
 """
 from __future__ import annotations
 
