@@ -67,6 +67,7 @@ def test_staged_payload_equals_plain_conversion():
 def test_compiled_training_step_matches_eager():
     from tests.toy import TOY_BLOCK as B, toy_drafter_parts
 
+    from app.model.compiled import CompileCount, compile_layers, no_duck_shapes
     from app.model.loss import dflash_loss
 
     losses = []
@@ -77,10 +78,13 @@ def test_compiled_training_step_matches_eager():
         batch.input_ids_BS, batch.loss_mask_BS = batch.input_ids_BS.to(CUDA), batch.loss_mask_BS.to(CUDA)
         batch.hidden_BSD, batch.lengths_B = batch.hidden_BSD.to(CUDA), batch.lengths_B.to(CUDA)
         if compiled:
-            for layer in drafter.layers:
-                layer.compile(dynamic=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+            compile_layers(drafter)
+        with torch.autocast("cuda", dtype=torch.bfloat16), no_duck_shapes(), CompileCount() as count:
             out = dflash_loss(drafter, head, batch, block_size=B, num_anchors=7, max_rows=3 * B, backward=True,
                               generator=torch.Generator().manual_seed(3))
+            first = count.graphs
+            dflash_loss(drafter, head, batch, block_size=B, num_anchors=7, max_rows=5 * B, backward=True,
+                        generator=torch.Generator().manual_seed(4))  # other sub-batch sizes: no recompile
         losses.append(out.loss_sum.item())
     assert losses[1] == pytest.approx(losses[0], rel=2e-2)
+    assert count.graphs == first and max(count.per_code.values(), default=0) <= 2, count.per_code

@@ -10,7 +10,9 @@ before the anchor -- and its own B keys, both ways; nothing else.
 Two kernels compute the same thing:
 - CPU (and any device without flex): `tiled` -- consecutive blocks of one sequence form a tile that
   attends over just the context range it needs plus its own block keys, with a small boolean mask.
-- CUDA: `flex` -- `flex_attention` with a `BlockMask` over 128x128 tiles (compiled once per process).
+- CUDA: `flex` -- `flex_attention` with a `BlockMask` over 128x128 tiles, compiled once per process
+  with dynamic shapes and no duck sizing (`app/model/compiled.py`): one graph for every plan of two or
+  more query tiles (one more for single-tile plans). Off CUDA the flex kernel runs eager (tests).
 `dense_reference` is the old full masked SDPA, kept for tests and the FLOP count of the old path.
 """
 from __future__ import annotations
@@ -170,18 +172,25 @@ def _pad_lists(lists: list[list[int]], width: int) -> tuple[np.ndarray, np.ndarr
     return np.array([len(x) for x in lists], dtype=np.int32), idx
 
 
-_FLEX_COMPILED = {}
+_FLEX_COMPILED: dict = {}
+
+
+def compiled_flex(backend="inductor"):
+    """flex_attention compiled once per process and backend (dynamic shapes, no duck sizing)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from app.model.compiled import compile_dynamic
+
+    if backend not in _FLEX_COMPILED:
+        _FLEX_COMPILED[backend] = compile_dynamic(flex_attention, backend)
+    return _FLEX_COMPILED[backend]
 
 
 def _flex_fn(device: torch.device):
-    """flex_attention, compiled once per process on CUDA (eager flex is a slow reference)."""
+    """The compiled flex on CUDA; eager flex elsewhere (a slow reference)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    if device.type != "cuda":
-        return flex_attention
-    if "fn" not in _FLEX_COMPILED:
-        _FLEX_COMPILED["fn"] = torch.compile(flex_attention, dynamic=True)
-    return _FLEX_COMPILED["fn"]
+    return compiled_flex() if device.type == "cuda" else flex_attention
 
 
 def block_attention(q_hRd: torch.Tensor, k_hKd: torch.Tensor, v_hKd: torch.Tensor, plan: BlockPlan,

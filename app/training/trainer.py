@@ -123,20 +123,23 @@ class DrafterTrainer:
         drafter.activation_checkpointing = tcfg.activation_checkpointing
         if use_compile(tcfg.compile, device):
             # Per process (each actor compiles its own), per layer: the layers are identical, so one
-            # graph serves all five; dynamic shapes because every sub-batch has its own row count.
-            for layer in drafter.layers:
-                layer.compile(dynamic=True)
+            # graph serves all five; dynamic shapes, no duck sizing (app/model/compiled.py).
+            from app.model.compiled import compile_layers
+
+            compile_layers(drafter)
 
     def micro_step(self, batch, job_id: int) -> None:
         """Forward + backward of one micro-batch (a target job) in sub-batches of at most
         `drafter.max_rows` query rows; anchors depend only on (seed, job)."""
+        from app.model.compiled import no_duck_shapes
         from app.model.loss import dflash_loss
 
         gen = torch.Generator(device="cpu").manual_seed(self.tcfg.seed * 1_000_003 + job_id)
         topk = TOPK if self.sampling_step() else 0
         self.drafter.train()
         injected_delay(self.delay_s)
-        with torch.autocast(self.device.type, dtype=self.autocast or torch.float32, enabled=self.autocast is not None):
+        with torch.autocast(self.device.type, dtype=self.autocast or torch.float32, enabled=self.autocast is not None), \
+                no_duck_shapes():  # compiled layers: one graph whatever the sub-batch sizes
             out = dflash_loss(
                 self.drafter, self.head, batch, block_size=self.dcfg.block_size, num_anchors=self.dcfg.num_anchors,
                 gamma=self.dcfg.gamma, ce_chunk_rows=self.dcfg.ce_chunk_rows, generator=gen, topk=topk,
