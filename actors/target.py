@@ -17,7 +17,7 @@ import time
 
 from app.data.batching import start_job
 from app.config.schema import FaultsConfig, ModelConfig
-from app.devices import compute_dtype, limit_threads, pick_device, target_attention
+from app.devices import compute_dtype, limit_threads, pick_device, target_load_kwargs
 from app.faults import fire_once, injected_delay
 from app.messages import HiddenBatch, ItemMeta, JobSpec
 from app.model.live_eval import EvalSpec
@@ -39,7 +39,7 @@ class TargetActor:
         self.dtype = compute_dtype(model_cfg.dtype, self.device)
         self.model_dir = model_dir
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=self.dtype, attn_implementation=target_attention(self.device, self.dtype)).to(self.device).eval()
+            model_dir, **target_load_kwargs(self.device, self.dtype)).to(self.device).eval()  # straight onto the GPU
         self.model.requires_grad_(False)
         from app.model.target_trunk import TargetTrunk
 

@@ -51,3 +51,22 @@ def flash_attn_usable() -> bool:
         return False
     return True
 
+
+def target_load_kwargs(device: torch.device, dtype: torch.dtype) -> dict:
+    """`from_pretrained` arguments that load the target straight onto its device in its dtype: without a
+    device map every target first holds the whole model in host RAM (5 targets x 16 GB at 8B)."""
+    from transformers.utils import is_accelerate_available
+
+    kw = {"dtype": dtype, "attn_implementation": target_attention(device, dtype)}
+    if device.type == "cuda":
+        if is_accelerate_available():  # transformers needs accelerate for any device map
+            kw["device_map"] = {"": device}
+        else:
+            _warn_no_accelerate()
+    return kw
+
+
+@functools.cache
+def _warn_no_accelerate() -> None:
+    warnings.warn("accelerate is not installed: each target loads its model into host RAM before moving it to "
+                  "the GPU (pip install accelerate to load straight onto the device)", RuntimeWarning)

@@ -81,3 +81,38 @@ def test_a_flash_attn_that_imports_is_used_on_cuda_in_half_precision_only(tmp_pa
     finally:
         devices.flash_attn_usable.cache_clear()
         sys.modules.pop("flash_attn", None)
+
+
+def test_targets_load_straight_onto_the_gpu_in_their_dtype(monkeypatch):
+    """Item 9: without a device map each target held the whole model in host RAM before `.to(cuda)`."""
+    import warnings
+
+    import torch
+    import transformers.utils
+
+    from app import devices
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(transformers.utils, "is_accelerate_available", lambda: True)
+    kw = devices.target_load_kwargs(cuda, torch.bfloat16)
+    assert kw["device_map"] == {"": cuda} and kw["dtype"] is torch.bfloat16 and kw["attn_implementation"] == "sdpa"
+    assert "device_map" not in devices.target_load_kwargs(torch.device("cpu"), torch.float32)
+    monkeypatch.setattr(transformers.utils, "is_accelerate_available", lambda: False)
+    devices._warn_no_accelerate.cache_clear()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        kws = [devices.target_load_kwargs(cuda, torch.bfloat16) for _ in range(2)]
+    assert all("device_map" not in k for k in kws)  # transformers refuses a device map without accelerate
+    assert len(seen) == 1 and "pip install accelerate" in str(seen[0].message)
+
+
+def test_the_load_arguments_load_a_saved_target_on_cpu(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from app.devices import target_load_kwargs
+    from tests.toy import save_tiny_target
+
+    save_tiny_target(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, **target_load_kwargs(torch.device("cpu"), torch.float32))
+    assert next(model.parameters()).dtype == torch.float32 and model.config._attn_implementation == "sdpa"
