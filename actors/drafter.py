@@ -225,7 +225,7 @@ class DrafterActor:
         self.trainer = DrafterTrainer(drafter, head, self.cfg.drafter, self.cfg.train, self.cfg.total_steps,
                                       self.device, reducer=lambda flat: dist.all_reduce(flat),
                                       autocast=self.dtype if self.dtype != torch.float32 else None,
-                                      total_jobs=self.cfg.total_jobs)
+                                      total_jobs=self.cfg.total_jobs, delay_s=self.cfg.faults.drafter_delay_s)
         self.stager = PayloadStager(self.device, self.dtype)
         self.ledger: set[int] = set()
         self.epoch = 0
