@@ -160,3 +160,49 @@ def test_tiled_and_dense_flop_counts_match_torch_flop_counter():
             block_attention(q, k, v, plan, 0.3)
         executed, _ = attention_flops(lo, hi, T, B, kernel)
         assert fc.get_total_flops() == 4 * d * heads * executed, kernel
+
+
+def test_the_flex_plan_reaches_the_device_in_one_transfer(monkeypatch):
+    """Item 7 of issue 23: the six plan tensors went to the GPU as six blocking copies per sub-batch;
+    now one buffer (pinned on CUDA), one non-blocking copy. `meta` stands in for the device."""
+    lo, hi, T = _ranges(B=16, seqs=((300, 9), (200, 5), (700, 14)))
+    ref = build_plan(lo, hi, T, 16, CPU, "flex").flex_mask
+    transfers = []
+    real_to, real_as_tensor = torch.Tensor.to, torch.as_tensor
+
+    def to(self, *a, **kw):
+        if kw.get("device") is not None or any(isinstance(x, (str, torch.device)) for x in a):  # not dtype casts
+            transfers.append(("to", kw.get("non_blocking", False)))
+        return real_to(self, *a, **kw)
+
+    def as_tensor(data, *a, **kw):
+        if kw.get("device") is not None:
+            transfers.append(("as_tensor", False))
+        return real_as_tensor(data, *a, **kw)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    monkeypatch.setattr(torch, "as_tensor", as_tensor)
+    mask = build_plan(lo, hi, T, 16, torch.device("meta"), "flex").flex_mask
+    monkeypatch.undo()
+    assert transfers == [("to", True)]
+    assert mask.kv_num_blocks.device.type == "meta" and mask.kv_indices.shape == ref.kv_indices.shape
+    # The same tensors as before, on CPU: values, and the mask they describe.
+    from app.model.attention import int32_to_device
+
+    parts = int32_to_device([np.array([3, 1]), np.arange(6).reshape(2, 3)], CPU)
+    assert [p.dtype for p in parts] == [torch.int32] * 2 and parts[1].tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert torch.equal(ref.to_dense(), _old_flex_mask(lo, hi, T, 16).to_dense())
+
+
+def _old_flex_mask(lo, hi, T, B):
+    """The BlockMask as main built it: one torch.as_tensor per array."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from app.model.attention import FLEX_TILE, _flex_tile_lists, _pad_lists
+
+    R = len(lo) * B
+    partial, full = _flex_tile_lists(lo, hi, T, B)
+    kv_tiles = -(-(T + R) // FLEX_TILE)
+    to = lambda a: torch.as_tensor(a, dtype=torch.int32)[None, None]
+    (kn, ki), (fn, fi) = _pad_lists(partial, kv_tiles), _pad_lists(full, kv_tiles)
+    return BlockMask.from_kv_blocks(to(kn), to(ki), to(fn), to(fi), BLOCK_SIZE=FLEX_TILE, seq_lengths=(R, T + R))

@@ -88,3 +88,12 @@ def test_compiled_training_step_matches_eager():
         losses.append(out.loss_sum.item())
     assert losses[1] == pytest.approx(losses[0], rel=2e-2)
     assert count.graphs == first and max(count.per_code.values(), default=0) <= 2, count.per_code
+
+
+def test_flex_plan_built_on_cuda_equals_the_cpu_plan():
+    """The plan's tensors reach the GPU in one pinned non-blocking copy; the same values as on CPU."""
+    lo, hi, T = _ranges(16)
+    gpu, cpu = (build_plan(lo, hi, T, 16, d, "flex").flex_mask for d in (CUDA, torch.device("cpu")))
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+        assert torch.equal(getattr(gpu, name).cpu(), getattr(cpu, name)), name
+    assert torch.equal(gpu.to_dense().cpu(), cpu.to_dense())
