@@ -18,7 +18,10 @@ def ray_cluster():
     """A local CPU Ray cluster that fakes eight GPUs; shared by every Ray test of the session."""
     import ray
 
+    from tests.s3_server import use_test_credentials
+
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    use_test_credentials()  # the S3 run test's actors read the loopback server's keys from the environment
     if not ray.is_initialized():
         ray.init(
             num_cpus=16,

@@ -1,6 +1,7 @@
 """A real S3-compatible server on loopback (moto's server mode) for storage tests, and URIs into it."""
 from __future__ import annotations
 
+import os
 import socket
 import uuid
 from dataclasses import dataclass
@@ -14,9 +15,10 @@ class S3Server:
     bucket: str
 
     def uri(self, prefix: str) -> str:
-        """An s3:// URI the real pyarrow S3 client opens: credentials and endpoint travel in the URI, so
-        Ray actors (whose environment the test cannot change) reach the same server."""
-        return (f"s3://testing:testing@{self.bucket}/{prefix}"
+        """An s3:// URI the real pyarrow S3 client opens: the endpoint travels in the URI, the credentials
+        come from the environment (`use_test_credentials`), as on a real cluster: the config refuses
+        credentials inside a URI."""
+        return (f"s3://{self.bucket}/{prefix}"
                 f"?endpoint_override={self.endpoint}&scheme=http&region=us-east-1")
 
     def filesystem(self):
@@ -24,6 +26,17 @@ class S3Server:
 
         return S3FileSystem(access_key="testing", secret_key="testing", endpoint_override=self.endpoint,
                             scheme="http", region="us-east-1", allow_bucket_creation=True)
+
+
+TEST_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                    "AWS_EC2_METADATA_DISABLED": "true"}  # moto accepts any key; never ask an instance role
+
+
+def use_test_credentials() -> None:
+    """Moto's credentials into this process's environment. Call it before `ray.init`: Ray workers
+    inherit the environment the local cluster was started with, and the run's driver subprocess this one."""
+    for key, value in TEST_CREDENTIALS.items():
+        os.environ.setdefault(key, value)
 
 
 def free_port() -> int:

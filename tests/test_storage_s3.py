@@ -19,8 +19,9 @@ pytest.importorskip("moto", reason="moto[server] is a dev dependency (pip instal
 
 @pytest.fixture(scope="module")
 def s3():
-    from tests.s3_server import start_s3_server
+    from tests.s3_server import start_s3_server, use_test_credentials
 
+    use_test_credentials()
     server, s3 = start_s3_server()
     yield s3
     server.stop()
