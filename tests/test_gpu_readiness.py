@@ -116,3 +116,58 @@ def test_the_load_arguments_load_a_saved_target_on_cpu(tmp_path):
     save_tiny_target(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, **target_load_kwargs(torch.device("cpu"), torch.float32))
     assert next(model.parameters()).dtype == torch.float32 and model.config._attn_implementation == "sdpa"
+
+
+def test_the_stager_makes_every_device_tensor_on_its_side_stream(monkeypatch):
+    """Item 8, rehearsed on CPU with a stand-in stream: every copy and dtype conversion of a staged batch
+    runs inside the side-stream context, before its event (the loss mask's `.float()` ran outside it, on
+    the prefetch thread's stream, which does not wait for the copy, and its uint8 source was freed
+    without record_stream). The values equal the plain conversion."""
+    import contextlib
+
+    import numpy as np
+    import torch
+
+    from app.messages import HiddenBatch
+    from app.model.loss import TrainBatch
+    from app.training.transfer import PayloadStager
+
+    state = {"inside": False, "outside_ops": [], "recorded_inside": None}
+
+    @contextlib.contextmanager
+    def stream(_):
+        state["inside"] = True
+        yield
+        state["inside"] = False
+
+    class Event:
+        def record(self, _stream):
+            state["recorded_inside"] = state["inside"]
+
+        def synchronize(self):
+            pass
+
+    stager = PayloadStager(torch.device("cpu"), torch.float32)
+    stager.enabled, stager._stream = True, object()  # the CUDA path, with stand-ins for stream and event
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    for name in ("to", "float", "long", "view"):
+        real = getattr(torch.Tensor, name)
+
+        def spy(self, *a, _real=real, _name=name, **kw):
+            if not state["inside"]:
+                state["outside_ops"].append(_name)
+            return _real(self, *a, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    h = np.random.default_rng(0).standard_normal((2, 6, 4)).astype(np.float32)
+    hb = HiddenBatch(job_id=1, hidden_BSD=h, hidden_dtype="float32", input_ids_BS=np.arange(12).reshape(2, 6),
+                     loss_mask_BS=np.ones((2, 6), np.uint8), lengths_B=np.array([6, 4]))
+    staged = stager.stage(hb)
+    state["inside"] = True  # the reference conversion below is not under test
+    plain = TrainBatch.from_hidden_batch(hb, torch.device("cpu"), torch.float32)
+    monkeypatch.undo()
+    assert [n for n in state["outside_ops"] if n != "view"] == [] and state["recorded_inside"] is True
+    for name in ("hidden_BSD", "input_ids_BS", "loss_mask_BS", "lengths_B"):
+        x, y = getattr(staged, name), getattr(plain, name)
+        assert x.dtype == y.dtype and torch.equal(x, y), name

@@ -3,7 +3,9 @@
 On CUDA the prefetch thread copies the payload's features into a reused pinned buffer (two, used
 in turn: one may still feed the batch being computed) and from there onto the GPU on a side stream,
 non-blocking; the compute thread makes its stream wait for that copy's event before using the batch.
-The small arrays (ids, loss mask, lengths) go along on the same stream, and their host copies stay
+The small arrays (ids, loss mask, lengths) go along on the same stream, and so do their dtype
+conversions: every device tensor of the batch is made on the side stream before the event, so none is
+read before its copy lands, and the compute stream `record_stream`s them all. Their host copies stay
 with the batch so anchors and labels are sampled on the host (no per-sequence device syncs).
 On CPU nothing is staged: the compute thread converts the payload as before.
 """
@@ -39,18 +41,19 @@ class PayloadStager:
             src = torch.from_numpy(hidden_np)
         host = buf[: hidden_np.nbytes].view(src.dtype).view(src.shape)
         host.copy_(src)  # pageable (object store) -> pinned, on this thread
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.stream(self._stream):  # copies and conversions alike, all before the event
             dev = host.to(self.device, non_blocking=True)
             if hb.hidden_dtype == "bfloat16":
                 dev = dev.view(torch.bfloat16)
             hidden = dev.to(self.dtype)
-            small = [torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)
-                     for a in (hb.input_ids_BS, hb.loss_mask_BS, hb.lengths_B)]
+            ids, mask, lengths = (torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)
+                                  for a in (hb.input_ids_BS, hb.loss_mask_BS, hb.lengths_B))
+            ids, mask, lengths = ids.long(), mask.float(), lengths.long()
             event = torch.cuda.Event()
             event.record(self._stream)
         self._copied[self._turn] = event
-        batch = TrainBatch(input_ids_BS=small[0].long(), loss_mask_BS=small[1].float(), hidden_BSD=hidden,
-                           lengths_B=small[2].long(), input_ids_host=np.asarray(hb.input_ids_BS),
+        batch = TrainBatch(input_ids_BS=ids, loss_mask_BS=mask, hidden_BSD=hidden,
+                           lengths_B=lengths, input_ids_host=np.asarray(hb.input_ids_BS),
                            loss_mask_host=np.asarray(hb.loss_mask_BS), lengths_host=np.asarray(hb.lengths_B))
         batch.ready_event = event
         return batch
@@ -63,7 +66,7 @@ class PayloadStager:
             self._copied[self._turn].synchronize()  # long done in practice; never overwrite a live copy
         buf = self._pinned[self._turn]
         if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(int(nbytes * 1.25), dtype=torch.uint8, pin_memory=True)
+            buf = torch.empty(int(nbytes * 1.25), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
             self._pinned[self._turn] = buf
         return buf
 
