@@ -171,3 +171,54 @@ def test_the_stager_makes_every_device_tensor_on_its_side_stream(monkeypatch):
     for name in ("hidden_BSD", "input_ids_BS", "loss_mask_BS", "lengths_B"):
         x, y = getattr(staged, name), getattr(plain, name)
         assert x.dtype == y.dtype and torch.equal(x, y), name
+
+
+def test_the_optimizer_step_holds_one_copy_of_the_gradients():
+    """Item 10: at the optimizer step the old gradients stayed alive beside the flat all-reduce buffer and
+    its scaled copy. Now they are freed once flattened and the flat buffer, scaled in place, is the grads."""
+    import gc
+    import weakref
+
+    import torch
+
+    from app.config.schema import DrafterConfig, TrainConfig
+    from app.training.trainer import DrafterTrainer
+    from tests.toy import TOY_BLOCK, toy_drafter_parts
+
+    drafter, head, batch, _ = toy_drafter_parts()
+    dcfg = DrafterConfig(block_size=TOY_BLOCK, num_anchors=7, mask_token_id=3)
+    trainer = DrafterTrainer(drafter, head, dcfg, TrainConfig(compile="off"), total_steps=10, device=torch.device("cpu"))
+    trainer.micro_step(batch, job_id=1)
+    old = [weakref.ref(p.grad) for p in drafter.parameters()]
+    seen = {}
+    real_step = trainer.optimizer.step
+
+    def step(*a, **kw):
+        gc.collect()
+        seen["old_alive"] = sum(r() is not None for r in old)
+        seen["storages"] = {p.grad.untyped_storage().data_ptr() for p in drafter.parameters()}
+        return real_step(*a, **kw)
+
+    trainer.optimizer.step = step
+    stats = trainer.finish_step()
+    assert stats.weight_sum > 0 and stats.grad_norm > 0
+    assert seen == {"old_alive": 0, "storages": seen["storages"]} and len(seen["storages"]) == 1
+
+
+def test_the_memory_bench_counts_the_step_transient_and_the_staged_payloads():
+    """Item 10: the bench left out AdamW's sqrt temporary beside the grads and the two payloads on the
+    device (the one trained and the one staged next)."""
+    import numpy as np
+    from types import SimpleNamespace
+
+    from app.bench import memory
+    from tests.toy import tiny_arch, tiny_qwen3_config
+
+    arch = tiny_arch(tiny_qwen3_config(hidden=32, vocab=128), num_layers=2, target_layer_ids=(0, 2))
+    fixed, step_extra = memory.fixed_bytes(arch)
+    from app.model.drafter import DFlashDrafter
+
+    P = sum(p.numel() for p in DFlashDrafter(arch).parameters())
+    assert fixed == 16 * P + 2 * 2 * 128 * 32 and step_extra == 4 * P
+    job = SimpleNamespace(lengths=np.array([10, 7]))
+    assert memory.payload_bytes(arch, job) == 2 * 10 * (arch.feature_dim * 2 + 8 + 4) + 2 * 8

@@ -12,16 +12,21 @@ whose backward keeps q, k, v, out and the fp32 log-sum-exp; a stand-in with exac
 tensors replaces it here (flex cannot run on fake CPU tensors). The old path is the old code, read
 from git at `--legacy-commit`, counted the same way (its dense SDPA saves the [Q, K] bias per layer).
 
-peak = fixed + saved + backward working set + CE chunk workspace, where
+peak = max(fixed + saved + backward working set + CE chunk workspace, fixed + step transient)
+       + staged payloads, where
   fixed = fp32 weights + fp32 grads + AdamW (2 x fp32) + frozen embedding and LM head (bf16),
   backward working set = one layer's saved bytes (gradients of the layer being backpropagated),
   CE workspace = one chunk of logits: bf16 matmul out + fp32 logits + bf16 grad (rows x vocab),
-and the step's peak (fixed + the fp32 all-reduce buffer and its scaled copy) when larger.
+  step transient = 4 bytes per parameter: the fp32 all-reduce buffer beside the gradients while they
+    are flattened (then freed; the buffer, scaled in place, becomes the gradients), and AdamW's sqrt
+    temporary (one fp32 per parameter, foreach) beside it during `optimizer.step`,
+  staged payloads = two jobs' device payloads (the one being trained and the one staged next; bf16
+    features, int64 ids, fp32 loss mask, padded as the target sends them), of the largest bucket.
 saved_bytes_per_row = (saved bytes of the sub-batch - those of a one-block run) / query rows,
 the worst bucket. rank_cost_spread comes from `app.bench.pull_policies` when it offers one; else it
 is simulated here from the pull policy as it stands (said in the output).
 Ends `RESULT max_peak_gib=... saved_bytes_per_row=... legacy_saved_bytes_per_row=... ratio=...
-rank_cost_spread=... ce_recompute=0|1`.
+rank_cost_spread=... ce_recompute=0|1 step_extra_gib=... staged_payload_gib=...`.
 """
 from __future__ import annotations
 
@@ -155,13 +160,20 @@ def _one_block_job(job):
 
 
 def fixed_bytes(arch) -> tuple[int, int]:
-    """(training state, extra at the optimizer step): fp32 weights+grads+AdamW, bf16 embed+head."""
+    """(training state, extra at the optimizer step): fp32 weights+grads+AdamW, bf16 embed+head; the step
+    adds one fp32 per parameter (flat buffer beside the grads, then AdamW's sqrt beside the flat grads)."""
     from app.model.drafter import DFlashDrafter
 
     with _fake_mode():
         P = sum(p.numel() for p in DFlashDrafter(arch).parameters())
     head = 2 * arch.vocab_size * arch.hidden_size * 2
-    return P * 16 + head, P * 8
+    return P * 16 + head, P * 4
+
+
+def payload_bytes(arch, job) -> int:
+    """Device bytes of one job's staged TrainBatch: [N, S] padded, bf16 features, int64 ids, fp32 mask."""
+    N, S = len(job.lengths), int(job.lengths.max())
+    return N * S * (arch.feature_dim * 2 + 8 + 4) + N * 8
 
 
 def rank_cost_spread(cfg) -> tuple[float, str]:
@@ -210,8 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     ce_ws = chunk * V * (2 + 4 + 2)
     mods = _legacy_modules(args.legacy_commit) if args.legacy_commit else None
     buckets = [int(b) for b in args.buckets.split(",")] if args.buckets else range(len(cfg.data.bucket_boundaries))
+    staged = 2 * max(payload_bytes(arch, bucket_job(cfg, b)) for b in range(len(cfg.data.bucket_boundaries)))
     print(f"drafter: Qwen3-8B-shaped, {cfg.drafter.num_layers} layers, B={cfg.drafter.block_size}, "
-          f"{cfg.drafter.num_anchors} anchors, max_rows={cfg.drafter.max_rows}; fixed state {fixed / GIB:.1f} GiB")
+          f"{cfg.drafter.num_anchors} anchors, max_rows={cfg.drafter.max_rows}; fixed state {fixed / GIB:.1f} GiB, "
+          f"optimizer-step transient {step_extra / GIB:.1f} GiB, staged payloads {staged / GIB:.2f} GiB")
     print(f"{'bucket':>8} {'seqs':>5} {'rows':>7} {'subs':>4} {'saved GiB':>9} {'B/row':>9} {'peak GiB':>8}"
           f" | {'old GiB':>8} {'old B/row':>9} {'old peak':>8}")
     peaks, per_rows, legacy_rows, legacy_peaks = [], [], [], []
@@ -222,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         saved, layer = max(_saved_new(arch, job, sl, chunk) for sl in parts[:1] + parts[-1:])
         rows = (parts[0].stop - parts[0].start) * job.block_size
         per_row = (saved - base) / rows
-        peak = max(fixed + saved + layer + ce_ws, fixed + step_extra)
+        peak = max(fixed + saved + layer + ce_ws, fixed + step_extra) + staged
         peaks.append(peak)
         per_rows.append(per_row)
         line = (f"{cfg.data.bucket_boundaries[b]:>8} {len(job.lengths):>5} {job.rows:>7} {len(parts):>4} "
@@ -245,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"RESULT max_peak_gib={max(peaks) / GIB:.1f} saved_bytes_per_row={worst:.0f} "
           f"legacy_saved_bytes_per_row={old_worst:.0f} ratio={worst / old_worst:.2f} "
           f"legacy_max_peak_gib={(max(legacy_peaks) if legacy_peaks else float('nan')) / GIB:.1f} "
-          f"rank_cost_spread={spread:.3f} ce_recompute=0")
+          f"rank_cost_spread={spread:.3f} ce_recompute=0 step_extra_gib={step_extra / GIB:.1f} "
+          f"staged_payload_gib={staged / GIB:.2f}")
     return 0
 
 

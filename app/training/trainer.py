@@ -161,6 +161,10 @@ class DrafterTrainer:
         pos = torch.cat([self.acc.pos_correct, self.acc.pos_count]).float()
         # One flat fp32 buffer: a single collective per step (gloo and nccl both like few, large calls).
         flat = torch.cat([g.detach().reshape(-1).float() for g in grads] + [stats.to(self.device), pos.to(self.device)])
+        # Free the gradients now: the flat buffer holds them, and becomes them (scaled in place) in _apply;
+        # kept, they would sit beside it and AdamW's temporaries at the step's peak (+4 bytes per parameter).
+        del grads
+        self.optimizer.zero_grad(set_to_none=True)
         self.reducer(flat)
         n_grad = flat.numel() - stats.numel() - pos.numel()
         g_stats = dict(zip(_STATS, flat[n_grad:n_grad + len(_STATS)].tolist()))
@@ -170,7 +174,7 @@ class DrafterTrainer:
         # Weighted top-5 accuracy on sampling steps (weights as the loss); -1 on other steps.
         topk_acc = g_stats["topk_correct_sum"] / weight if self.sampling_step() and weight > 0 else -1.0
         if weight > 0:
-            grad_norm = self._apply(params, flat[:n_grad] / weight, jobs=int(g_stats["jobs"]))
+            grad_norm = self._apply(params, flat[:n_grad].div_(weight), jobs=int(g_stats["jobs"]))  # no copy
         else:  # nothing to learn this step; do not carry stale gradients into the next one
             self.optimizer.zero_grad(set_to_none=True)
         half = g_pos.numel() // 2
