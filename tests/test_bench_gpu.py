@@ -59,3 +59,24 @@ def test_small_mode_runs_the_target_and_drafter_path_and_prints_result(capsys):
     assert line.startswith("RESULT target_tok_s=")
     assert float(vals["target_tok_s"]) > 0 and float(vals["drafter_tok_s"]) > 0
     assert {"target_mfu", "drafter_mfu", "peak_gib"} <= set(vals)
+
+
+@pytest.mark.slow
+def test_acceptance_small_prints_every_check_and_skips_the_cuda_ones_without_cuda(capsys):
+    """`bench gpu --acceptance --small` at its defaults: one RESULT line per check, in order."""
+    from app.bench.gpu_acceptance import CHECKS
+
+    assert gpu.main(["--acceptance", "--small"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("RESULT check=")]
+    vals = [dict(kv.split("=", 1) for kv in ln.split()[1:]) for ln in lines]
+    assert [v["check"] for v in vals] == [name for name, _, _ in CHECKS]
+    for v, (_, _, needs_cuda) in zip(vals, CHECKS):
+        if torch.cuda.is_available():
+            assert v["status"] == "pass", v
+        elif needs_cuda or v["check"] == "environment":
+            assert v["status"] == "skipped" and v["reason"] == "no_cuda", v
+        else:
+            assert v["status"] == "pass", v
+    by = {v["check"]: v for v in vals}
+    assert float(by["target_prefill"]["tok_s"]) > 0 and float(by["drafter_step"]["tok_s"]) > 0
+    assert by["resume"]["device"] == ("cuda" if torch.cuda.is_available() else "cpu")

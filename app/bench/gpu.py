@@ -1,4 +1,7 @@
-"""`python -m app.bench gpu [--small] [--jobs N] [--drafter-jobs N] [--peak-tflops X] [--no-compile]`.
+"""`python -m app.bench gpu [--small] [--jobs N] [--drafter-jobs N] [--peak-tflops X] [--no-compile] [--acceptance]`.
+
+`--acceptance` runs the checks a first GPU run must answer instead, one `RESULT check=... status=...`
+line each (app/bench/gpu_acceptance.py).
 
 One script for a machine with one CUDA GPU, no downloads: a random-weight Qwen3-8B-shaped target in bf16
 and the default drafter (conf/default.yaml's `drafter` and `train` sections) built around the target's own
@@ -58,6 +61,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--drafter-jobs", type=int, default=6, help="timed drafter micro-batches")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="peak bf16 TFLOP/s for MFU (0 = from the GPU name)")
     p.add_argument("--no-compile", action="store_true", help="train.compile=off for the drafter")
+    p.add_argument("--acceptance", action="store_true",
+                   help="the first-GPU-run checks, one RESULT check=... line each (app/bench/gpu_acceptance.py)")
     return p.parse_args(argv)
 
 
@@ -268,6 +273,11 @@ def main(argv: list[str]) -> int:
     if not args.small and not torch.cuda.is_available():
         print(NO_CUDA, file=sys.stderr)
         return 1
+    if args.acceptance:
+        from app.bench.gpu_acceptance import run_acceptance
+
+        return run_acceptance(make_setup(args), {"build_target": build_target, "bench_target": bench_target,
+                                                 "bench_drafter": bench_drafter})
     t_start = time.perf_counter()
     s = make_setup(args)
     where = torch.cuda.get_device_name(s.device) if s.device.type == "cuda" else "CPU"
