@@ -30,7 +30,7 @@ def run(cfg, drafter_dir: str | None = None, prompts_file: str | None = None):
 
     from app.config.checks import read_target_info, resolved_layer_ids, resolved_mask_token_id
     from app.data.dataset import load_eval_prompts
-    from app.devices import compute_dtype, pick_device
+    from app.devices import compute_dtype, pick_device, target_load_kwargs
     from app.model.live_eval import EvalSpec, drafter_for, measure_spec, stop_token
     from app.tiny.build import resolve_target
 
@@ -40,7 +40,7 @@ def run(cfg, drafter_dir: str | None = None, prompts_file: str | None = None):
     dtype = compute_dtype(cfg.model.dtype, device)
     mask_id = target.mask_token_id if cfg.drafter.mask_token_id < 0 and target.mask_token_id is not None \
         else resolved_mask_token_id(cfg, info)
-    model = AutoModelForCausalLM.from_pretrained(target.model_dir, dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(target.model_dir, **target_load_kwargs(device, dtype)).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(target.model_dir)
     path = prompts_file or target.eval_prompts_file
     if not path:

@@ -30,7 +30,8 @@ def test_overdue_and_stale_offers():
 
 
 def _res(step, tau):
-    return {"step": step, "tau": tau, "per_pos_accept": [round(tau / 10, 3)], "matches_greedy": True, "exported_to": "best"}
+    return {"step": step, "tau": tau, "per_pos_accept": [round(tau / 10, 3)], "matches_greedy": True, "lossless": True,
+            "mismatch_rate": 0.0, "exported_to": "best"}
 
 
 def test_tau_book_keeps_history_and_the_strict_best():
