@@ -13,6 +13,10 @@ A reader trusts only entries whose marker exists, and reads the version the mark
 object PUT is atomic, so the marker flips from the old version to the new in one step: a crash at any
 point leaves either the old entry, the new one, or (for a first write) nothing readers would pick.
 Deleting unpublishes first (marker, then data), so a half-deleted entry is never picked either.
+
+Whoever can write the bucket must not get to write the node: `fetch_dir` refuses object keys with `..`,
+`.`, empty or absolute parts and checks every destination stays inside the download folder, and a
+marker whose content is not a version name (`v-` and 12 hex digits) publishes nothing.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 MARKER = "COMMITTED"
+VERSION = re.compile(r"v-[0-9a-f]{12}")  # what `publish` writes into a marker, and all a reader accepts
 
 
 def is_uri(root: str | Path) -> bool:
@@ -283,9 +288,9 @@ class UriStorage(Storage):
         for info in self.fs.get_file_info(FileSelector(self.base, allow_not_found=True)):
             if info.type != FileType.Directory or not info.base_name.startswith(prefix):
                 continue
-            version = self.read_file(f"{info.base_name}/{MARKER}")
-            if version:  # unmarked: still being written, or half deleted
-                found.append(Entry(info.base_name, self.uri(f"{info.base_name}/{version.decode().strip()}")))
+            version = _version_name(self.read_file(f"{info.base_name}/{MARKER}"))
+            if version:  # unmarked: still being written, or half deleted; or not a version name at all
+                found.append(Entry(info.base_name, self.uri(f"{info.base_name}/{version}")))
         return found
 
     def delete(self, name: str) -> None:
@@ -296,6 +301,27 @@ class UriStorage(Storage):
             self.fs.delete_file(marker)  # unpublish first
         if self.fs.get_file_info(self._path(name)).type == FileType.Directory:
             self.fs.delete_dir(self._path(name))
+
+
+def _version_name(marker: bytes | None) -> str | None:
+    """The version a marker names, or None when it names none (a `../..` in it would point readers anywhere)."""
+    text = (marker or b"").decode("utf-8", "replace").strip()
+    return text if VERSION.fullmatch(text) else None
+
+
+def safe_destination(folder: Path, key: str, base: str) -> Path:
+    """Where object `key` (listed under `base`) goes inside `folder`; `ValueError` for a key that would
+    land anywhere else (`..`, `.`, empty or absolute parts, or a resolved path outside `folder`)."""
+    prefix = base.rstrip("/") + "/"
+    rel = key[len(prefix):] if key.startswith(prefix) else None
+    parts = rel.split("/") if rel else []
+    if not parts or rel.startswith("/") or any(p in ("", ".", "..") or "\\" in p for p in parts):
+        raise ValueError(f"refusing to download object {key!r}: its key leaves {base!r} "
+                         "(someone wrote it to the bucket by hand; delete it)")
+    dest = folder.joinpath(*parts)
+    if not dest.resolve().is_relative_to(folder.resolve()):
+        raise ValueError(f"refusing to download object {key!r}: it would be written outside {folder}")
+    return dest
 
 
 def fetch_dir(location: str | Path, cache: bool = True) -> Path:
@@ -317,7 +343,11 @@ def fetch_dir(location: str | Path, cache: bool = True) -> Path:
     for info in fs.get_file_info(FileSelector(base, recursive=True)):
         if info.type != FileType.File:
             continue
-        dest = tmp / os.path.relpath(info.path, base)
+        try:
+            dest = safe_destination(tmp, info.path, base)
+        except ValueError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         dest.parent.mkdir(parents=True, exist_ok=True)
         with fs.open_input_stream(info.path) as src:
             dest.write_bytes(src.read())
