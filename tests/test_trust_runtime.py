@@ -1,0 +1,113 @@
+"""Issue 22, runtime trust: the end-of-run tau never raises and each measurement has its own budget
+(item 16), non-finite steps (item 4), the content-keyed data cache (item 9), the regenerate output
+(item 8), the throwaway cluster's auth (item 12) and the remaining bad inputs (item 18)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from app.model.live_eval import EvalSpec
+from app.run.final_tau import FinalTau
+
+SPEC = EvalSpec(prompts=[[1, 2, 3]], drafter=None, eval=None, mask_token_id=0, seed=0, eos_token_id=None)
+
+
+# ---- item 16: the end-of-run tau -----------------------------------------------------------------
+
+
+class _Clock:
+    """A virtual clock: the fake waits below advance it by what each evaluation takes."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Target:
+    """A target handle whose evaluations take `seconds` each, run one at a time as an actor runs them."""
+
+    def __init__(self, clock: _Clock, seconds: float, tau: float) -> None:
+        self.clock, self.seconds, self.tau, self.busy_until = clock, seconds, tau, 0.0
+        self.evaluate_weights = self
+
+    def remote(self, step, weights, spec, best_dir, beat_tau):
+        start = max(self.clock.now, self.busy_until)
+        self.busy_until = start + self.seconds
+        return (self, self.busy_until, {"tau": self.tau + step})
+
+
+def _fake_get(clock: _Clock):
+    from ray.exceptions import GetTimeoutError
+
+    def get(ref, timeout):
+        _, done_at, value = ref
+        if done_at > clock.now + timeout:
+            clock.now += timeout
+            raise GetTimeoutError("timed out")
+        clock.now = max(clock.now, done_at)
+        return value
+
+    return get
+
+
+def test_final_tau_one_target_gives_each_measurement_its_own_budget() -> None:
+    """Item 16: on one target the trained evaluation waits behind the untrained one; each takes 0.8 of
+    eval.timeout_s, so a shared budget timed the trained one out."""
+    clock = _Clock()
+    target = _Target(clock, seconds=8.0, tau=1.0)
+    final = FinalTau(SPEC, 10.0, clock, log=lambda _m: None, get=_fake_get(clock))
+    result = final.measure([(0, target)], "/export", step=5)
+    assert (result.untrained, result.trained, result.reason) == (1.0, 6.0, None)
+    assert clock.now == 16.0
+
+
+def test_final_tau_skips_a_hung_target_in_both_measurements() -> None:
+    """Item 16: a target that hangs past eval.timeout_s is skipped, by the other measurement too."""
+    clock = _Clock()
+    hung, healthy = _Target(clock, seconds=1e9, tau=0.0), _Target(clock, seconds=1.0, tau=2.0)
+    logs: list[str] = []
+    final = FinalTau(SPEC, 10.0, clock, log=logs.append, get=_fake_get(clock))
+    result = final.measure([(0, hung), (1, healthy)], "/export", step=3)
+    assert (result.untrained, result.trained, result.reason) == (2.0, 5.0, None)
+    assert logs == ["WARNING: tau evaluation on target 0 failed (target 0 gave no answer within "
+                    "eval.timeout_s=10 s); trying the next target"]
+
+
+def test_final_tau_never_raises() -> None:
+    """Item 16: whatever a target call raises, measure reports it and returns."""
+
+    class Broken:
+        class evaluate_weights:  # noqa: N801 - stands for an actor method
+            @staticmethod
+            def remote(*_a):
+                raise ValueError("boom")
+
+    logs: list[str] = []
+    result = FinalTau(SPEC, 1.0, _Clock(), logs.append, get=_fake_get(_Clock())).measure([(0, Broken())], "/e", 1)
+    assert (result.untrained, result.trained, result.reason) == (None, None, "ValueError: boom")
+    assert logs == ["WARNING: end-of-run tau not measured (ValueError: boom)"]
+
+
+@pytest.mark.ray
+def test_final_tau_on_a_real_hanging_target_returns(ray_cluster) -> None:
+    """Item 16 with Ray: an actor that never answers in time. ray.cancel(force=True) on its task raised
+    ValueError (a traceback, exit 1, no summary.json); now both measurements come back None with why."""
+    ray = ray_cluster
+
+    @ray.remote(num_cpus=0)
+    class Hanging:
+        def evaluate_weights(self, step, weights, spec, best_dir, beat_tau):
+            time.sleep(30)
+            return {"tau": 1.0}
+
+    actor = Hanging.remote()
+    try:
+        result = FinalTau(SPEC, 0.5, time.monotonic, log=lambda _m: None).measure([(7, actor)], "/export", 2)
+    finally:
+        ray.kill(actor)
+    assert (result.untrained, result.trained) == (None, None)
+    assert result.reason == ("untrained: target 7 gave no answer within eval.timeout_s=0.5 s; "
+                             "trained: every live target hung in the other measurement")
