@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from app.training.checkpoint import TrainState, load_checkpoint, restore_rng, rng_state, save_checkpoint, state_checksum
-from app.training.loop import (AwaitPull, Checkpoint, Compute, Fetched, Gather, LoopConfig, OfferEval, PullAnswered,
-                               RankLoop, ReadStop, Reduce, SendAcks, Sleep, StartPull, StepDone, StepStart, Updated,
-                               drive)
+from app.training.loop import (AwaitPull, Checkpoint, Compute, Fetched, Gather, LoopConfig, NonFinite, OfferEval,
+                               PullAnswered, RankLoop, ReadStop, Reduce, SendAcks, Sleep, StartPull, StepDone,
+                               StepStart, Updated, drive)
 from app.training.step_log import StepLog
 from app.config.schema import CheckpointConfig, DrafterConfig, FaultsConfig, TrainConfig
 from app.devices import compute_dtype, limit_threads, pick_device
@@ -61,6 +61,8 @@ class DrafterResult:
     weights_checksum: float
     last_checkpoint: str | None
     export_dir: str | None
+    nonfinite: str = ""  # the run stopped at a non-finite step (why, one line); nothing of it was kept
+    skipped_nonfinite: int = 0  # this rank's jobs of skipped non-finite steps (train.on_nonfinite=skip)
 
 
 class _RankOps:
@@ -143,6 +145,14 @@ class _RankOps:
         self.a._maybe_crash(eff.step)
 
     def gather(self, eff: Gather) -> list[list[int]]:
+    def nonfinite(self, eff: NonFinite) -> None:
+        if eff.halt:  # the driver says it, in one line, from the result
+            return
+        self.skipped += len(eff.job_ids)
+        if self.a.rank == 0:
+            print(f"WARNING: step {eff.step} not applied ({eff.reason}); train.on_nonfinite=skip: its jobs are "
+                  "counted as skipped_nonfinite, not learned", flush=True)
+
         import torch.distributed as dist
 
         gathered: list[list[int]] = [[] for _ in range(self.a.cfg.world_size)]
@@ -259,7 +269,8 @@ class DrafterActor:
         ops.executor.shutdown(wait=False)
         self._enter(DrafterPhase.COMPUTE)
         result = DrafterResult(self.rank, self.trainer.step, outcome.stopped, self.weights_checksum(), ops.last_ckpt,
-                               self.export() if (self.rank == 0 and not outcome.stopped) else None)
+                               self.export() if (self.rank == 0 and not outcome.stopped) else None,
+                               outcome.nonfinite, ops.skipped)
         self._enter(DrafterPhase.DONE)
         return result
 

@@ -290,3 +290,42 @@ def test_sum_votes_counts_an_optimizer_step_only_when_a_rank_trained():
     votes = [Reduce(2, False, False), Reduce(0, True, True), Reduce(1, False, False)]
     assert sum_votes(votes, 4) == StepTotals(5, 2, 1, True)
     assert sum_votes([Reduce(0, False, False), Reduce(0, True, False)], 4) == StepTotals(4, 0, 1, False)
+
+
+class NanAt(Solo):
+    """A world of one whose reduce reports step `bad` non-finite (what the trainer's verdict says)."""
+
+    def __init__(self, group, rank, cfg, bad: int, halt: bool) -> None:
+        super().__init__(group, rank, cfg)
+        self.bad, self.halt = bad, halt
+
+    def reduce(self, eff):
+        t = super().reduce(eff)
+        if t.step != self.bad:
+            return t
+        return StepTotals(t.step, t.active_ranks, t.eos_ranks, t.stop, "loss=nan grad_norm=nan", self.halt)
+
+    def nonfinite(self, eff):
+        self.log.append(("nonfinite", eff.step, eff.job_ids, eff.halt))
+
+
+def test_a_halting_nonfinite_step_ends_the_loop_with_no_ack_and_no_checkpoint():
+    """Issue 22 item 4, stop: the step's jobs are not acked and no checkpoint follows (not even the final
+    one), so nothing of the non-finite step is kept; the outcome says why."""
+    g = Group(FifoPool(range(5)), ranks=1, accum=1)
+    ops = NanAt(g, 0, LoopConfig(0, 1, 1), bad=3, halt=True)
+    cfg = LoopConfig(0, 1, 1, checkpoint_every=1)
+    assert drive(RankLoop(cfg), ops) == LoopOutcome(3, True, "loss=nan grad_norm=nan")
+    assert [e for e in ops.log if e[0] in ("checkpoint", "nonfinite", "updated")] == [
+        ("updated", 1), ("checkpoint", 1, False), ("updated", 2), ("checkpoint", 2, False),
+        ("nonfinite", 3, (2,), True)]
+    assert g.pool.acked == [0, 1]  # job 2 (the nan step's) never acked: the pool still holds its lease
+
+
+def test_a_skipped_nonfinite_step_acks_its_jobs_and_goes_on():
+    """Item 4, skip: the jobs are consumed (acked, announced as skipped) and training goes on."""
+    g = Group(FifoPool(range(4)), ranks=1, accum=1)
+    ops = NanAt(g, 0, LoopConfig(0, 1, 1), bad=2, halt=False)
+    assert drive(RankLoop(LoopConfig(0, 1, 1)), ops) == LoopOutcome(4, False)
+    assert [e for e in ops.log if e[0] == "nonfinite"] == [("nonfinite", 2, (1,), False)]
+    assert g.pool.acked == [0, 1, 2, 3]

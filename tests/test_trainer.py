@@ -149,3 +149,62 @@ def test_bf16_autocast_keeps_fp32_master_weights_that_move(parts) -> None:
                  job_id=1)
     t.finish_step()
     assert norm.dtype == torch.float32 and not torch.equal(norm, before)
+
+
+def _nan_batch(batch: TrainBatch) -> TrainBatch:
+    hidden = batch.hidden_BSD.clone()
+    hidden[0, :] = float("nan")  # poisoned hidden states: this rank's loss and grads turn nan
+    return TrainBatch(batch.input_ids_BS, batch.loss_mask_BS, hidden, batch.lengths_B)
+
+
+def _two_ranks_one_poisoned(arch, head, parts_batches, on_nonfinite: str):
+    small, big = parts_batches
+    reducer = ThreadReducer(2)
+    ranks = [_trainer(arch, head, reducer), _trainer(arch, head, reducer)]
+    for r in ranks:
+        r.tcfg = TrainConfig(lr=1e-2, warmup_ratio=0.0, grad_accum=2, sample_every=0, on_nonfinite=on_nonfinite)
+    out = [None, None]
+
+    def go(r: int, batch) -> None:
+        ranks[r].micro_step(batch, job_id=r)
+        out[r] = ranks[r].finish_step()
+
+    before = [[p.detach().clone() for p in r.drafter.parameters()] for r in ranks]
+    threads = [threading.Thread(target=go, args=(0, small)), threading.Thread(target=go, args=(1, _nan_batch(big)))]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    return ranks, out, before
+
+
+@pytest.mark.parametrize("mode", ["stop", "skip"])
+def test_a_nan_on_one_rank_is_seen_by_every_rank_and_never_applied(parts, mode) -> None:
+    """Issue 22 item 4: the verdict comes from the all-reduced loss and grad norm, so the healthy rank
+    agrees with the poisoned one; the update is not applied (weights and AdamW state unchanged)."""
+    arch, head, batches = parts
+    ranks, out, before = _two_ranks_one_poisoned(arch, head, batches, mode)
+    assert out[0].nonfinite == out[1].nonfinite == "loss=nan grad_norm=nan"
+    assert out[0].halt is out[1].halt is (mode == "stop")
+    for r, ref in zip(ranks, before):
+        assert all(torch.equal(a, b) for a, b in zip(ref, r.drafter.parameters()))
+        assert r.optimizer.state == {} and r.step == 1  # the step slot is consumed, nothing learned
+
+
+def test_skip_goes_on_with_finite_steps_and_stops_on_nonfinite_weights(parts) -> None:
+    """Item 4, skip: the next finite step trains as usual; once the weights themselves are nan
+    (skipping cannot recover them), the verdict halts even under skip."""
+    arch, head, (small, _) = parts
+    t = _trainer(arch, head)
+    t.tcfg = TrainConfig(lr=1e-2, warmup_ratio=0.0, grad_accum=1, sample_every=0, on_nonfinite="skip")
+    t.micro_step(_nan_batch(small), job_id=0)
+    skipped = t.finish_step()
+    assert (skipped.nonfinite != "", skipped.halt) == (True, False)
+    before = [p.detach().clone() for p in t.drafter.parameters()]
+    t.micro_step(small, job_id=1)
+    ok = t.finish_step()
+    assert (ok.nonfinite, ok.halt, t.step) == ("", False, 2)
+    assert not all(torch.equal(a, b) for a, b in zip(before, t.drafter.parameters()))
+    with torch.no_grad():
+        next(t.drafter.parameters()).fill_(float("inf"))
+    t.micro_step(small, job_id=2)
+    broken = t.finish_step()
+    assert broken.halt and broken.nonfinite.endswith(", the weights are non-finite")

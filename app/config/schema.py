@@ -247,9 +247,11 @@ class TrainConfig:
     seed: int = 0
     compile: str = "auto"  # torch.compile the drafter layers: auto (on for CUDA, off for CPU) | on | off
     activation_checkpointing: bool = False  # recompute each drafter layer in backward instead of saving it
+    on_nonfinite: str = "stop"  # a step whose loss or grad norm is nan/inf: stop (no checkpoint of it) | skip
 
     def __post_init__(self) -> None:
         _one_of("train.compile", self.compile, ("auto", "on", "off"))
+        _one_of("train.on_nonfinite", self.on_nonfinite, ("stop", "skip"))
         _at_least("train.epochs", self.epochs, 1, "train at least one epoch")
         _finite("train.lr", self.lr, "the DFlash default is 6e-4")
         if self.lr <= 0:

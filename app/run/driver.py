@@ -161,6 +161,7 @@ def supervise(plan, use_gpu: bool, stop: threading.Event) -> int:
         print(redact("RESULT " + " ".join(f"{k}={_fmt(v)}" for k, v in summary.items() if not isinstance(v, (list, dict)))),
               flush=True)
         return 0
+    from app.run.failures import RunFailed
     finally:
         outputs.close()  # report.html, for a stopped or failed run too
         sup.shutdown()
@@ -181,6 +182,11 @@ def build_summary(plan, sup, monitor: RunMonitor, outcome, tau, elapsed: float) 
         "steps": outcome.steps,
         "loss_first": monitor.loss_first,
         "loss_last": monitor.loss_last,
+        nonfinite = next((r.nonfinite for r in outcome.drafter_results if r.nonfinite), "")
+        if nonfinite:  # train.on_nonfinite=stop: nothing of that step was checkpointed or exported
+            raise RunFailed(f"step {outcome.steps} is non-finite ({nonfinite}); stopped before checkpointing or "
+                            "exporting it, the last checkpoint is the resume point; lower train.lr or "
+                            "train.max_grad_norm, or set train.on_nonfinite=skip")
         "train_tok_s": monitor.train_tok_s(),
         "replica_tok_s": monitor.replica_tok_s(),
         "data_wait": monitor.data_wait_share(),
@@ -209,3 +215,4 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)
+        "jobs_skipped_nonfinite": sum(r.skipped_nonfinite for r in outcome.drafter_results),  # acked, not learned

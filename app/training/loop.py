@@ -18,6 +18,11 @@ join the step's reduce, whose totals say what comes next:
   ride on the next pull, or go at once (`SendAcks`) when a pull is still waiting for its answer (the
   pool may need these very acks before it can answer); then the all-gather of job ids (`Gather`),
   `StepDone` (ledger, step log, report), a stop ends the loop, else rank 0's checkpoint and eval cadence.
+A step whose all-reduced loss or grad norm is non-finite was not applied by the trainer (every rank
+sees the same totals, so all agree): with `train.on_nonfinite=skip` it goes on as above, its jobs acked
+as consumed and announced (`NonFinite`: counted as skipped_nonfinite, never learned); when the totals
+say `halt` (on_nonfinite=stop, or the weights themselves are non-finite) the loop ends at once, with no
+ack and no checkpoint: the run's last checkpoint stays its resume point.
 Rank 0 checkpoints once more when the loop ends (after a stop, acks still held for a next pull are
 not sent: that checkpoint's ledger holds their jobs).
 """
@@ -50,6 +55,8 @@ class Totals(Protocol):
     active_ranks: int  # ranks that trained on something this step
     eos_ranks: int  # ranks whose stream has ended
     stop: bool  # rank 0 asked to stop
+    nonfinite: str  # why the step's update was not applied (nan/inf loss or grad norm); "" = applied
+    halt: bool  # a non-finite step the run stops at
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,8 @@ class StepTotals:
     active_ranks: int
     eos_ranks: int
     stop: bool
+    nonfinite: str = ""
+    halt: bool = False
 
 
 # ---- effects: what the loop asks its driver to do (`op` names the driver's method) ------------------
@@ -153,6 +162,18 @@ class Updated:
 
 
 @dataclass(frozen=True)
+class NonFinite:
+    """The step's update was not applied (`reason`); `halt`: the loop ends now, else it was skipped and
+    `job_ids` (this rank's) are acked as consumed, not learned."""
+
+    step: int
+    job_ids: tuple[int, ...]
+    reason: str
+    halt: bool
+    op: ClassVar[str] = "nonfinite"
+
+
+@dataclass(frozen=True)
 class Gather:
     """All-gather of the step's job ids. Result: one list of job ids per rank."""
 
@@ -195,6 +216,7 @@ class LoopOutcome:
 
     steps: int  # optimizer steps done (the last totals' step)
     stopped: bool  # a stop was requested (else every stream ended)
+    nonfinite: str = ""  # the loop halted at a non-finite step (why); then `stopped` is True too
 
 
 def sum_votes(votes: Sequence[Reduce], step_before: int) -> StepTotals:
@@ -228,7 +250,12 @@ class RankLoop:
             if totals.active_ranks == 0 and not totals.stop:
                 yield Sleep(cfg.drain_sleep_s)  # all drained while leases elsewhere await acks: pull again
                 continue
+            if totals.halt:  # no ack, no checkpoint: nothing of this step may be kept
+                yield NonFinite(step, tuple(job_ids), totals.nonfinite, halt=True)
+                return LoopOutcome(step, stopped=True, nonfinite=totals.nonfinite)
             yield Updated(step)
+            if totals.nonfinite:  # skipped: the jobs are consumed (acked below) but were not learned
+                yield NonFinite(step, tuple(job_ids), totals.nonfinite, halt=False)
             if job_ids:  # after the optimizer step: a crash before this re-issues the jobs
                 yield from self._ack(job_ids)
             gathered = yield Gather(tuple(job_ids))
@@ -346,6 +373,9 @@ class QuietHooks:
         return False
 
     def updated(self, effect: Updated) -> None:
+        return None
+
+    def nonfinite(self, effect: NonFinite) -> None:
         return None
 
     def step_done(self, effect: StepDone) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -67,6 +68,8 @@ class StepStats:
     local_tokens: int = 0
     local_loss: float = 0.0
     compute_s: float = 0.0
+    nonfinite: str = ""  # why this step was not applied ("loss=nan grad_norm=inf"); "" = a finite step
+    halt: bool = False  # a non-finite step the run must stop at (train.on_nonfinite=stop, or nan weights)
 
 
 class StepAccumulator:
@@ -173,8 +176,11 @@ class DrafterTrainer:
         grad_norm, lr = 0.0, self.scheduler.get_last_lr()[0]
         # Weighted top-5 accuracy on sampling steps (weights as the loss); -1 on other steps.
         topk_acc = g_stats["topk_correct_sum"] / weight if self.sampling_step() and weight > 0 else -1.0
+        nonfinite, halt = "", False
         if weight > 0:
-            grad_norm = self._apply(params, flat[:n_grad].div_(weight), jobs=int(g_stats["jobs"]))  # no copy
+            grad_norm = self._apply(params, flat[:n_grad].div_(weight), jobs=int(g_stats["jobs"]),  # no copy
+                                    loss_sum=g_stats["loss_sum"])
+            nonfinite, halt = self._verdict(g_stats["loss_sum"] / weight, grad_norm, params)
         else:  # nothing to learn this step; do not carry stale gradients into the next one
             self.optimizer.zero_grad(set_to_none=True)
         half = g_pos.numel() // 2
@@ -186,21 +192,43 @@ class DrafterTrainer:
             tokens=int(g_stats["tokens"]), active_ranks=int(g_stats["active"]), eos_ranks=int(g_stats["eos"]), stop=g_stats["stop"] > 0,
             grad_norm=grad_norm, lr=lr, per_pos_acc=per_pos, topk_acc=topk_acc, local_tokens=int(self.acc.sums["tokens"]),
             local_loss=self.acc.sums["loss_sum"] / max(weight, 1e-12), compute_s=time.perf_counter() - t0,
+            nonfinite=nonfinite, halt=halt,
         )
         self.acc = StepAccumulator(self.dcfg.block_size)
         return result
 
-    def _apply(self, params: list[torch.nn.Parameter], flat_grad: torch.Tensor, jobs: int = 1) -> float:
+    def _apply(self, params: list[torch.nn.Parameter], flat_grad: torch.Tensor, jobs: int = 1,
+               loss_sum: float = 0.0) -> float:
+        """Clip and step; a non-finite loss or grad norm (the all-reduced ones: every rank sees the
+        same) is never applied: the weights and AdamW's moments stay as they were."""
         offset = 0
         for p in params:
             n = p.numel()
             p.grad = flat_grad[offset:offset + n].view_as(p).to(p.dtype)
             offset += n
         norm = float(torch.nn.utils.clip_grad_norm_(params, self.tcfg.max_grad_norm))
-        self.optimizer.step()
+        applied = math.isfinite(norm) and math.isfinite(loss_sum)
+        if applied:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.jobs_per_unit:  # advance by the jobs this step consumed (LambdaLR.step adds the last one)
             self.scheduler.last_epoch += max(1, jobs) - 1
-        self.scheduler.step()
+        with warnings.catch_warnings():  # a skipped step still consumed its jobs: the schedule runs on
+            if not applied:  # torch warns of a scheduler step before any optimizer step; intended here
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            self.scheduler.step()
         self.step += 1
         return norm
+
+    def _verdict(self, loss: float, grad_norm: float, params: list[torch.nn.Parameter]) -> tuple[str, bool]:
+        """("", False) for a finite step; else why, and whether the run stops: always with
+        train.on_nonfinite=stop, and with skip when the weights themselves are no longer finite (an
+        earlier update overflowed them): skipping could not recover, every later step would be nan."""
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            return "", False
+        why = f"loss={loss:.4g} grad_norm={grad_norm:.4g}"
+        if self.tcfg.on_nonfinite == "stop":
+            return why, True
+        with torch.no_grad():
+            weights_ok = all(bool(torch.isfinite(p).all()) for p in params)
+        return (why, False) if weights_ok else (why + ", the weights are non-finite", True)
