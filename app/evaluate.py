@@ -38,8 +38,7 @@ def run(cfg, drafter_dir: str | None = None, prompts_file: str | None = None):
     info = read_target_info(target.model_dir)
     device = pick_device(cfg.topology.device)
     dtype = compute_dtype(cfg.model.dtype, device)
-    mask_id = target.mask_token_id if cfg.drafter.mask_token_id < 0 and target.mask_token_id is not None \
-        else resolved_mask_token_id(cfg, info)
+    mask_id = resolved_mask_token_id(cfg, info)
     model = AutoModelForCausalLM.from_pretrained(target.model_dir, **target_load_kwargs(device, dtype)).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(target.model_dir)
     path = prompts_file or target.eval_prompts_file

@@ -111,3 +111,42 @@ def test_final_tau_on_a_real_hanging_target_returns(ray_cluster) -> None:
     assert (result.untrained, result.trained) == (None, None)
     assert result.reason == ("untrained: target 7 gave no answer within eval.timeout_s=0.5 s; "
                              "trained: every live target hung in the other measurement")
+
+
+# ---- item 9: the data cache is keyed by content -----------------------------------------------------
+
+
+def test_a_same_size_rewrite_with_its_old_mtime_misses_the_cache(tmp_path) -> None:
+    """Item 9: the key was (path, size, mtime): rewriting a file with other bytes of the same length and
+    putting its mtime back reused the stale tokens (and the resume fingerprint, made of them, matched)."""
+    import json
+    import os
+
+    from app.config.schema import CheckpointConfig, Config, DataConfig, ModelConfig
+    from app.data import pipeline
+    from tests.chat_toys import QWEN_TEMPLATE, bpe_tokenizer
+
+    model_dir = tmp_path / "tok"
+    tokenizer = bpe_tokenizer(QWEN_TEMPLATE)
+    tokenizer.save_pretrained(model_dir)
+    data = tmp_path / "a.jsonl"
+    ids = list(range(5, 45))
+    data.write_text(json.dumps({"input_ids": ids, "loss_mask": [0] * 8 + [1] * 32}) + "\n")
+    stat = data.stat()
+    cfg = Config(model=ModelConfig(target="tiny"), data=DataConfig(train_files=[str(data)], num_workers=1),
+                 checkpoint=CheckpointConfig(dir=str(tmp_path / "run")))
+    logs: list[str] = []
+
+    def load():
+        logs.clear()
+        return pipeline.load_or_tokenize(cfg, str(model_dir), tokenizer, [str(data)], progress=False, log=logs.append)
+
+    first = load()
+    assert logs[0].startswith("data: tokenized") and list(first.tokens[:3]) == [5, 6, 7]
+    swapped = [6, 5] + ids[2:]  # the same length in bytes: same size
+    data.write_text(json.dumps({"input_ids": swapped, "loss_mask": [0] * 8 + [1] * 32}) + "\n")
+    os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert (data.stat().st_size, data.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
+    second = load()
+    assert logs[0].startswith("data: tokenized") and list(second.tokens[:3]) == [6, 5, 7]
+    assert load() is not None and logs[0].startswith("data: loaded")  # unchanged bytes: a hit

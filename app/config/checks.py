@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app.config.errors import ConfigError
-from app.config.schema import TINY_TARGET, Config, TopologyConfig
-from app.model.arch import resolve_layer_ids
+from app.config.schema import TINY_TARGET, Config, TopologyConfig, resolve_layer_ids
 
 
 def check_paths(cfg: Config) -> None:

@@ -387,3 +387,10 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     if k == 1:
         return [num_target_layers // 2]
     return [round(lo + i * (hi - lo) / (k - 1)) for i in range(k)]
+
+
+def resolve_layer_ids(layer_ids: list[int] | tuple[int, ...], n_target_layers: int, n_draft_layers: int) -> list[int]:
+    """`layer_ids` as given, or DFlash's default spread when empty."""
+    if layer_ids:
+        return [int(i) for i in layer_ids]
+    return default_target_layer_ids(n_target_layers, n_draft_layers)

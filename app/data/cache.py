@@ -9,7 +9,8 @@ Layout of one entry, `<data.cache_dir>/<key>/`:
 An entry is written into a temp folder and renamed into place, so readers never see half of one and
 two runs that tokenize the same data at once both end up with one complete entry.
 
-The key hashes the input files (absolute path, size, modification time), the tokenizer (its files
+The key hashes the input files (absolute path and a SHA-256 of their bytes: a file rewritten with the
+same size and its old modification time is other data, and must miss), the tokenizer (its files
 and chat template, and the transformers version), and every setting that shapes the tokenized data
 (`data.format`, `max_length`, `overlong`, `on_error`, `enable_thinking`, and `drafter.block_size`,
 which sets the minimum of loss tokens). The schedule's settings (`data.seed`, `tokens_per_job`,
@@ -31,8 +32,9 @@ from app.config.schema import Config, DataConfig
 from app.data.dataset import DataSummary, TokenizedDataset
 from app.storage import local_path
 
-CACHE_VERSION = 1  # bump when the tokenizer path changes what it writes for the same inputs
+CACHE_VERSION = 2  # bump when the tokenizer path changes what it writes for the same inputs
 _ARRAYS = ("tokens", "loss_mask", "offsets")
+_DIGEST_CHUNK = 1 << 22  # bytes per read while hashing an input
 # Files of a Hugging Face model folder that shape tokenization (weights and model config do not).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                     "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json")
@@ -62,12 +64,22 @@ def tokenizer_fingerprint(model_dir: str | Path, tokenizer) -> str:
     return h.hexdigest()
 
 
+def file_digest(path: str | Path) -> tuple[int, str]:
+    """(bytes, SHA-256 hex) of a file's content, read in chunks (inputs of many GB never sit in memory)."""
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_DIGEST_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
 def cache_key(files: list[str], tokenizer_id: str, data: DataConfig, block_size: int) -> tuple[str, dict]:
     """(key, what it hashes) for tokenizing `files` with these settings."""
     inputs = []
     for f in files:
-        st = Path(f).stat()
-        inputs.append({"path": str(Path(f).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+        size, digest = file_digest(f)
+        inputs.append({"path": str(Path(f).resolve()), "size": size, "sha256": digest})
     parts = {
         "version": CACHE_VERSION,
         "files": inputs,

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from app.config.schema import DrafterConfig, default_target_layer_ids
+from app.config.schema import DrafterConfig, resolve_layer_ids
 
 
 @dataclass(frozen=True)
@@ -100,13 +100,6 @@ class DrafterArch:
             num_target_layers=n_target,
             attention_bias=bool(get("attention_bias") or False),
         )
-
-
-def resolve_layer_ids(layer_ids: list[int] | tuple[int, ...], n_target_layers: int, n_draft_layers: int) -> list[int]:
-    """`layer_ids` as given, or DFlash's default spread when empty."""
-    if layer_ids:
-        return [int(i) for i in layer_ids]
-    return default_target_layer_ids(n_target_layers, n_draft_layers)
 
 
 def _getter(cfg: Any):
