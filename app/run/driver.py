@@ -126,6 +126,7 @@ def install_stop_handler():
 
 
 def supervise(plan, use_gpu: bool, stop: threading.Event) -> int:
+    from app.run.failures import RunFailed
     from app.run.outputs import RunOutputs
     from app.run.plan import run_name
     from app.run.supervisor import Supervisor
@@ -146,6 +147,11 @@ def supervise(plan, use_gpu: bool, stop: threading.Event) -> int:
         outputs.attach(sup)
         log(f"{cfg.topology.num_targets} targets and {cfg.topology.num_drafters} drafters running (run '{name}')")
         outcome = sup.run()
+        nonfinite = next((r.nonfinite for r in outcome.drafter_results if r.nonfinite), "")
+        if nonfinite:  # train.on_nonfinite=stop: nothing of that step was checkpointed or exported
+            raise RunFailed(f"step {outcome.steps} is non-finite ({nonfinite}); stopped before checkpointing or "
+                            "exporting it, the last checkpoint is the resume point; lower train.lr or "
+                            "train.max_grad_norm, or set train.on_nonfinite=skip")
         if outcome.stopped:
             log(f"stopped cleanly at step {outcome.steps}; resubmit the same command to resume")
             return 0
@@ -161,7 +167,6 @@ def supervise(plan, use_gpu: bool, stop: threading.Event) -> int:
         print(redact("RESULT " + " ".join(f"{k}={_fmt(v)}" for k, v in summary.items() if not isinstance(v, (list, dict)))),
               flush=True)
         return 0
-    from app.run.failures import RunFailed
     finally:
         outputs.close()  # report.html, for a stopped or failed run too
         sup.shutdown()
@@ -179,14 +184,10 @@ def build_summary(plan, sup, monitor: RunMonitor, outcome, tau, elapsed: float) 
         "jobs_quarantined": ledger["jobs_quarantined"],  # poison jobs: forward failed twice, never trained
         "quarantined_jobs": ledger["quarantined_jobs"],
         "jobs_trained_this_run": ledger["jobs_acked"] - len(set(plan.resume_ledger)),
+        "jobs_skipped_nonfinite": sum(r.skipped_nonfinite for r in outcome.drafter_results),  # acked, not learned
         "steps": outcome.steps,
         "loss_first": monitor.loss_first,
         "loss_last": monitor.loss_last,
-        nonfinite = next((r.nonfinite for r in outcome.drafter_results if r.nonfinite), "")
-        if nonfinite:  # train.on_nonfinite=stop: nothing of that step was checkpointed or exported
-            raise RunFailed(f"step {outcome.steps} is non-finite ({nonfinite}); stopped before checkpointing or "
-                            "exporting it, the last checkpoint is the resume point; lower train.lr or "
-                            "train.max_grad_norm, or set train.on_nonfinite=skip")
         "train_tok_s": monitor.train_tok_s(),
         "replica_tok_s": monitor.replica_tok_s(),
         "data_wait": monitor.data_wait_share(),
@@ -215,4 +216,3 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)
-        "jobs_skipped_nonfinite": sum(r.skipped_nonfinite for r in outcome.drafter_results),  # acked, not learned
