@@ -76,6 +76,7 @@ class _RankOps:
         self.pending: Future | None = None
         self.t_step = time.perf_counter()
         self.last_ckpt: str | None = None
+        self.skipped = 0  # jobs of skipped non-finite steps
 
     def step_start(self, _: StepStart) -> None:
         self.t_step = time.perf_counter()
@@ -144,7 +145,6 @@ class _RankOps:
     def updated(self, eff: Updated) -> None:
         self.a._maybe_crash(eff.step)
 
-    def gather(self, eff: Gather) -> list[list[int]]:
     def nonfinite(self, eff: NonFinite) -> None:
         if eff.halt:  # the driver says it, in one line, from the result
             return
@@ -153,6 +153,7 @@ class _RankOps:
             print(f"WARNING: step {eff.step} not applied ({eff.reason}); train.on_nonfinite=skip: its jobs are "
                   "counted as skipped_nonfinite, not learned", flush=True)
 
+    def gather(self, eff: Gather) -> list[list[int]]:
         import torch.distributed as dist
 
         gathered: list[list[int]] = [[] for _ in range(self.a.cfg.world_size)]
