@@ -7,7 +7,9 @@ turn gets one generated assistant turn appended. Work is spread over `topology.n
 generator actors (actors/generator.py), in chunks of records with similar lengths.
 
 OUT is JSONL, one `{"id": <line of the record in IN>, "messages": [...]}` per record, in completion
-order. Resumable: ids already in OUT are skipped, and a torn last line (a crash mid-write) is cut off.
+order. Resumable: ids already in OUT are skipped, and a torn last line (a crash mid-write) is cut off;
+a complete line that is not a record is skipped and counted (`out_bad_lines`), never truncated at. OUT is
+locked while a run writes it: a second run on the same OUT stops with one line, exit 2.
 Each turn is capped so prompt + response stays within `data.max_length`.
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 
 from app.config.schema import Config
 from app.data.progress import progress_bar
-from app.data.regenerate import chunk_by_length, pending_records, read_done_ids
+from app.data.regenerate import chunk_by_length, locked_out, pending_records, scan_out
 
 
 # ----------------------------------------------------------------------------------- driver
@@ -30,18 +32,26 @@ from app.data.regenerate import chunk_by_length, pending_records, read_done_ids
 def run_regenerate(cfg: Config, in_path: str, out_path: str, *, max_new_tokens: int, chunk_size: int = 32,
                    batch_size: int = 16, progress: bool = True) -> dict:
     """Regenerate IN into OUT with `topology.num_targets` generator actors; returns the counts."""
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with locked_out(out) as f:  # before reading it: a second writer must not see (or cut) our lines
+        scan = scan_out(out)
+        todo, counts = pending_records(in_path, cfg.data.format, cfg.data.on_error, set(scan.ids))
+        counts |= {"out_bad_lines": scan.bad_lines, "written": 0}
+        if todo:
+            _generate(cfg, todo, f, counts, max_new_tokens, chunk_size, batch_size, progress)
+    return counts
+
+
+def _generate(cfg: Config, todo: list, f, counts: dict, max_new_tokens: int, chunk_size: int, batch_size: int,
+              progress: bool) -> None:
+    """Regenerate `todo` over the generator actors, appending each finished chunk to `f` (OUT)."""
     import ray
 
     from actors.generator import Generator
     from app.tiny.build import resolve_target
     from app.run.topology import uses_gpu
 
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    todo, counts = pending_records(in_path, cfg.data.format, cfg.data.on_error, read_done_ids(out))
-    counts["written"] = 0
-    if not todo:
-        return counts
     if not ray.is_initialized():
         ray.init(configure_logging=False)
     topo = cfg.topology
@@ -56,7 +66,7 @@ def run_regenerate(cfg: Config, in_path: str, out_path: str, *, max_new_tokens: 
                     enable_thinking=cfg.data.enable_thinking)
     in_flight: dict = {}
     try:
-        with open(out, "a") as f, progress_bar(len(todo), "regenerate", enabled=progress) as bar:
+        with progress_bar(len(todo), "regenerate", enabled=progress) as bar:
             while chunks or in_flight:
                 # Two chunks per actor: one generating, one queued behind it.
                 for a in actors:
@@ -75,7 +85,6 @@ def run_regenerate(cfg: Config, in_path: str, out_path: str, *, max_new_tokens: 
     finally:
         for a in actors:
             ray.kill(a)
-    return counts
 
 
 def main(argv: list[str] | None = None) -> int:

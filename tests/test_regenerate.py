@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from app.config.schema import Config, DataConfig, ModelConfig, TinyConfig, TopologyConfig
-from app.data.regenerate import read_done_ids, regenerate_conversations
+from app.data.records import DataError
+from app.data.regenerate import OutScan, locked_out, read_done_ids, regenerate_conversations, scan_out
 
 SMALL = dict(num_layers=2, num_train_prompts=4, num_eval_prompts=1, prompt_length=4, response_length=8)
 
@@ -68,6 +69,41 @@ def test_a_torn_last_line_is_cut_and_regenerated(tmp_path):
     assert read_done_ids(tmp_path / "missing.jsonl") == set()
 
 
+def test_a_bad_complete_line_is_skipped_and_counted_not_truncated_at(tmp_path):
+    """Issue 22 item 8: a bad line in the middle cut off every finished record after it (ids 3 and 5
+    here, regenerated for nothing and lost from OUT); now it is skipped and counted, only the torn tail goes."""
+    out = tmp_path / "out.jsonl"
+    body = '{"id": 1, "messages": []}\nnot json\n{"id": 3, "messages": []}\n[1]\n{"id": 5, "messages": []}\n'
+    out.write_text(body + '{"id": 7, "me')
+    assert scan_out(out) == OutScan(frozenset({1, 3, 5}), bad_lines=2, torn_bytes=len('{"id": 7, "me'))
+    assert out.read_text() == body
+    assert scan_out(out) == OutScan(frozenset({1, 3, 5}), bad_lines=2, torn_bytes=0)
+
+
+def test_a_second_writer_on_one_out_is_refused(tmp_path):
+    """Item 8: two runs on one OUT interleaved their lines; the second is refused in one line, in this
+    process and from another process, and may write once the first is done."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out.jsonl"
+    probe = ("import sys; from pathlib import Path; from app.data.records import DataError\n"
+             "from app.data.regenerate import locked_out\n"
+             "try:\n    with locked_out(Path(sys.argv[1])): print('locked')\n"
+             "except DataError as e: print('refused:', e)\n")
+    with locked_out(out) as f:
+        f.write('{"id": 1, "messages": []}\n')
+        with pytest.raises(DataError, match="being written by another python -m app.regenerate"):
+            with locked_out(out):
+                pass
+        other = subprocess.run([sys.executable, "-c", probe, str(out)], capture_output=True, text=True, check=True,
+                               cwd=Path(__file__).resolve().parents[1])
+        assert other.stdout.startswith(f"refused: {out} is being written by another python -m app.regenerate")
+    again = subprocess.run([sys.executable, "-c", probe, str(out)], capture_output=True, text=True, check=True,
+                           cwd=Path(__file__).resolve().parents[1])
+    assert again.stdout == "locked\n" and read_done_ids(out) == {1}
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_regenerate_over_actors_then_resume(ray_cluster, tiny_cfg, tmp_path):
@@ -82,7 +118,7 @@ def test_regenerate_over_actors_then_resume(ray_cluster, tiny_cfg, tmp_path):
     out = tmp_path / "out.jsonl"
 
     counts = run_regenerate(tiny_cfg, str(src), str(out), max_new_tokens=6, chunk_size=2, batch_size=2)
-    assert counts == {"records": 6, "already_done": 0, "malformed": 1, "pending": 5, "written": 5}
+    assert counts == {"records": 6, "already_done": 0, "malformed": 1, "pending": 5, "out_bad_lines": 0, "written": 5}
     first = {r["id"]: r["messages"] for r in map(json.loads, out.read_text().splitlines())}
     assert sorted(first) == [1, 2, 3, 4, 6]
 
@@ -90,7 +126,7 @@ def test_regenerate_over_actors_then_resume(ray_cluster, tiny_cfg, tmp_path):
     kept = [line for line in out.read_text().splitlines() if json.loads(line)["id"] not in (2, 6)]
     out.write_text("\n".join(kept) + "\n" + json.dumps({"id": 2, "messages": first[2]})[:15])
     again = run_regenerate(tiny_cfg, str(src), str(out), max_new_tokens=6, chunk_size=2, batch_size=2)
-    assert again == {"records": 6, "already_done": 3, "malformed": 1, "pending": 2, "written": 2}
+    assert again == {"records": 6, "already_done": 3, "malformed": 1, "pending": 2, "out_bad_lines": 0, "written": 2}
     final = [json.loads(line) for line in Path(out).read_text().splitlines()]
     assert sorted(r["id"] for r in final) == [1, 2, 3, 4, 6]
     assert {r["id"]: r["messages"] for r in final} == first

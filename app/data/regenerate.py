@@ -5,8 +5,13 @@ Ray code, so the generator actor and the tests import it without the entry point
 """
 from __future__ import annotations
 
+import fcntl
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 
 def regenerate_conversations(model, tokenizer, convs: list[list[dict]], *, max_new_tokens: int, max_length: int,
@@ -77,25 +82,58 @@ def _pad_id(tokenizer) -> int:
 # ----------------------------------------------------------------------------------- files
 
 
-def read_done_ids(out_path: Path) -> set[int]:
-    """Ids already written to OUT; a torn last line is cut off so appends stay valid JSONL."""
+@dataclass(frozen=True)
+class OutScan:
+    """What OUT already holds: the ids written, complete lines that are not a record (skipped, counted),
+    and the bytes of a torn last line (cut off)."""
+
+    ids: frozenset[int]
+    bad_lines: int = 0
+    torn_bytes: int = 0
+
+
+def scan_out(out_path: Path) -> OutScan:
+    """Read OUT's ids. A complete line that is not a record (a bad edit, two old writers' interleaving)
+    is skipped and counted, its record regenerated, and every line after it kept; only a torn last line
+    (a crash mid-write, no newline) is cut off, so appends stay valid JSONL."""
     if not out_path.exists():
-        return set()
+        return OutScan(frozenset())
     done: set[int] = set()
-    good_end = 0
+    bad, good_end = 0, 0
     with open(out_path, "rb") as f:
         for line in f:
             if not line.endswith(b"\n"):
                 break  # torn mid-write: that record is regenerated
+            good_end += len(line)
             try:
                 done.add(int(json.loads(line)["id"]))
-            except (ValueError, KeyError, TypeError):
-                break  # only the last line can be torn; nothing valid follows it
-            good_end += len(line)
-    if good_end < out_path.stat().st_size:
+            except (ValueError, KeyError, TypeError, RecursionError):
+                bad += 1
+    torn = out_path.stat().st_size - good_end
+    if torn:
         with open(out_path, "r+b") as f:
             f.truncate(good_end)
-    return done
+    return OutScan(frozenset(done), bad, torn)
+
+
+def read_done_ids(out_path: Path) -> set[int]:
+    """Ids already written to OUT (see `scan_out`)."""
+    return set(scan_out(out_path).ids)
+
+
+@contextmanager
+def locked_out(out_path: Path) -> Iterator[TextIO]:
+    """OUT opened for appending under an exclusive lock, held until the block ends: a second writer
+    on the same OUT would interleave its lines with ours, so it is refused in one line instead."""
+    from app.data.records import DataError
+
+    with open(out_path, "a", encoding="utf-8") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DataError(f"{out_path} is being written by another python -m app.regenerate; wait for it to "
+                            "end (it resumes where it stops) or give another --out") from None
+        yield f
 
 
 def pending_records(in_path: str, data_format: str, on_error: str, done: set[int]) -> tuple[list[tuple[int, list[dict]]], dict]:
