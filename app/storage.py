@@ -1,8 +1,8 @@
 """Where checkpoints, the export and the summary go: a local folder or a URI that `pyarrow.fs` opens.
 
 `open_storage(root)` gives a `Storage` over `checkpoint.dir`. A plain path (no `://`) is a local
-folder and keeps the behaviour checkpoints always had: stage in `<root>/.tmp-<name>/`, rename into
-place. Anything else (`s3://bucket/run?endpoint_override=host:port&scheme=http`, `gs://...`,
+folder and keeps the behaviour checkpoints always had: stage in `<root>/.tmp-<name>-<nonce>/`, rename
+into place. Anything else (`s3://bucket/run?endpoint_override=host:port&scheme=http`, `gs://...`,
 `file:///...`) goes through `pyarrow.fs.FileSystem.from_uri`. Object stores have no atomic rename, so
 there an entry is published with a marker instead:
 
@@ -155,8 +155,7 @@ class LocalStorage(Storage):
 
     def stage(self, name: str) -> Path:
         self.path.mkdir(parents=True, exist_ok=True)
-        tmp = self.path / f".tmp-{name}"
-        shutil.rmtree(tmp, ignore_errors=True)
+        tmp = self.path / f".tmp-{name}-{uuid.uuid4().hex[:8]}"  # unique: two writers of one step never share it
         tmp.mkdir()
         return tmp
 

@@ -124,9 +124,10 @@ def test_files_and_folders_are_fsynced_before_the_rename_publishes_them(tmp_path
     monkeypatch.setattr(os, "open", track_open)
     monkeypatch.setattr(os, "fsync", track_fsync)
     save_checkpoint(tmp_path / "run", _state(2), keep=1)
-    for name in ("drafter.safetensors", "trainer.pt", "state.json", ".tmp-ckpt-00000002", "run"):
+    staged = next(n for n in synced if n.startswith(".tmp-ckpt-00000002-"))  # staged under a unique name
+    for name in ("drafter.safetensors", "trainer.pt", "state.json", staged, "run"):
         assert name in synced, (name, synced)
-    assert synced.index(".tmp-ckpt-00000002") < synced.index("run")  # the folder before the rename's parent
+    assert synced.index(staged) < synced.index("run")  # the folder before the rename's parent
 
 
 def test_orphans_of_a_crash_mid_save_are_cleaned_on_start(tmp_path: Path) -> None:

@@ -95,3 +95,105 @@ def test_a_local_dir_through_a_file_uri_is_checked_too(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="refusing to download"):
             safe_destination(folder, key, "base")
     assert safe_destination(folder, "base/a/b.txt", "base") == folder / "a" / "b.txt"
+
+
+# ---- item 2: one run per checkpoint.dir -----------------------------------------------------------
+
+def test_a_second_lease_on_one_dir_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Item 2: the second run is refused, naming the holder; before there was no lease at all."""
+    from app.run.lease import LEASE_FILE, LeaseHeld, RunLease
+
+    first = RunLease(tmp_path, 60).acquire()
+    with pytest.raises(LeaseHeld) as err:
+        RunLease(tmp_path, 60).acquire()
+    assert "another run holds" in str(err.value) and f"pid {__import__('os').getpid()}" in str(err.value)
+    assert "\n" not in str(err.value) and err.value.kind == "checkpoint"
+    first.release()
+    assert not (tmp_path / LEASE_FILE).exists()
+    RunLease(tmp_path, 60).acquire().release()  # free again once released
+
+
+def test_a_stale_lease_is_taken_over_and_its_holder_learns_it(tmp_path: Path) -> None:
+    """Item 2: no heartbeat for lease_timeout_s (virtual clock) = stale: a new run takes over, and the
+    old holder's next heartbeat finds the lease gone instead of writing over it."""
+    from app.run.lease import RunLease
+
+    now = [1000.0]
+    old = RunLease(tmp_path, 60, clock=lambda: now[0]).acquire()
+    now[0] += 59
+    from app.run.lease import LeaseHeld
+
+    with pytest.raises(LeaseHeld):
+        RunLease(tmp_path, 60, clock=lambda: now[0]).acquire()
+    now[0] += 2  # 61 s without a heartbeat
+    new = RunLease(tmp_path, 60, clock=lambda: now[0]).acquire()
+    assert new.taken_over["run_id"] == old.me["run_id"]
+    assert old.beat() is False and new.held() and not old.held()
+    old.release()  # not its lease any more: left alone
+    assert new.held()
+
+
+def test_a_lease_of_a_dead_process_on_this_host_is_taken_over_at_once(tmp_path: Path) -> None:
+    """Item 2: a driver killed with SIGKILL leaves its lease behind; a resubmit on the same host need
+    not wait for the timeout (its pid is gone)."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    from app.run.lease import LEASE_FILE, RunLease
+
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = {"host": socket.gethostname(), "pid": int(proc.stdout), "run_id": "x", "heartbeat": __import__("time").time()}
+    (tmp_path / LEASE_FILE).write_text(json.dumps(dead))
+    lease = RunLease(tmp_path, 3600).acquire()
+    assert lease.taken_over["pid"] == dead["pid"] and lease.held()
+
+
+def test_a_uri_lease_refuses_a_second_run(tmp_path: Path) -> None:
+    """Item 2 on a URI root (file://, the same code path as s3://): read, write, read back."""
+    from app.run.lease import LeaseHeld, RunLease
+
+    root = f"file://{tmp_path}/run"
+    first = RunLease(root, 60).acquire()
+    with pytest.raises(LeaseHeld):
+        RunLease(root, 60).acquire()
+    first.release()
+    RunLease(root, 60).acquire().release()
+
+
+def test_two_writers_of_one_step_stage_apart(tmp_path: Path) -> None:
+    """Item 2: staging folders are unique (both writers used `.tmp-ckpt-<step>` and mixed files)."""
+    store = open_storage(tmp_path)
+    a, b = store.stage("ckpt-00000004"), store.stage("ckpt-00000004")
+    (a / "w").write_text("a")
+    assert a != b and not (b / "w").exists()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_second_driver_on_a_running_dir_exits_2_in_one_line(ray_cluster, tmp_path: Path) -> None:
+    """Item 2 with two real driver processes: the second one exits 2 with one line while the first runs,
+    and the first one finishes its training untouched. The first is held (SIGSTOP) while the second
+    starts, so it is certainly running then, however fast this machine trains."""
+    import signal
+
+    from tests.e2e_helpers import start_driver, summary, wait_for
+
+    run_dir = tmp_path / "run"
+    first = start_driver(run_dir, "checkpoint.lease_timeout_s=3600")
+    try:
+        wait_for(lambda: (run_dir / ".run-lease").exists(), 900, "the first driver's lease")
+        first.send_signal(signal.SIGSTOP)
+        second = start_driver(run_dir)
+        out, _ = second.communicate(timeout=900)
+        first.send_signal(signal.SIGCONT)
+        assert second.returncode == 2, out
+        errors = [line for line in out.splitlines() if "error:" in line]
+        assert len(errors) == 1 and errors[0].startswith("checkpoint error: another run holds"), out
+        out1, _ = first.communicate(timeout=900)
+        assert first.returncode == 0, out1[-3000:]
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert summary(run_dir)["jobs_acked_twice"] == 0 and not (run_dir / ".run-lease").exists()

@@ -271,10 +271,13 @@ class CheckpointConfig:
     dir: str = "runs/default"
     every_steps: int = 500
     keep: int = 3
+    lease_timeout_s: float = 120.0  # a run lease not refreshed for this long is stale: another run may take it
 
     def __post_init__(self) -> None:
         _at_least("checkpoint.every_steps", self.every_steps, 1, "checkpoints are written every N >= 1 steps")
         _at_least("checkpoint.keep", self.keep, 1, "keep at least the latest checkpoint")
+        _at_least("checkpoint.lease_timeout_s", self.lease_timeout_s, 10.0,
+                  "the driver refreshes its lease every quarter of it; shorter is easily missed on a busy node")
         if has_credentials(self.dir):  # a key in the URI reaches wandb, log lines and error messages
             raise ValueError(f"checkpoint.dir={redact(self.dir)!r} holds credentials in the URI; remove them and set "
                              "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) on every node instead")

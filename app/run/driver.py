@@ -25,13 +25,18 @@ def run(cfg: Config) -> int:
     """Run (or resume) training; returns the process exit code."""
     from app.run.failures import RunFailed
 
+    lease = None
     try:
+        check_dir_shared(cfg)
+        lease = take_lease(cfg)  # before anything reads, cleans or prunes checkpoint.dir
         plan = make_plan(cfg)  # before ray.init: a mistake in the config or the data never waits for the cluster
         use_gpu = connect(cfg)
         plan.use_device(use_gpu)
         check_object_store(cfg, plan.jobs.max_payload_bytes(), _object_store_bytes())
-    except UserError as exc:  # ConfigError, DataError
+    except UserError as exc:  # ConfigError, DataError, LeaseHeld
         print(f"{exc.kind} error: {redact(str(exc))}", file=sys.stderr)
+        if lease is not None:
+            lease.release()
         return 2
     stop, restore_signals = install_stop_handler()
     try:
@@ -41,6 +46,36 @@ def run(cfg: Config) -> int:
         return 1
     finally:
         restore_signals()
+        lease.release()
+
+
+def take_lease(cfg: Config):
+    """This run's exclusive lease on checkpoint.dir (app/run/lease.py), kept alive until `release`."""
+    from app.run.lease import RunLease
+
+    lease = RunLease(cfg.checkpoint.dir, cfg.checkpoint.lease_timeout_s).acquire()
+    if lease.taken_over:
+        log(f"took over the stale run lease on {cfg.checkpoint.dir} (a run that ended without releasing it)")
+
+    def lost(line: str) -> None:  # another run owns the folder now: any further write would mix the two
+        print(f"run failed: {line}", file=sys.stderr, flush=True)
+        os._exit(2)
+
+    lease.keep_alive(lost)
+    return lease
+
+
+def check_dir_shared(cfg: Config) -> None:
+    """A relative checkpoint.dir on an existing cluster (`ray job submit`) resolves in each node's own
+    working-dir copy: the driver and rank 0 would write different folders. Refuse it."""
+    from app.config.errors import ConfigError
+    from app.storage import is_uri
+
+    address = os.environ.get("RAY_ADDRESS", "")
+    if address and address != "local" and not is_uri(cfg.checkpoint.dir) and not os.path.isabs(cfg.checkpoint.dir):
+        raise ConfigError(f"checkpoint.dir={cfg.checkpoint.dir!r} is relative, and this driver joins the cluster at "
+                          "RAY_ADDRESS: every node would resolve it in its own copy of the working dir. Use an "
+                          "absolute path on a volume every node mounts, or an s3:// URI")
 
 
 def connect(cfg: Config) -> bool:

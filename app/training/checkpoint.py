@@ -99,7 +99,8 @@ def _fsync(path: Path) -> None:
 
 def clean_orphans(root: str | Path) -> list[str]:
     """Remove what a crash mid-save leaves in a local checkpoint dir (`.tmp-ckpt-*` folders); put back a
-    `.old-ckpt-N` set aside for a rewrite of step N whose new copy never landed. Returns what it did."""
+    `.old-ckpt-N` set aside for a rewrite of step N whose new copy never landed. Returns what it did.
+    Called only under the run lease (app/run/lease.py): what it finds is a dead start's, never a live run's."""
     if is_uri(root) or not Path(root).is_dir():
         return []
     done = []

@@ -1,0 +1,208 @@
+"""The run lease: one run at a time on a `checkpoint.dir`.
+
+Two drivers on one folder destroy each other (orphan cleanup, pruning and version sweeps delete the
+other's work). The driver takes the lease before it touches the folder and holds it to the end:
+
+- local folder: `<dir>/.run-lease`, created with `O_CREAT|O_EXCL` (exactly one creator wins), holding
+  host, pid, Ray job id, a random run id and a heartbeat the driver refreshes every quarter of
+  `checkpoint.lease_timeout_s`. A lease whose heartbeat is older than that, or whose holder is a dead
+  process on this host, is stale: it is moved aside under a unique name (one taker wins the rename) and
+  taken over.
+- URI (`s3://...`): `pyarrow.fs` has no conditional PUT, so the lease object is read, written, and read
+  back: a second run that starts while the first one holds a fresh lease is refused, but two runs
+  starting within the same second can both win. Start one run per URI.
+
+A refused start is one line, exit 2 (`LeaseHeld`). A holder that finds its lease taken over (its
+heartbeats were missed for longer than the timeout) calls `on_lost`: the driver stops at once.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+from app.config.errors import UserError
+from app.storage import is_uri, open_storage, redact
+
+LEASE_FILE = ".run-lease"
+
+
+class LeaseHeld(UserError):
+    """Another run holds the lease on this `checkpoint.dir`."""
+
+    kind = "checkpoint"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def is_stale(holder: dict, timeout_s: float, now: float) -> bool:
+    """A lease nobody keeps: no heartbeat for `timeout_s`, or its process on this host is gone."""
+    if now - float(holder.get("heartbeat", 0.0)) > timeout_s:
+        return True
+    return holder.get("host") == socket.gethostname() and not _alive(int(holder.get("pid", 0)))
+
+
+def describe(holder: dict) -> str:
+    age = time.time() - float(holder.get("heartbeat", 0.0))
+    job = f", job {holder['job']}" if holder.get("job") else ""
+    return f"host {holder.get('host')}, pid {holder.get('pid')}{job}, heartbeat {age:.0f} s ago"
+
+
+class RunLease:
+    """The exclusive lease of one run on its `checkpoint.dir` (see the module docstring)."""
+
+    def __init__(self, root: str | Path, timeout_s: float, clock: Callable[[], float] = time.time) -> None:
+        self.root, self.timeout_s, self.clock = str(root), float(timeout_s), clock
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "job": os.environ.get("RAY_JOB_SUBMISSION_ID", ""),
+                   "run_id": uuid.uuid4().hex}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.taken_over: dict | None = None  # the stale holder this lease replaced, if any
+
+    # ---- acquire / release ---------------------------------------------------------------------
+
+    def acquire(self) -> "RunLease":
+        """Take the lease or raise `LeaseHeld` with who holds it."""
+        (self._acquire_uri if is_uri(self.root) else self._acquire_local)()
+        return self
+
+    def _record(self) -> bytes:
+        return json.dumps({**self.me, "heartbeat": self.clock()}).encode()
+
+    def _refuse(self, holder: dict) -> None:
+        raise LeaseHeld(f"another run holds checkpoint.dir={redact(self.root)} ({describe(holder)}); wait for it "
+                        f"to end, or use another checkpoint.dir (a crashed run's lease goes stale after "
+                        f"checkpoint.lease_timeout_s={self.timeout_s:g})")
+
+    def _acquire_local(self) -> None:
+        path = Path(self.root) / LEASE_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(3):  # a stale lease moved aside, then created again; a racing taker may win a round
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)  # exactly one creator wins
+            except FileExistsError:
+                holder = _read_local(path)
+                if holder is None:
+                    continue  # released between our create and our read
+                if not is_stale(holder, self.timeout_s, self.clock()):
+                    self._refuse(holder)
+                self._move_aside(path, holder)
+                continue
+            with os.fdopen(fd, "wb") as out:
+                out.write(self._record())
+            return
+        raise LeaseHeld(f"could not take the lease on checkpoint.dir={redact(self.root)}: other runs are starting "
+                        "on it at the same time; start one")
+
+    def _move_aside(self, path: Path, holder: dict) -> None:
+        """Rename the stale lease to a unique name (of several takers one wins the rename); if what was
+        moved is not the stale lease read a moment ago, a new holder got in first: put it back, refuse."""
+        aside = path.with_name(f"{LEASE_FILE}.stale-{uuid.uuid4().hex[:8]}")
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            return
+        moved = _read_json(aside.read_bytes()) or {}
+        if moved.get("run_id") != holder.get("run_id"):
+            try:
+                os.link(aside, path)  # back in place unless yet another run got in meanwhile
+            except FileExistsError:
+                pass
+            aside.unlink(missing_ok=True)
+            self._refuse(moved)
+        aside.unlink(missing_ok=True)
+        self.taken_over = holder
+
+    def _acquire_uri(self) -> None:
+        store = open_storage(self.root)
+        store.fs.create_dir(store.base, recursive=True)  # file:// needs the folder; object stores ignore it
+        holder = _read_json(store.read_file(LEASE_FILE))
+        if holder is not None and not is_stale(holder, self.timeout_s, self.clock()):
+            self._refuse(holder)
+        self.taken_over = holder
+        store.write_file(LEASE_FILE, self._record())
+        time.sleep(1.0)  # last writer wins: a run that wrote just after us is read back here
+        now = _read_json(store.read_file(LEASE_FILE))
+        if now is None or now.get("run_id") != self.me["run_id"]:
+            self._refuse(now or {})
+
+    def release(self) -> None:
+        """Stop the heartbeat and drop the lease if it is still ours."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self.held():
+            if is_uri(self.root):
+                open_storage(self.root).remove_file(LEASE_FILE)
+            else:
+                (Path(self.root) / LEASE_FILE).unlink(missing_ok=True)
+
+    # ---- heartbeat -----------------------------------------------------------------------------
+
+    def held(self) -> bool:
+        """True while the lease on the folder is still this run's."""
+        holder = _read_json(open_storage(self.root).read_file(LEASE_FILE))
+        return holder is not None and holder.get("run_id") == self.me["run_id"]
+
+    def beat(self) -> bool:
+        """Refresh the heartbeat; False (and nothing written) when another run has taken the lease over."""
+        if not self.held():
+            return False
+        open_storage(self.root).write_file(LEASE_FILE, self._record())
+        return True
+
+    def keep_alive(self, on_lost: Callable[[str], None]) -> None:
+        """Refresh the heartbeat every quarter of the timeout in a daemon thread; `on_lost(line)` once
+        the lease is found taken over (or cannot be refreshed for a whole timeout)."""
+        def loop() -> None:
+            last_ok = self.clock()
+            while not self._stop.wait(self.timeout_s / 4):
+                try:
+                    if not self.beat():
+                        return on_lost(f"the lease on checkpoint.dir={redact(self.root)} was taken over by another "
+                                       "run (heartbeats missed); stopping so that the two runs do not mix")
+                    last_ok = self.clock()
+                except OSError as exc:  # a storage hiccup: retried at the next beat, up to the timeout
+                    if self.clock() - last_ok > self.timeout_s:
+                        return on_lost(f"the lease on checkpoint.dir={redact(self.root)} could not be refreshed "
+                                       f"for {self.timeout_s:g} s ({type(exc).__name__}); stopping")
+
+        self._thread = threading.Thread(target=loop, name="run-lease", daemon=True)
+        self._thread.start()
+
+
+def _read_local(path: Path, settle_s: float = 2.0) -> dict | None:
+    """The lease file's holder; None when there is none. An empty file is a lease being written
+    (created, content not yet in): read again for `settle_s`, then judge it by its age."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        try:
+            data, mtime = path.read_bytes(), path.stat().st_mtime
+        except FileNotFoundError:
+            return None
+        if data or time.monotonic() > deadline:
+            return _read_json(data) if data else {"heartbeat": mtime}
+        time.sleep(0.1)
+
+
+def _read_json(data: bytes | None) -> dict | None:
+    if not data:
+        return None
+    try:
+        out = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return {}  # unreadable: treated as a lease with no heartbeat, i.e. stale
+    return out if isinstance(out, dict) else {}
