@@ -216,6 +216,16 @@ class DrafterActor:
             sock.bind(("", 0))
             return ip, sock.getsockname()[1]
 
+    def write_probe(self, name: str, token: str) -> str:
+        """Rank 0 at group start: `token` into `<checkpoint.dir>/<name>`, for the driver to read back (both
+        must see one folder, app/run/drafter_group.py `check_probe`). Returns where, on which node."""
+        import ray
+
+        from app.storage import is_uri, open_storage
+
+        where = open_storage(self.cfg.checkpoint.dir).write_file(name, token.encode())
+        return f"{where if is_uri(where) else os.path.abspath(where)} on node {ray.util.get_node_ip_address()}"
+
     def setup(self, master_addr: str, master_port: int) -> tuple[int, float]:
         """Join the process group, build the drafter, restore the checkpoint; returns the start step and
         the checksum of the weights this rank starts from (the supervisor logs it)."""

@@ -197,3 +197,39 @@ def test_a_second_driver_on_a_running_dir_exits_2_in_one_line(ray_cluster, tmp_p
         if first.poll() is None:
             first.kill()
     assert summary(run_dir)["jobs_acked_twice"] == 0 and not (run_dir / ".run-lease").exists()
+
+
+# ---- item 3: the driver and rank 0 see one folder ---------------------------------------------------
+
+def test_a_probe_the_driver_cannot_read_back_stops_the_run(tmp_path: Path) -> None:
+    """Item 3: rank 0 wrote its probe into another folder (its own copy of a relative path, a volume
+    only its pod mounts): one line, the run stops. Before, a rebuild found no checkpoint and silently
+    started from scratch."""
+    from app.run.drafter_group import PROBE_PREFIX, check_probe
+    from app.run.failures import RunFailed
+
+    driver_dir, rank0_dir = tmp_path / "driver-view", tmp_path / "rank0-view"
+    name = f"{PROBE_PREFIX}abc"
+    open_storage(rank0_dir).write_file(name, b"tok")
+    with pytest.raises(RunFailed, match="a folder this driver does not see") as err:
+        check_probe(str(driver_dir), name, "tok", f"{rank0_dir} on node 10.0.0.7")
+    assert "\n" not in str(err.value) and "10.0.0.7" in str(err.value)
+    open_storage(driver_dir).write_file(name, b"tok")  # the same folder: passes, probe removed
+    check_probe(str(driver_dir), name, "tok", str(driver_dir))
+    assert not (driver_dir / name).exists()
+
+
+def test_a_relative_checkpoint_dir_is_refused_when_joining_a_cluster(monkeypatch, capsys, tmp_path: Path) -> None:
+    """Item 3: `ray job submit` sets RAY_ADDRESS; a relative checkpoint.dir resolves in each node's own
+    working-dir copy. One line, exit 2, before connecting or touching any folder."""
+    from app.config.load import load_config
+    from app.run.driver import run
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # nothing listens: the check must come first
+    cfg = load_config(root / "conf/tiny.yaml", ["checkpoint.dir=runs/rel"])
+    assert run(cfg) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("config error: checkpoint.dir='runs/rel' is relative") and "\n" not in err
+    assert not (tmp_path / "runs").exists()

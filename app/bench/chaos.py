@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
 def chaos_overrides(args) -> list[str]:
     """Defaults for a rehearsal; the user's overrides come after and win."""
     budget = args.faults + 1  # every fault may hit the same target or the group
-    return [f"checkpoint.dir=runs/chaos-f{args.faults}-s{args.seed}-{int(time.time())}", "logging.step_log=true",
+    return [f"checkpoint.dir={Path('runs').resolve()}/chaos-f{args.faults}-s{args.seed}-{int(time.time())}",
+            "logging.step_log=true",  # absolute: the drivers join a cluster, which refuses a relative dir
             f"supervision.max_restarts_target={budget}", f"supervision.max_restarts_drafter_group={budget}",
             "checkpoint.every_steps=8", "logging.wandb_mode=disabled"]
 

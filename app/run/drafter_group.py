@@ -14,12 +14,26 @@ from app.messages import DrafterPhase
 from app.run.failures import RunFailed, last_line
 from app.run.supervision import DrafterGroupFailed, DrafterGroupStarted, RankProgress, RebuildDrafters
 from app.run.targets import START_TIMEOUT_S
-from app.storage import is_uri
+from app.storage import is_uri, open_storage, redact
 from app.training.step_log import FILE_NAME as STEP_LOG_FILE, StepLog
 
 PROGRESS_TIMEOUT_S = 30.0  # a drafter rank that does not answer a progress query this long is unresponsive
 BUNDLE_WAIT_S = 90.0  # after a node loss: how long a restart waits for its bundle to be re-placed on a live node
 OLD_GROUP_EXIT_S = 60.0  # how long a rebuild waits for the killed ranks to be gone
+PROBE_PREFIX = ".probe-"  # rank 0 writes <checkpoint.dir>/.probe-<nonce> at each group start
+
+
+def check_probe(root: str, name: str, token: str, where: str) -> None:
+    """The driver reads back the probe rank 0 wrote (then removes it): a folder the driver does not see
+    (a relative path resolved in another node's copy, a volume only one pod mounts) would make every
+    rebuild and resume silently start from scratch. RunFailed, one line."""
+    store = open_storage(root)
+    seen = store.read_file(name)
+    store.remove_file(name)
+    if seen != token.encode():
+        raise RunFailed(f"drafter rank 0 writes checkpoint.dir={redact(root)} as {redact(where)}, a folder this driver "
+                        "does not see: its checkpoints would never be found and a rebuild would start from scratch; "
+                        "put checkpoint.dir on storage every node mounts at the same path, or use an s3:// URI")
 
 
 class BundleWaits:
@@ -76,6 +90,7 @@ class DrafterGroup:
                 return DrafterGroupFailed(f"group rebuild failed: {last_line(exc)}")
             raise RunFailed(f"DrafterActor group failed to start ({last_line(exc)})"
                             + (f" while resuming from {resume_from}" if resume_from else "")) from None
+        self._probe()
         step, checksums = ready[0][0], sorted({round(c, 6) for _, c in ready})
         self.monitor.restart_at(step)
         if self.step_log:
@@ -160,6 +175,16 @@ class DrafterGroup:
 
         for d in self.ranks:
             ray.kill(d, no_restart=True)
+
+    def _probe(self) -> None:
+        """Rank 0 and the driver see one checkpoint.dir (`check_probe`)."""
+        import ray
+        import uuid
+
+        token = uuid.uuid4().hex
+        name = f"{PROBE_PREFIX}{token[:12]}"
+        where = ray.get(self.ranks[0].write_probe.remote(name, token), timeout=START_TIMEOUT_S)
+        check_probe(self.cfg.checkpoint.dir, name, token, where)
 
     def _setup(self, resume_from: str | None, bundles: list[int] | None):
         from actors.drafter import DrafterSetup
