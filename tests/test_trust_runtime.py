@@ -150,3 +150,47 @@ def test_a_same_size_rewrite_with_its_old_mtime_misses_the_cache(tmp_path) -> No
     second = load()
     assert logs[0].startswith("data: tokenized") and list(second.tokens[:3]) == [6, 5, 7]
     assert load() is not None and logs[0].startswith("data: loaded")  # unchanged bytes: a hit
+
+
+# ---- item 12: the throwaway cluster keeps Ray's token auth -------------------------------------------
+
+_DRIVER = """
+import json, os, subprocess, sys
+import ray
+from app.run.driver import init_ray
+init_ray()
+gcs = ray.get_runtime_context().gcs_address
+answer = ray.get(ray.remote(lambda: 41 + 1).remote())  # the cluster's own workers authenticate
+env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+probe = "import ray, sys; ray.init(address=sys.argv[1], configure_logging=False, log_to_driver=False); print(len(ray.nodes()))"
+stranger = subprocess.run([sys.executable, "-c", probe, gcs], env=env | {"RAY_AUTH_MODE": "disabled"},
+                          capture_output=True, text=True)
+print(json.dumps({"mode": os.environ.get("RAY_AUTH_MODE"), "answer": answer, "stranger_rc": stranger.returncode,
+                  "stranger_out": stranger.stdout, "stranger_err": stranger.stderr[-400:],
+                  "token_file": os.path.exists(os.path.expanduser("~/.ray/auth_token"))}))
+ray.shutdown()
+"""
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_the_throwaway_cluster_refuses_a_process_without_its_token(tmp_path) -> None:
+    """Item 12 with a real ray.init: the driver's own local cluster set RAY_AUTH_MODE=disabled, so a second
+    process without any token listed the nodes (and could call the pool). Now it keeps Ray's token auth
+    with a per-run secret: the cluster's workers run tasks, a stranger's ray.init is refused, and no
+    token file (which Ray writes readable by all) appears in HOME."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH") and k != "RAY_ADDRESS"}
+    env["HOME"] = str(tmp_path)
+    run = subprocess.run([sys.executable, "-c", _DRIVER], env=env, capture_output=True, text=True, timeout=600,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert (got["mode"], got["answer"], got["token_file"]) == ("token", 42, False)
+    assert got["stranger_rc"] != 0 and got["stranger_out"] == "", got
+    assert "ConnectionError" in got["stranger_err"] or "uthentication" in got["stranger_err"], got

@@ -85,11 +85,7 @@ def connect(cfg: Config) -> bool:
     from app.run.topology import uses_gpu
 
     if not ray.is_initialized():
-        address = os.environ.get("RAY_ADDRESS") or None
-        if address is None:  # our own throwaway local cluster; a real cluster keeps its auth mode
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        ray.init(address=address, include_dashboard=None if address else False, log_to_driver=True,
-                 configure_logging=False)
+        init_ray()
     resources = ray.cluster_resources()
     use_gpu = uses_gpu(cfg.topology, resources.get("GPU", 0.0))
     check_resources(cfg, resources, use_gpu)
@@ -97,6 +93,24 @@ def connect(cfg: Config) -> bool:
 
     check_cluster_fits(cfg, use_gpu, ray.nodes())  # per node: names what is short where, before any actor
     return use_gpu
+
+
+def init_ray() -> None:
+    """Join RAY_ADDRESS, or start our own throwaway local cluster with Ray's default token auth: its GCS
+    listens on the node's address, so without a token any process that reaches it could list and call
+    the pool. The token is a fresh secret in this process's environment (inherited by the cluster's
+    processes), not Ray's ~/.ray/auth_token, which Ray writes readable by every user; an explicit
+    RAY_AUTH_MODE (tests set `disabled`) or token setting is kept."""
+    import ray
+
+    address = os.environ.get("RAY_ADDRESS") or None
+    if address in (None, "local") and "RAY_AUTH_MODE" not in os.environ \
+            and not {"RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"} & set(os.environ):
+        import secrets
+
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)  # 256 bits, as Ray's own generator
+    ray.init(address=address, include_dashboard=None if address else False, log_to_driver=True,
+             configure_logging=False)
 
 
 def spare_cpus(cfg: Config) -> float:
