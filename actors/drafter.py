@@ -313,14 +313,13 @@ class DrafterActor:
         """Rank 0: the drafter as an HF folder at `<checkpoint.dir>/drafter` (uploaded when a URI)."""
         import tempfile
 
-        from app.model.export import export_drafter
+        from app.model.export import export_drafter, publish_export
         from app.storage import is_uri, open_storage
 
         root = self.cfg.checkpoint.dir
-        if not is_uri(root):
-            out = os.path.join(root, "drafter")
-            export_drafter(self.trainer.drafter, self.arch, out, dtype=self.dtype)  # engines load bf16 on GPU
-            return out
+        if not is_uri(root):  # a temp sibling exchanged in: a reader never sees new weights beside an old config
+            return str(publish_export(os.path.join(root, "drafter"),
+                                      lambda tmp: export_drafter(self.trainer.drafter, self.arch, tmp, dtype=self.dtype)))
         with tempfile.TemporaryDirectory() as tmp:
             export_drafter(self.trainer.drafter, self.arch, tmp, dtype=self.dtype)
             return open_storage(root).upload_dir(Path(tmp), "drafter", last="config.json")

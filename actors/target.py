@@ -94,8 +94,10 @@ class TargetActor:
         with self.compute_lock, background_priority(self.device):
             result, drafter, arch = evaluate_drafter(self.model, self.model_dir, self.layer_ids, step, weights, spec,
                                                      self.device, self.dtype, self.greedy_references)
-        if best_dir and result.tau > beat_tau:
-            result = replace(result, exported_to=str(export_best(drafter, arch, best_dir, step, result.tau, self.dtype)))
+        exported = export_best(drafter, arch, best_dir, step, result.tau, self.dtype) \
+            if best_dir and result.tau > beat_tau else None  # None too when a better best landed meanwhile
+        if exported is not None:
+            result = replace(result, exported_to=str(exported))
         return result.to_dict()
 
 

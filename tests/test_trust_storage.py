@@ -233,3 +233,75 @@ def test_a_relative_checkpoint_dir_is_refused_when_joining_a_cluster(monkeypatch
     err = capsys.readouterr().err.strip()
     assert err.startswith("config error: checkpoint.dir='runs/rel' is relative") and "\n" not in err
     assert not (tmp_path / "runs").exists()
+
+
+# ---- item 5: exports are published whole, readable, and never replace a better best -----------------
+
+def _toy():
+    from tests.toy import toy_drafter_parts
+
+    drafter, _, _, arch = toy_drafter_parts()
+    return drafter, arch
+
+
+def test_a_failed_export_leaves_the_previous_one_whole(tmp_path: Path) -> None:
+    """Item 5: drafter/ used to be rewritten in place (weights first, the old config.json beside them);
+    now a failure mid-export leaves the old folder exactly as it was, and no temp folder."""
+    from app.model.export import export_drafter, load_drafter, publish_export
+
+    drafter, arch = _toy()
+    out = tmp_path / "drafter"
+    publish_export(out, lambda tmp: export_drafter(drafter, arch, tmp))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def torn(tmp: Path) -> None:
+        (tmp / "model.safetensors").write_bytes(b"half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        publish_export(out, torn)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter"]
+    load_drafter(out)  # still loads
+
+
+def test_exports_are_readable_by_other_users(tmp_path: Path) -> None:
+    """Item 5: safetensors writes 0600 and temp folders are 0700; an engine running as another user
+    must read the export: files 0644, folders 0755."""
+    import stat
+
+    from app.model.export import export_drafter, publish_export
+
+    drafter, arch = _toy()
+    out = publish_export(tmp_path / "drafter", lambda tmp: export_drafter(drafter, arch, tmp))
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == \
+        {"config.json": 0o644, "model.safetensors": 0o644}
+
+
+def test_an_overdue_evaluation_never_replaces_a_better_best(tmp_path: Path) -> None:
+    """Item 5: the best tau is read again at swap time: an evaluation dispatched before a better one
+    landed no longer overwrites it (export_best returns None, nothing written)."""
+    from app.model.live_eval import export_best, read_best_meta
+
+    drafter, arch = _toy()
+    out = tmp_path / "drafter-best"
+    assert export_best(drafter, arch, out, step=60, tau=3.0) == out
+    assert export_best(drafter, arch, out, step=40, tau=2.0) is None
+    assert read_best_meta(out) == {"step": 60, "tau": 3.0}
+    assert export_best(drafter, arch, out, step=80, tau=3.5) == out
+    assert read_best_meta(out) == {"step": 80, "tau": 3.5}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter-best"]
+
+
+def test_export_leftovers_are_cleaned_on_start(tmp_path: Path) -> None:
+    """Item 5: staging folders of exports (and the older `drafter-best.tmp-<pid>`/`.old-<pid>` copies)
+    are removed on start; a `.old-drafter` whose replacement never landed is put back."""
+    from app.training.checkpoint import clean_orphans
+
+    for name in (".tmp-drafter-1a2b3c4d", "drafter-best.tmp-123", "drafter-best.old-123", ".old-drafter", "drafter-best"):
+        (tmp_path / name).mkdir()
+    (tmp_path / ".probe-abc").write_text("x")
+    done = clean_orphans(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter", "drafter-best"]
+    assert "restored drafter" in done and len(done) == 5

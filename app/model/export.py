@@ -4,12 +4,19 @@
 ["DFlashDraftModel"]`, `block_size`, `num_target_layers` and `dflash_config: {target_layer_ids,
 mask_token_id}`; `model.safetensors`: the drafter's state_dict, whose names are z-lab's
 (`fc.weight`, `hidden_norm.weight`, `norm.weight`, `layers.{i}.self_attn.q_proj.weight`, ...).
+
+`publish_export` puts a local export in place atomically: written into a unique temp sibling, made
+readable by other users (an engine may run as another one), then exchanged in for the old folder in one
+rename, so a reader sees the old complete folder or the new one, never a mix.
 """
 from __future__ import annotations
 
 import json
+import os
+import shutil
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -74,6 +81,51 @@ def export_drafter(drafter: DFlashDrafter, arch: DrafterArch, out_dir: str | Pat
     first = next(iter(state.values()))
     (out / "config.json").write_text(json.dumps(hf_config_dict(arch, first.dtype), indent=2) + "\n")
     return out
+
+
+def make_readable(folder: str | Path) -> None:
+    """Folders 0755, files 0644 (safetensors writes 0600, temp folders are 0700): another user's engine loads them."""
+    root = Path(folder)
+    root.chmod(0o755)
+    for path in root.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+def publish_export(out_dir: str | Path, write: Callable[[Path], None],
+                   keep_existing: Callable[[Path], bool] | None = None) -> Path | None:
+    """`write(tmp)` fills a fresh temp sibling of `out_dir`, which then replaces `out_dir` atomically
+    (app/storage.py LocalStorage.publish). `keep_existing(out_dir)`, asked under a lock at swap time:
+    True keeps the folder there and drops the new one (returns None), e.g. a better best drafter."""
+    from app.storage import LocalStorage
+
+    out = Path(out_dir)
+    store = LocalStorage(out.parent)
+    tmp = store.stage(out.name)
+    try:
+        write(tmp)
+        make_readable(tmp)
+        with _lock(out.parent):
+            if keep_existing is not None and out.exists() and keep_existing(out):
+                shutil.rmtree(tmp, ignore_errors=True)
+                return None
+            return Path(store.publish(tmp, out.name))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@contextmanager
+def _lock(folder: Path):
+    # Two targets finishing evaluations at once: the check of the folder there and the swap are one
+    # step. The lock is on the parent folder itself, so it leaves no file behind.
+    import fcntl
+
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def arch_from_hf_config(cfg: dict[str, Any]) -> DrafterArch:

@@ -151,20 +151,26 @@ def measure_spec(target_model, drafter, head, arch, spec: EvalSpec, references: 
                            spec.eos_token_id, references=references)
 
 
-def export_best(drafter, arch, out_dir: str | Path, step: int, tau: float, dtype: torch.dtype | None = None) -> Path:
-    """Export to `out_dir` with `{step, tau}` in config.json, replacing it all at once."""
+def export_best(drafter, arch, out_dir: str | Path, step: int, tau: float,
+                dtype: torch.dtype | None = None) -> Path | None:
+    """Export to `out_dir` with `{step, tau}` in config.json, replacing it all at once; None (nothing
+    written) when the best there, read again at swap time, has a tau as high (an overdue evaluation)."""
     from app.model.export import export_drafter
 
-    tmp = _temp_sibling(out_dir)
-    export_drafter(drafter, arch, tmp, dtype=dtype)
-    return _swap_in(tmp, Path(out_dir), step, tau)
+    def write(tmp: Path) -> None:
+        export_drafter(drafter, arch, tmp, dtype=dtype)
+        _stamp(tmp, step, tau)
+
+    return _publish_best(out_dir, write, tau)
 
 
-def copy_as_best(src_dir: str | Path, out_dir: str | Path, step: int, tau: float) -> Path:
+def copy_as_best(src_dir: str | Path, out_dir: str | Path, step: int, tau: float) -> Path | None:
     """The same for an already exported folder (the final drafter/ when it is the best)."""
-    tmp = _temp_sibling(out_dir)
-    shutil.copytree(src_dir, tmp)
-    return _swap_in(tmp, Path(out_dir), step, tau)
+    def write(tmp: Path) -> None:
+        shutil.copytree(src_dir, tmp, dirs_exist_ok=True)
+        _stamp(tmp, step, tau)
+
+    return _publish_best(out_dir, write, tau)
 
 
 def read_best_meta(folder: str | Path) -> dict | None:
@@ -173,23 +179,20 @@ def read_best_meta(folder: str | Path) -> dict | None:
     return json.loads(path.read_text()).get(META_KEY) if path.exists() else None
 
 
-def _temp_sibling(out_dir: str | Path) -> Path:
-    out = Path(out_dir)
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    return tmp
+def _publish_best(out_dir: str | Path, write, tau: float) -> Path | None:
+    """Exchanged in atomically (app/model/export.py publish_export), unless the best already there is as good."""
+    from app.model.export import publish_export
+
+    def beaten(current: Path) -> bool:
+        meta = read_best_meta(current)
+        return meta is not None and float(meta["tau"]) >= tau
+
+    return publish_export(out_dir, write, keep_existing=beaten)
 
 
-def _swap_in(tmp: Path, out: Path, step: int, tau: float) -> Path:
-    """Stamp `{step, tau}` into tmp's config.json, then swap tmp in for `out` by two renames: a
-    reader sees the old complete folder or the new complete one (for the instant between, none)."""
-    cfg_path = tmp / "config.json"
+def _stamp(folder: Path, step: int, tau: float) -> None:
+    """`{step, tau}` into the folder's config.json (where the best drafter came from)."""
+    cfg_path = folder / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg[META_KEY] = {"step": int(step), "tau": float(tau)}
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
-    old = out.with_name(out.name + f".old-{os.getpid()}")
-    if out.exists():
-        out.rename(old)
-    tmp.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
-    return out

@@ -98,19 +98,20 @@ def _fsync(path: Path) -> None:
 
 
 def clean_orphans(root: str | Path) -> list[str]:
-    """Remove what a crash mid-save leaves in a local checkpoint dir (`.tmp-ckpt-*` folders); put back a
-    `.old-ckpt-N` set aside for a rewrite of step N whose new copy never landed. Returns what it did.
+    """Remove what a crash mid-save or mid-export leaves in a local checkpoint dir (`.tmp-*` staging
+    folders of checkpoints and exports, an older version's `drafter-best.tmp-*`/`.old-*`, `.probe-*`
+    files); put back a `.old-<name>` set aside for a rewrite whose new copy never landed. Returns what it did.
     Called only under the run lease (app/run/lease.py): what it finds is a dead start's, never a live run's."""
     if is_uri(root) or not Path(root).is_dir():
         return []
     done = []
     for p in sorted(Path(root).iterdir()):
-        if p.is_dir() and p.name.startswith(f".tmp-{PREFIX}"):
-            shutil.rmtree(p, ignore_errors=True)
+        if p.name.startswith(".tmp-") or ".tmp-" in p.name or (p.name.startswith(".probe-") and p.is_file()):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
             done.append(f"removed {p.name}")
-        elif p.is_dir() and p.name.startswith(f".old-{PREFIX}"):
-            final = p.with_name(p.name[len(".old-"):])
-            if final.exists():
+        elif p.is_dir() and (p.name.startswith(".old-") or ".old-" in p.name):
+            final = p.with_name(p.name[len(".old-"):]) if p.name.startswith(".old-") else None
+            if final is None or final.exists():
                 shutil.rmtree(p, ignore_errors=True)
                 done.append(f"removed {p.name}")
             else:
