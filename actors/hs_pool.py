@@ -55,11 +55,14 @@ class HSPoolActor:
         pull_policy: str | PullPolicy | None = None,
         ranks: int | None = None,
         accum: int = 1,
+        broken_after: int = 3,
     ) -> None:
         """`pull_policy` None = pool_cfg.pull_policy; `ranks` x `accum` (drafters x train.grad_accum)
-        is one global step, which the stratified policy mixes."""
+        is one global step, which the stratified policy mixes; `broken_after` =
+        supervision.broken_target_raises (see app/pool/strikes.py)."""
         self._cfg = pool_cfg
-        self._pool = HSPool(pool_cfg, num_buckets, pull_policy=pull_policy, ranks=ranks, accum=accum)
+        self._pool = HSPool(pool_cfg, num_buckets, pull_policy=pull_policy, ranks=ranks, accum=accum,
+                            broken_after=broken_after)
         self._control = PoolControl(self._pool)
         self._run_name = run_name
         self._tasks: set[asyncio.Task] = set()

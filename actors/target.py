@@ -18,7 +18,7 @@ import time
 from app.data.batching import start_job
 from app.config.schema import FaultsConfig, ModelConfig
 from app.devices import compute_dtype, limit_threads, pick_device, target_load_kwargs
-from app.faults import fire_once, injected_delay
+from app.faults import fire_once, injected_delay, sticky_target
 from app.messages import HiddenBatch, ItemMeta, JobSpec
 from app.model.live_eval import EvalSpec
 
@@ -35,6 +35,7 @@ class TargetActor:
             raise RuntimeError(f"injected fault: target {target_id} cannot start again (faults.fail_target_restarts)")
         self.target_id, self.layer_ids, self.dataset = target_id, list(layer_ids), dataset
         self.faults, self.run_dir = faults, run_dir
+        self.sticky = sticky_target(run_dir, target_id, faults.sticky_target_error)  # raises on every job
         self.device = pick_device(device)
         self.dtype = compute_dtype(model_cfg.dtype, self.device)
         self.model_dir = model_dir
@@ -72,6 +73,9 @@ class TargetActor:
         return meta, batch
 
     def _maybe_inject_fault(self, job: JobSpec) -> None:
+        if self.sticky:  # within milliseconds, as a sticky CUDA error does
+            raise RuntimeError("injected fault: CUDA error: an illegal memory access was encountered "
+                               f"(faults.sticky_target_error={self.target_id})")
         if job.index == self.faults.poison_job and job.epoch == 0:  # every time, on every target
             raise IndexError(f"injected fault: job {job.job_id} is poison (faults.poison_job)")
         if job.index == self.faults.kill_target_at_job and job.epoch == 0 and fire_once(self.run_dir, "kill_target"):

@@ -33,6 +33,13 @@ def _marks_dir(run_dir: str | Path) -> Path:
     return local_cache_dir(run_dir) / "faults_fired"
 
 
+def sticky_target(run_dir: str | Path, target_id: int, sticky_id: int) -> bool:
+    """Whether this incarnation of target `target_id` is the broken-but-alive one of
+    `faults.sticky_target_error`: its first start under `run_dir` only (a restart is a fresh CUDA
+    context, as resetting a GPU would give)."""
+    return sticky_id >= 0 and target_id == sticky_id and fire_once(run_dir, f"sticky_target_{target_id}")
+
+
 def injected_delay(seconds: float, sleep=time.sleep) -> None:
     """Wait `seconds` inside one job's measured work (0 = off): the side that waits is the slow side by
     construction, whatever the machine's speed or load (tests of the split advice rely on it)."""

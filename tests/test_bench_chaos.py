@@ -11,7 +11,9 @@ from app.training.step_log import StepLog
 def test_chaos_plans_the_pool_and_the_driver_once() -> None:
     kinds = plan_faults(8, random.Random(0))
     assert len(kinds) == 8 and kinds.count("pool") == 1 and kinds.count("driver") == 1
-    assert set(kinds) <= {"pool", "driver", "target", "drafter"}
+    assert kinds.count("sticky") == 1  # issue 22 item 1: a broken-but-alive target
+    assert set(kinds) <= {"pool", "driver", "sticky", "target", "drafter"}
+    assert "sticky" not in plan_faults(3, random.Random(0))  # the 3-fault rehearsal is unchanged
     assert plan_faults(8, random.Random(0)) == kinds  # seeded
     assert plan_faults(1, random.Random(0)) in (["target"], ["drafter"])
 

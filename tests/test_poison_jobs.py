@@ -47,7 +47,8 @@ def test_one_failure_requeues_at_the_front() -> None:
     assert pool.job_raised(0, 0, "CUDA out of memory")
     assert pool.next_job(1).job_id == 0 and pool.stats().quarantined == {}
     assert pool.job_failed(1, 0)  # a target death is not counted against the job
-    assert pool.next_job(0).job_id == 0 and pool.stats().quarantined == {}
+    # Job 0 waits for a target that did not fail it yet (issue 22 item 1): target 0 gets the next job
+    assert pool.next_job(0).job_id == 1 and pool.next_job(1).job_id == 0 and pool.stats().quarantined == {}
 
 
 def test_a_payload_larger_than_the_byte_cap_does_not_wedge_its_bucket() -> None:

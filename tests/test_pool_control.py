@@ -66,15 +66,19 @@ def test_only_the_registered_incarnation_gets_jobs_or_counts_its_failures():
 
 
 def test_a_job_raising_on_a_live_target_is_requeued_then_quarantined_with_its_last_line():
+    """Quarantined once it raised on two different targets (issue 22 item 1), neither restarted."""
     c = control(n_jobs=1, per_target=1)
-    h = object()
-    c.add_target(0, h)
+    handles = [object(), object()]
+    c.add_target(0, handles[0])
     traceback = "Traceback (most recent call last):\n  File x\nIndexError: index out of range\n"
-    for _ in range(2):
-        assert drain_jobs(c, 0, h) == [0]
-        c.target_raised(0, h, 0, "RayTaskError", traceback)
+    for tid in (0, 1):
+        assert drain_jobs(c, tid, handles[tid]) == [0]
+        c.target_raised(tid, handles[tid], 0, "RayTaskError", traceback)
+        if tid == 0:
+            c.add_target(1, handles[1])
+            assert drain_jobs(c, 0, handles[0]) == []  # the other target re-tries it first
     st = c.stats()
-    assert st.quarantined == {0: "IndexError: index out of range"} and st.targets == [0]
+    assert st.quarantined == {0: "IndexError: index out of range"} and st.targets == [0, 1]
     assert st.target_failures == [] and st.pending == 0 and st.in_flight == 0
 
 

@@ -4,8 +4,10 @@
 
 Starts a local Ray cluster, submits the driver (`python -m app.train`) as its own process, and
 meanwhile injects `--faults` faults at random points of training (seeded): SIGKILL of a random target
-or drafter process, SIGKILL of the pool actor (once; the driver then exits 1 and is resubmitted), and
-SIGTERM of the driver followed by a resubmission (once). Each fault waits a random number of
+or drafter process, SIGKILL of the pool actor (once; the driver then exits 1 and is resubmitted),
+SIGTERM of the driver followed by a resubmission (once), and a sticky target (once, from 4 faults on: a
+broken-but-alive GPU, `faults.sticky_target_error` on a random target id, in effect from the start: that
+target raises on every job until the pool calls it broken and the driver restarts it). Each fault waits a random number of
 optimizer steps (`GAP_STEPS`) of the training group after the previous one, read from the step log:
 counted in steps, not seconds, a run long enough for the gaps gets every fault on any machine. It
 ends with one line:
@@ -33,7 +35,7 @@ from pathlib import Path
 
 from app.storage import redact
 
-FAULT_KINDS = ("target", "drafter")  # repeated; "pool" and "driver" are added once each
+FAULT_KINDS = ("target", "drafter")  # repeated; "pool", "driver" and "sticky" are added once each
 GAP_STEPS = (2, 6)  # optimizer steps between faults (after the run trains again), drawn uniformly
 MAX_SUBMISSIONS = 6
 
@@ -50,8 +52,9 @@ class ChaosState:
 
 
 def plan_faults(n: int, rng: random.Random) -> list[str]:
-    """`n` fault kinds in random order: the pool and the driver once each (when n allows), else targets/drafters."""
-    once = ["pool", "driver"][: max(0, min(2, n - 1))]
+    """`n` fault kinds in random order: the pool, the driver and a sticky target once each (when n allows),
+    else targets/drafters."""
+    once = ["pool", "driver", "sticky"][: max(0, min(2, n - 1) if n < 4 else 3)]
     kinds = once + [rng.choice(FAULT_KINDS) for _ in range(n - len(once))]
     rng.shuffle(kinds)
     return kinds
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"chaos error: checkpoint.dir={redact(run_dir)} is not empty; chaos counts a run from scratch: pass "
               "checkpoint.dir=<a new folder>", file=sys.stderr)
         return 2
-    return run_chaos(args.config, overrides, run_dir, args.faults, args.seed)
+    return run_chaos(args.config, overrides, run_dir, args.faults, args.seed, cfg.topology.num_targets)
 
 
 def chaos_overrides(args) -> list[str]:
@@ -89,7 +92,7 @@ def chaos_overrides(args) -> list[str]:
             "checkpoint.every_steps=8", "logging.wandb_mode=disabled"]
 
 
-def run_chaos(config: str, overrides: list[str], run_dir: Path, n_faults: int, seed: int) -> int:
+def run_chaos(config: str, overrides: list[str], run_dir: Path, n_faults: int, seed: int, num_targets: int = 1) -> int:
     import ray
 
     from app.training.step_log import FILE_NAME, count_trained
@@ -101,6 +104,9 @@ def run_chaos(config: str, overrides: list[str], run_dir: Path, n_faults: int, s
     state = ChaosState()
     rng = random.Random(seed)
     kinds = plan_faults(n_faults, rng)
+    if "sticky" in kinds:  # in effect from the first start: the pool has to find the target broken itself
+        kinds.remove("sticky")
+        overrides = [*overrides, sticky_override(rng, num_targets, state)]
     injector = threading.Thread(target=inject, args=(state, kinds, rng, run_dir / FILE_NAME), daemon=True)
     survived, submissions = False, 0
     env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address, PYTHONUNBUFFERED="1")
@@ -143,6 +149,13 @@ def run_chaos(config: str, overrides: list[str], run_dir: Path, n_faults: int, s
     print("RESULT " + " ".join(f"{k}={_fmt(v)}" for k, v in result.items()), flush=True)
     ok = survived and counts["trained_twice"] == 0 and counts["never_trained"] == 0
     return 0 if ok else 1
+
+
+def sticky_override(rng: random.Random, num_targets: int, state: ChaosState) -> str:
+    """The override that makes a random target's first incarnation raise on every job; recorded as fired."""
+    tid = rng.randrange(num_targets)
+    state.fired.append(f"sticky target {tid} (its forward raises on every job from its start)")
+    return f"faults.sticky_target_error={tid}"
 
 
 def inject(state: ChaosState, kinds: list[str], rng: random.Random, step_log: Path) -> None:

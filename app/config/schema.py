@@ -306,9 +306,16 @@ class SupervisionConfig:
     max_restarts_drafter_group: int = 2
     stall_timeout_s: float = 600.0
     stop_timeout_s: float = 120.0
+    broken_target_raises: int = 3  # a target whose forward raises this many times in a row is broken (restarted)
+    max_quarantined_share: float = 0.01  # the run stops once more than this share of its jobs is quarantined
 
     def __post_init__(self) -> None:
         _at_least("supervision.max_restarts_target", self.max_restarts_target, 0, "a budget cannot be negative")
+        _at_least("supervision.broken_target_raises", self.broken_target_raises, 2,
+                  "1 would call a target broken for one poison job")
+        if not 0.0 <= self.max_quarantined_share <= 1.0:  # a range test: nan fails it too
+            _fail("supervision.max_quarantined_share", self.max_quarantined_share,
+                  "must be a share in [0, 1]; e.g. supervision.max_quarantined_share=0.01")
         _at_least("supervision.max_restarts_drafter_group", self.max_restarts_drafter_group, 0,
                   "a budget cannot be negative")
         _positive("supervision.stall_timeout_s", self.stall_timeout_s, " seconds")
@@ -325,6 +332,7 @@ class FaultsConfig:
     stall_drafter_at_step: int = -1  # the last rank hangs outside any collective at this step (or its stream's end)
     fail_target_restarts: bool = False  # every start of a target after its first in this run dir fails in __init__
     poison_job: int = -1  # the forward of this job (epoch 0, by schedule position) raises every time
+    sticky_target_error: int = -1  # this target id's first incarnation raises on every job (a poisoned CUDA context)
     target_delay_s: float = 0.0  # seconds added to every target forward (0 = off): targets slow by construction
     drafter_delay_s: float = 0.0  # seconds added to every drafter micro-batch (0 = off): drafters slow by construction
 

@@ -54,6 +54,11 @@ class Budget:
         self._max_seen[bucket] = max(self._max_seen[bucket], nbytes)
         self.buffered += nbytes
 
+    def unbuffer(self, nbytes: int) -> None:
+        """A buffered item dropped unleased (a rollback acked its job)."""
+        self.buffered -= nbytes
+        assert self.buffered >= 0
+
     def lease(self, nbytes: int) -> None:
         self.buffered -= nbytes
         self.leased += nbytes

@@ -43,6 +43,12 @@ class BucketBuffer:
         self._cost_sum[bucket] -= item.job.cost
         return item
 
+    def remove(self, job_id: int, bucket: int) -> Item | None:
+        """Take out the item of this job, if buffered (a rollback acks it: the checkpoint trained it)."""
+        items = self._buckets[bucket]
+        k = next((i for i, it in enumerate(items) if it.meta.job_id == job_id), None)
+        return None if k is None else self.take(bucket, random.Random(), k)
+
     def counts(self) -> list[int]:
         """Items per bucket: the q_hsb vector."""
         return [len(b) for b in self._buckets]

@@ -41,6 +41,7 @@ class PoolControl:
         """Register (or replace after a restart) a target; the old incarnation's jobs are re-queued."""
         if self.pool.in_flight_count(target_id):
             self.pool.target_lost(target_id)
+        self.pool.target_added(target_id)
         self._targets[target_id] = handle
         self.pool.notify()
 
@@ -57,10 +58,20 @@ class PoolControl:
 
     def target_raised(self, target_id: int, handle: Any, job_id: int, error_type: str, error: str) -> None:
         """The job's forward raised but the target lives: only the job failed (see HSPool.job_raised),
-        with the error's last line (a traceback ends with the exception)."""
-        if self._targets.get(target_id) is handle:
-            lines = _lines(error)
-            self.pool.job_raised(target_id, job_id, lines[-1][:300] if lines else error_type)
+        with the error's last line (a traceback ends with the exception). A target that this made
+        broken (it raised on every job lately) is dropped like a dead one, its jobs re-queued without
+        a strike, and its failure recorded: the supervisor restarts it within its budget."""
+        if self._targets.get(target_id) is not handle:
+            return
+        lines = _lines(error)
+        last = lines[-1][:300] if lines else error_type
+        self.pool.job_raised(target_id, job_id, last)
+        if self.pool.target_broken(target_id):
+            del self._targets[target_id]
+            self.pool.target_lost(target_id)
+            raises = self.pool.broken_after
+            self.failures.append(TargetFailure(target_id, job_id, f"broken: its forward raised on {raises} jobs in a "
+                                               f"row (supervision.broken_target_raises={raises}); last: {last}"))
 
     def target_died(self, target_id: int, handle: Any, job_id: int, error_type: str, error: str) -> None:
         """The target is gone: its jobs go back to the queue and the failure is recorded. Only the

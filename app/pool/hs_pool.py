@@ -62,10 +62,12 @@ class HSPool:
         ranks: int | None = None,
         accum: int = 1,
         queue: Callable[[JobCatalog], JobQueue] = JobQueue,
+        broken_after: int = 3,
     ) -> None:
         """`pull_policy`: None = `cfg.pull_policy`. `ranks` (drafters in the group; None = as many
         as pull) and `accum` (train.grad_accum) size a global step for the policy. `queue` builds
-        the job queue over the catalog (a test passes a reference queue)."""
+        the job queue over the catalog (a test passes a reference queue). `broken_after`: raises in a
+        row that make a target broken (supervision.broken_target_raises; see `strikes.py`)."""
         assert num_buckets >= 1, num_buckets
         self.cfg = cfg
         self.num_buckets = num_buckets
@@ -84,7 +86,7 @@ class HSPool:
         self._leases = self._lending.leases  # generations and fences
         self._intake = Intake(num_buckets, cfg.capacity_bytes, self._queue, self._states, self._catalog, self._ledger)
         self._production = Production(cfg.jobs_in_flight_per_target, self._queue, self._states, self._buffer,
-                                      self._budget, self._tel, clock, self._wake)
+                                      self._budget, self._tel, clock, self._wake, broken_after)
         self._eos_drafters: set[int] = set()
         self._event = asyncio.Event()
 
@@ -136,13 +138,27 @@ class HSPool:
         return self._production.failed(target_id, job_id)
 
     def job_raised(self, target_id: int, job_id: int, error: str) -> bool:
-        """The job's forward raised on a live target: back to the front of the queue, or, the
-        QUARANTINE_AFTER-th time it raised on any targets (`production.py`), quarantined: a poison job
-        (a token id beyond the vocabulary, an OOM on the one largest job) would otherwise fail on every
-        target for the rest of the run. A quarantined job is never trained nor acked;
-        `stats().quarantined` maps its id to the last error. A target dying is not counted here
-        (`job_failed`): the job that happened to be in flight is not to blame."""
+        """The job's forward raised on a live target: re-tried first on another target, or, once it
+        raised on two different targets, quarantined: a poison job (a token id beyond the vocabulary,
+        an OOM on the one largest job) would otherwise fail on every target for the rest of the run.
+        A quarantined job is never trained nor acked; `stats().quarantined` maps its id to the last
+        error. A target that raises `broken_after` times in a row is broken instead (a poisoned CUDA
+        context): it gets no more jobs, its jobs are not charged, `stats().broken_targets` lists it
+        (rules: `strikes.py`). A target dying is not counted here (`job_failed`): the job that happened
+        to be in flight is not to blame."""
         return self._production.raised(target_id, job_id, error)
+
+    @property
+    def broken_after(self) -> int:
+        return self._production.strikes.broken_after
+
+    def target_broken(self, target_id: int) -> bool:
+        """Whether the target raised `broken_after` times in a row (until `target_added` again)."""
+        return target_id in self._production.strikes.broken
+
+    def target_added(self, target_id: int) -> None:
+        """A (new incarnation of a) target registered: it starts with no raise streak, not broken."""
+        self._production.target_added(target_id)
 
     def target_lost(self, target_id: int) -> list[int]:
         """A target died: all its in-flight jobs go back to the front of the queue."""
@@ -253,7 +269,9 @@ class HSPool:
         job acked after that checkpoint goes back to the front of the queue (in schedule order),
         since the restored weights never saw them. A lease whose job is in `keep_ids` was trained
         into the checkpoint before its ack reached the pool (acks ride on the next pull): it is acked
-        now, not re-queued. Returns how many were re-queued."""
+        now, not re-queued. So is every other id of `keep`, whatever its state (pending after an earlier
+        rollback, in flight, buffered): the restored weights trained it, and issuing it again would
+        train it twice. Returns how many were re-queued."""
         keep = set(keep_ids)
         self._lending.ack_kept(keep)
         n = len(self.reset_drafters())
@@ -262,8 +280,27 @@ class HSPool:
             self._ledger.discard(job_id)
             self._states.move(job_id, JobState.PENDING)
         self._queue.push_front(undo)  # schedule order at the front
+        self._ack_unacked(keep)
         self._wake()
         return n + len(undo)
+
+    def _ack_unacked(self, keep: set[int]) -> None:
+        """Ack the ids of a kept ledger that are not acked (quarantined ones stay: never trained)."""
+        queued: set[int] = set()
+        for job_id in keep:
+            state = self._states.get(job_id)
+            if state in (None, JobState.ACKED, JobState.QUARANTINED, JobState.LEASED):
+                continue  # leases were acked or released just before; unknown ids are not this run's
+            if state is JobState.BUFFERED:
+                item = self._buffer.remove(job_id, self._catalog.bucket(job_id))
+                assert item is not None, f"job {job_id} buffered but not in its bucket"
+                self._budget.unbuffer(item.meta.nbytes)
+            elif not self._production.take_back(job_id):
+                queued.add(job_id)
+            self._states.move(job_id, JobState.ACKED)
+            self._ledger.add(job_id)
+        self._queue.remove(queued)
+        self._buffer_changed()
 
     # ---- queries --------------------------------------------------------------------------
 
@@ -290,7 +327,7 @@ class HSPool:
     @property
     def producing_finished(self) -> bool:
         """Every job is produced: nothing pending, nothing in flight, no more coming."""
-        return self._intake.finished and not self._queue and not self._production.in_flight
+        return self._intake.finished and not self._production.waiting and not self._production.in_flight
 
     @property
     def done(self) -> bool:
@@ -320,6 +357,7 @@ class HSPool:
             in_flight_by_target=by_target,
             oldest_in_flight_age_s={t: now - min(s for _, s in v) for t, v in by_target.items()},
             leased_by_drafter=self._leases.count_by_drafter(), quarantined=dict(self._production.quarantined),
+            broken_targets=sorted(self._production.strikes.broken),
             bytes_overshoot=self.bytes_overshoot, producing_finished=self.producing_finished, done=self.done,
             eos_drafters=self.eos_drafters(), **self._tel.fields(now),
         )

@@ -1,6 +1,9 @@
 """Jobs on their way to the buffer: issued to a target within the capacity budget, landed in their
-bucket, or failed back to the FRONT of the queue (the hidden states are recomputed, never kept). A job
-whose forward keeps raising is quarantined instead of failing on every target for the rest of the run.
+bucket, or failed back to the FRONT of the queue (the hidden states are recomputed, never kept).
+
+A job whose forward raised waits among the re-tries (issued before the queue, to a target that did
+not fail it yet); one that raised on two targets is quarantined, and a target that raises on every
+job is broken instead, without charging its jobs (the rules: `strikes.py`).
 """
 from __future__ import annotations
 
@@ -13,9 +16,8 @@ from app.pool.buffer import BucketBuffer, Item
 from app.pool.inflight import InFlight
 from app.pool.queue import JobQueue
 from app.pool.states import JobState, JobStates
+from app.pool.strikes import Strikes, Verdict
 from app.pool.telemetry import PoolTelemetry
-
-QUARANTINE_AFTER = 2  # forward failures of one job, on any targets, before it is quarantined
 
 
 class Production:
@@ -24,11 +26,13 @@ class Production:
 
     def __init__(self, jobs_per_target: int, queue: JobQueue, states: JobStates, buffer: BucketBuffer,
                  budget: Budget, tel: PoolTelemetry, clock: Callable[[], float],
-                 changed: Callable[[], None]) -> None:
+                 changed: Callable[[], None], broken_after: int = 3) -> None:
+        """`broken_after`: raises in a row that make a target broken (supervision.broken_target_raises)."""
         self.jobs_per_target = jobs_per_target
         self.in_flight = InFlight()
         self.quarantined: dict[int, str] = {}  # job id -> error of its last failure
-        self._failures: dict[int, int] = {}  # job id -> forward failures (any target)
+        self.strikes = Strikes(broken_after)
+        self.retries: list[int] = []  # pending jobs whose forward raised, oldest first; issued before the queue
         self._queue, self._states, self._buffer, self._budget = queue, states, buffer, budget
         self._tel, self._clock, self._changed = tel, clock, changed
 
@@ -37,14 +41,25 @@ class Production:
         """Items that count against pool.capacity: buffered + in flight."""
         return len(self._buffer) + len(self.in_flight)
 
+    @property
+    def waiting(self) -> int:
+        """Jobs waiting for a target: queued and re-tries."""
+        return len(self._queue) + len(self.retries)
+
     def next_job(self, target_id: int) -> JobSpec | None:
-        job = self._queue.peek()
-        if job is None or self.in_flight.count(target_id) >= self.jobs_per_target:
+        if target_id in self.strikes.broken or self.in_flight.count(target_id) >= self.jobs_per_target:
+            return None
+        self.strikes.saw(target_id)
+        job = self._choose(target_id)
+        if job is None:
             return None
         reserve = self._budget.reservation(job)
         if not self._budget.fits(self.items_held, reserve):
             return None
-        self._queue.pop()
+        if job.job_id in self.retries:
+            self.retries.remove(job.job_id)
+        else:
+            self._queue.pop()
         self.in_flight.start(job, target_id, self._clock(), reserve)
         self._budget.reserve(reserve)
         self._states.move(job.job_id, JobState.IN_FLIGHT)
@@ -62,6 +77,7 @@ class Production:
         self._budget.land(fl.reserved_bytes, meta.nbytes, meta.bucket)
         self._buffer.put(Item(fl.job, meta, payload))
         self._states.move(meta.job_id, JobState.BUFFERED)
+        self.strikes.landed(target_id, meta.job_id)
         self._tel.landed(target_id, meta)
         return True
 
@@ -72,13 +88,13 @@ class Production:
         return True
 
     def raised(self, target_id: int, job_id: int, error: str) -> bool:
-        """Back to the queue, or quarantined the QUARANTINE_AFTER-th time (see HSPool.job_raised)."""
+        """Re-tried, quarantined, or not charged when the target is broken (see HSPool.job_raised)."""
         if not self._runs_on(target_id, job_id):
             return False
-        self._failures[job_id] = self._failures.get(job_id, 0) + 1
-        if self._failures[job_id] < QUARANTINE_AFTER:
+        if self.strikes.raised(target_id, job_id) is not Verdict.QUARANTINE:
             self._requeue([job_id])
             return True
+        self.strikes.forget(job_id)
         self._budget.unreserve(self.in_flight.pop(job_id).reserved_bytes)
         self._states.move(job_id, JobState.QUARANTINED)
         self.quarantined[job_id] = error
@@ -88,25 +104,59 @@ class Production:
     def target_lost(self, target_id: int) -> list[int]:
         ids = self.in_flight.of_target(target_id)
         self._requeue(ids)
+        self.strikes.lost(target_id)
         return ids
+
+    def target_added(self, target_id: int) -> None:
+        """A new incarnation of the target: its raise streak and broken mark are gone; it is alive."""
+        self.strikes.reset(target_id)
+        self.strikes.saw(target_id)
+
+    def take_back(self, job_id: int) -> bool:
+        """Drop a re-try or an in-flight job (a rollback acks it; queued ones are the queue's to drop):
+        True if it was here. A result its target still sends is then stale and dropped."""
+        if job_id in self.retries:
+            self.retries.remove(job_id)
+        elif self.in_flight.get(job_id) is not None:
+            self._budget.unreserve(self.in_flight.pop(job_id).reserved_bytes)
+            self._states.move(job_id, JobState.PENDING)
+        else:
+            return False
+        self.strikes.forget(job_id)
+        return True
 
     def stalled(self) -> bool:
         """Nothing in flight and the next job does not fit: waiting for min_ready would deadlock
         (leases hold the bytes, and they are acked only after pulls succeed), so pulls drain."""
-        job = self._queue.peek()
+        job = self._queue.peek() or (self._queue.catalog.spec(self.retries[0]) if self.retries else None)
         if self.in_flight or job is None:
             return False
         return not self._budget.fits(self.items_held, self._budget.reservation(job))
+
+    def _choose(self, target_id: int) -> JobSpec | None:
+        """A re-try this target did not fail yet, else the queue's head, else a re-try it failed that
+        no other healthy target could take (a lone target)."""
+        spec = self._queue.catalog.spec
+        for job_id in self.retries:
+            if self.strikes.may_take(job_id, target_id):
+                return spec(job_id)
+        head = self._queue.peek()
+        if head is not None:
+            return head
+        return next((spec(j) for j in self.retries if self.strikes.last_resort(j, target_id)), None)
 
     def _runs_on(self, target_id: int, job_id: int) -> bool:
         fl = self.in_flight.get(job_id)
         return fl is not None and fl.target_id == target_id
 
     def _requeue(self, job_ids: list[int]) -> None:
-        """In-flight jobs back to the front of the queue, oldest first; reservations given back."""
+        """In-flight jobs back to the front of the queue, oldest first (those with strikes to the re-tries);
+        reservations given back."""
         fls = sorted((self.in_flight.pop(j) for j in job_ids), key=lambda fl: fl.start)
         for fl in fls:
             self._budget.unreserve(fl.reserved_bytes)
             self._states.move(fl.job.job_id, JobState.PENDING)
-        self._queue.push_front(fl.job.job_id for fl in fls)
+        ids = [fl.job.job_id for fl in fls]
+        self.retries += [j for j in ids if self.strikes.charged(j)]
+        self._queue.push_front(j for j in ids if not self.strikes.charged(j))
         self._changed()

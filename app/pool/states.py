@@ -5,6 +5,7 @@
        └───────────────────┴─────────────────────────────────────┘
     IN_FLIGHT ──forward failed the second time──► QUARANTINED   (final: never trained, never acked)
     ACKED ──rollback──► PENDING      (re)stored ledger: unknown/PENDING ──► ACKED
+    PENDING (in flight: dropped first) / BUFFERED ──rollback to a ledger holding the job──► ACKED
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ _LEGAL: dict[JobState | None, frozenset[JobState]] = {
     None: frozenset({JobState.PENDING, JobState.ACKED}),
     JobState.PENDING: frozenset({JobState.IN_FLIGHT, JobState.ACKED}),
     JobState.IN_FLIGHT: frozenset({JobState.BUFFERED, JobState.PENDING, JobState.QUARANTINED}),
-    JobState.BUFFERED: frozenset({JobState.LEASED}),
+    JobState.BUFFERED: frozenset({JobState.LEASED, JobState.ACKED}),
     JobState.LEASED: frozenset({JobState.ACKED, JobState.PENDING}),
     JobState.ACKED: frozenset({JobState.PENDING}),
     JobState.QUARANTINED: frozenset(),

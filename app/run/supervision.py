@@ -17,6 +17,8 @@ Rules:
   nothing to serve. A rank stuck outside a collective (computing, or not answering at all) while
   nothing is buffered - the last step, a byte-full pool - is therefore a stall too.
 - Stop: the first stop signal asks the drafters to checkpoint; past `stop_timeout_s` the run fails.
+- Quarantine: more than `max_quarantined_share` of the run's jobs quarantined (and more than one)
+  fails the run: so many poison jobs mean broken data or targets, not a few bad records.
 """
 from __future__ import annotations
 
@@ -90,6 +92,8 @@ class Tick:
     servable: bool                             # a pull could be served now
     steps: int                                 # the group's highest global step seen
     ranks: tuple[RankProgress, ...] = ()
+    quarantined: int = 0                       # jobs the pool quarantined so far
+    total_jobs: int = 0                        # jobs of the run
 
 
 # ---- actions (what the shell must do) ----------------------------------------------------------
@@ -262,11 +266,21 @@ class SupervisionPolicy:
         idle = self.now - self.last_progress
         if idle > timeout and self.drafters_stalled(tick):
             actions += self._rebuild(f"drafters made no step for {idle:.0f} s ({_describe(tick)}) (watchdog)")
+        actions += self._check_quarantined(tick)
         if self.stop_deadline is not None and self.now > self.stop_deadline:
             actions.append(Fail(f"drafters did not checkpoint within supervision.stop_timeout_s="
                                 f"{self.cfg.stop_timeout_s:g}; the last periodic checkpoint stands; raise the "
                                 "timeout if steps are slow"))
         return actions
+
+    def _check_quarantined(self, tick: Tick) -> list[Action]:
+        share = self.cfg.max_quarantined_share
+        allowed = max(1, int(share * tick.total_jobs))  # one poison job never stops a small run
+        if tick.quarantined <= allowed:
+            return []
+        return [Fail(f"{tick.quarantined} of {tick.total_jobs} jobs quarantined ({tick.quarantined / tick.total_jobs:.1%}"
+                     f" > supervision.max_quarantined_share={share:g}): their forwards raise on every target "
+                     "(quarantined_jobs in the log name each error); fix the data or the targets, or raise the share")]
 
     @staticmethod
     def drafters_stalled(tick: Tick) -> bool:

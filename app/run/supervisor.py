@@ -158,7 +158,8 @@ class Supervisor:
     def _tick(self, stats) -> Tick:
         # Servable: a pull could be served now; prefetched leases alone are not "data waiting".
         servable = stats.buffered >= self.cfg.pool.min_ready or (stats.producing_finished and stats.buffered > 0)
-        return Tick(dict(stats.oldest_in_flight_age_s), servable, self.monitor.step, self.group.progress())
+        return Tick(dict(stats.oldest_in_flight_age_s), servable, self.monitor.step, self.group.progress(),
+                    quarantined=len(stats.quarantined), total_jobs=stats.total_jobs)
 
     # ---- policy ----------------------------------------------------------------------------
 

@@ -96,7 +96,8 @@ class Topology:
         return ray.remote(HSPoolActor).options(
             num_cpus=0, max_concurrency=pool_max_concurrency(topo.num_targets, topo.num_drafters),
             name=f"dflash-pool-{self.run_name}", max_restarts=0, scheduling_strategy=self._pool_node(),
-        ).remote(self.cfg.pool, num_buckets, self.run_name, ranks=topo.num_drafters, accum=self.cfg.train.grad_accum)
+        ).remote(self.cfg.pool, num_buckets, self.run_name, ranks=topo.num_drafters, accum=self.cfg.train.grad_accum,
+                 broken_after=self.cfg.supervision.broken_target_raises)
 
     def make_target(self, i: int, model_dir: str, layer_ids: list[int], dataset_ref: Any, faults: Any) -> Any:
         import ray
