@@ -194,3 +194,53 @@ def test_the_throwaway_cluster_refuses_a_process_without_its_token(tmp_path) -> 
     assert (got["mode"], got["answer"], got["token_file"]) == ("token", 42, False)
     assert got["stranger_rc"] != 0 and got["stranger_out"] == "", got
     assert "ConnectionError" in got["stranger_err"] or "uthentication" in got["stranger_err"], got
+
+
+# ---- item 18: a corrupt Parquet file -----------------------------------------------------------------
+
+
+def _parquet(path, rows: int = 3) -> bytes:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    msgs = [{"role": "user", "content": "ba be"}, {"role": "assistant", "content": "bi bo " * 20}]
+    pq.write_table(pa.table({"messages": [msgs] * rows}), path)
+    return path.read_bytes()
+
+
+def test_a_corrupt_parquet_row_group_is_malformed_records_and_a_truncated_file_a_data_error(tmp_path) -> None:
+    """Item 18: pyarrow's ArrowInvalid/OSError reached the user as a traceback, exit 1. A file that cannot
+    be opened is one data error line; a row group that cannot be read is one malformed record per row,
+    so data.on_error=skip drops and counts them and raise names the file and row."""
+    from app.data.formats import iter_records
+    from app.data.records import DataError, MalformedRecord
+
+    good = _parquet(tmp_path / "good.parquet")
+    (tmp_path / "cut.parquet").write_bytes(good[: len(good) // 2])
+    with pytest.raises(DataError, match=r"cut\.parquet' is not a readable Parquet file \(Parquet magic bytes"):
+        list(iter_records(str(tmp_path / "cut.parquet")))
+    bad = bytearray(good)
+    bad[10:60] = b"\xff" * 50  # inside the first data page's header
+    (tmp_path / "page.parquet").write_bytes(bytes(bad))
+    got = list(iter_records(str(tmp_path / "page.parquet")))
+    assert [row for row, _ in got] == [1, 2, 3] and all(isinstance(r, MalformedRecord) for _, r in got)
+    assert str(got[0][1]).startswith("unreadable Parquet row group 0: ")
+
+
+@pytest.mark.slow  # reuses (or builds) the tiny target
+def test_a_truncated_parquet_file_exits_2_with_one_line(tmp_path) -> None:
+    """Item 18 through `python -m app.train`: one line, exit 2, no traceback."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    good = _parquet(tmp_path / "good.parquet")
+    data = tmp_path / "train.parquet"
+    data.write_bytes(good[: len(good) // 2])
+    proc = subprocess.run([sys.executable, "-m", "app.train", "--config", str(root / "conf/tiny.yaml"),
+                           f"data.train_files=[{data}]", f"tiny.cache_dir={root / '.cache/tiny'}",
+                           f"checkpoint.dir={tmp_path / 'run'}"], cwd=root, capture_output=True, text=True, timeout=300)
+    err = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert (proc.returncode, len(err)) == (2, 1), proc.stderr[-2000:]
+    assert err[0].startswith(f"data error: data file '{data}' is not a readable Parquet file (Parquet magic bytes")

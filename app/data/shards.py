@@ -88,10 +88,21 @@ def count_lines(path: str) -> int:
     return n + (last != b"\n")
 
 
-def _parquet_shards(path: str, per: int) -> list[Shard]:
+def _open_parquet(path: str):
+    """The file's ParquetFile; one that cannot be opened (truncated, not Parquet) is a DataError."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    meta = pq.ParquetFile(path).metadata
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(f"data file {path!r} is not a readable Parquet file ({first}); re-export it or remove "
+                        "it from data.train_files") from None
+
+
+def _parquet_shards(path: str, per: int) -> list[Shard]:
+    meta = _open_parquet(path).metadata
     shards, first = [], 1
     for rg in range(meta.num_row_groups):
         rows = meta.row_group(rg).num_rows
@@ -138,9 +149,15 @@ def _parse_line(raw: bytes) -> dict | MalformedRecord:
 
 
 def _read_parquet(shard: Shard) -> Iterator[tuple[int, dict | MalformedRecord]]:
-    import pyarrow.parquet as pq
+    import pyarrow as pa
 
-    table = pq.ParquetFile(shard.path).read_row_group(shard.row_group).slice(shard.start, shard.stop - shard.start)
+    try:
+        table = _open_parquet(shard.path).read_row_group(shard.row_group).slice(shard.start, shard.stop - shard.start)
+    except (pa.ArrowException, OSError) as e:  # a corrupt row group: each of its rows is a malformed record
+        why = MalformedRecord(f"unreadable Parquet row group {shard.row_group}: {str(e).strip().splitlines()[0]}")
+        for row in range(shard.first, shard.first + shard.stop - shard.start):
+            yield row, why
+        return
     row = shard.first
     for batch in table.to_batches(max_chunksize=1024):
         for rec in batch.to_pylist():
