@@ -305,3 +305,43 @@ def test_export_leftovers_are_cleaned_on_start(tmp_path: Path) -> None:
     done = clean_orphans(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter", "drafter-best"]
     assert "restored drafter" in done and len(done) == 5
+
+
+# ---- item 7: a URI run resumed on a new machine keeps its timeline -------------------------------
+
+def test_a_uri_run_on_a_new_machine_continues_the_remote_timeline(tmp_path: Path, monkeypatch) -> None:
+    """Item 7: the local cache of a new machine is empty; the remote timeline (with the evaluations of
+    the earlier start) is fetched first, the tau history goes on from it, and what is uploaded at the
+    end holds the old rows and the new ones. Before, the new machine's cache was uploaded over it."""
+    import json
+
+    from app.config.load import load_config
+    from app.run.monitor import RunMonitor
+    from app.run.outputs import RunOutputs
+
+    root = Path(__file__).resolve().parents[1]
+    remote = tmp_path / "bucket" / "run"
+    remote.mkdir(parents=True)
+    earlier = [{"k": "run", "t": 1.0, "resumed_step": 0}, {"k": "eval", "t": 2.0, "step": 40, "tau": 2.5,
+                                                          "per_pos_accept": [0.9]}]
+    (remote / "timeline.jsonl").write_text("".join(json.dumps(r) + "\n" for r in earlier))
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "new-machine-tmp"))  # an empty local cache
+    (tmp_path / "new-machine-tmp").mkdir()
+    cfg = load_config(root / "conf/tiny.yaml", [f"checkpoint.dir=file://{remote}"])
+    outputs = RunOutputs(cfg, "run", RunMonitor(), resumed_step=40, log=lambda _: None)
+    assert [(r["step"], r["tau"]) for r in outputs.earlier_evals] == [(40, 2.5)]
+    outputs.timeline.note("new start's event")
+    outputs.close()
+    rows = [json.loads(line) for line in (remote / "timeline.jsonl").read_text().splitlines()]
+    assert rows[:2] == earlier and [r["k"] for r in rows[2:]] == ["run", "event"]
+
+
+def test_a_torn_last_line_does_not_swallow_the_next_start_s_first_row(tmp_path: Path) -> None:
+    """Item 7 (the same file): a killed driver's half line is closed before a new start appends."""
+    from app.run.timeline import Timeline, read_timeline
+
+    (tmp_path / "timeline.jsonl").write_text('{"k": "event", "t": 1, "text": "a"}\n{"k": "ev')
+    timeline = Timeline(tmp_path)
+    timeline.note("b")
+    timeline.close()
+    assert [r["text"] for r in read_timeline(tmp_path)] == ["a", "b"]

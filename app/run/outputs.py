@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from app.run.advice import SplitAdvisor
-from app.run.timeline import Timeline, read_timeline
+from app.run.timeline import FILE_NAME as TIMELINE, Timeline, adopt_remote, read_timeline
 
 
 class RunOutputs:
@@ -23,6 +23,10 @@ class RunOutputs:
         # A URI checkpoint.dir: the files live in its local cache and are uploaded by close().
         self.uri = is_uri(cfg.checkpoint.dir)
         self.run_dir = local_cache_dir(cfg.checkpoint.dir) if self.uri else cfg.checkpoint.dir
+        if self.uri:  # resumed on another machine: the remote timeline first, or close() would upload over it
+            from app.storage import open_storage
+
+            adopt_remote(open_storage(cfg.checkpoint.dir).read_file(TIMELINE), self.run_dir)
         # Evaluations of earlier starts of this run (a resume): the tau history and best go on from them.
         self.earlier_evals = [r for r in read_timeline(self.run_dir) if r.get("k") == "eval"]
         self.timeline = Timeline(self.run_dir, pool_every_s=min(2.0, cfg.logging.status_every_s))
@@ -60,7 +64,7 @@ class RunOutputs:
             path = write_report(self.run_dir)
             if self.uri:
                 store = open_storage(self.cfg.checkpoint.dir)
-                for name in ("timeline.jsonl", "report.html"):
+                for name in (TIMELINE, "report.html"):
                     store.write_file(name, (Path(self.run_dir) / name).read_bytes())
         except (OSError, ValueError, RuntimeError) as exc:
             self.log(f"WARNING: report.html not written ({type(exc).__name__}: {exc}); "

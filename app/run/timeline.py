@@ -37,7 +37,10 @@ class Timeline:
         self.pool_every_s, self.clock = pool_every_s, clock
         self._last_pool = float("-inf")
         self._tau: dict = {}  # the latest evaluation: {"tau": ..., "tau_step": ...}
+        torn = self.path.exists() and self.path.stat().st_size and not self.path.read_bytes().endswith(b"\n")
         self._file = self.path.open("a", encoding="utf-8")
+        if torn:  # a killed driver's half line must not swallow this start's first row
+            self._file.write("\n")
 
     def start(self, topology, run_name: str = "", resumed_step: int = 0) -> None:
         self._write("run", num_targets=topology.num_targets, num_drafters=topology.num_drafters,
@@ -79,6 +82,20 @@ class Timeline:
 def _plain(obj):
     # numpy scalars and tuples of them; everything else in a row is already JSON.
     return obj.item() if hasattr(obj, "item") else str(obj)
+
+
+def adopt_remote(remote: bytes | None, run_dir: str | Path) -> bool:
+    """A URI run's timeline lives in a local cache and is uploaded at the end: on a new machine (or
+    after another machine's start) the remote copy is the longer one, and becomes the local file before
+    anything is appended. Both are append-only copies of one history, so the longer one holds the other."""
+    path = Path(run_dir) / FILE_NAME
+    if not remote or len(remote) <= (path.stat().st_size if path.exists() else 0):
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(remote)
+    tmp.replace(path)
+    return True
 
 
 def read_timeline(run_dir: str | Path) -> list[dict]:
