@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from app.training.checkpoint import TrainState, load_checkpoint, restore_rng, rng_state, save_checkpoint, state_checksum
+from app.training.checkpoint import GENERATION_KEY
 from app.training.loop import (AwaitPull, Checkpoint, Compute, Fetched, Gather, LoopConfig, NonFinite, OfferEval,
                                PullAnswered, RankLoop, ReadStop, Reduce, SendAcks, Sleep, StartPull, StepDone,
                                StepStart, Updated, drive)
@@ -49,6 +50,7 @@ class DrafterSetup:
     data_fingerprint: str = ""  # saved with each checkpoint; resume refuses other data
     eval_every_steps: int = 0  # rank 0 offers its weights for an evaluation every N steps (eval.every_steps)
     step_log: str | None = None  # rank 0 appends each step's job ids here (logging.step_log, app/training/step_log.py)
+    group_generation: int = 0  # stamped into each checkpoint: a rebuild ignores a killed group's late ones
 
 
 @dataclass(frozen=True)
@@ -306,7 +308,8 @@ class DrafterActor:
         state = TrainState(step=t.step, epoch=self.epoch, ledger=sorted(self.ledger),
                            drafter=t.drafter.state_dict(), optimizer=t.optimizer.state_dict(),
                            scheduler=t.scheduler.state_dict(), rng=rng_state(),
-                           extra={"data_fingerprint": self.cfg.data_fingerprint})
+                           extra={"data_fingerprint": self.cfg.data_fingerprint,
+                                  GENERATION_KEY: self.cfg.group_generation})
         return str(save_checkpoint(self.cfg.checkpoint.dir, state, self.cfg.checkpoint.keep))
 
     def export(self) -> str:

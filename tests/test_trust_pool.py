@@ -193,3 +193,29 @@ def test_a_rollback_acks_every_kept_job_whatever_its_state() -> None:
     assert not pool.job_done(0, _meta(1, 0), "ref1") and pool.stats().stale_results == 1  # late result dropped
     rest = [pool.next_job(t).job_id for t in (0, 0)]
     assert rest == [4, 5] and pool.next_job(1) is None
+
+
+def test_a_rebuild_ignores_a_late_checkpoint_of_a_group_killed_earlier(tmp_path) -> None:
+    """Issue 22 item 6: rank 0 stamps its group generation into each checkpoint; a rebuild of group 3
+    (which resumed at step 4) skips ckpt-12, written late by the killed group 2, and resumes from group
+    3's own ckpt-8. Before, the newest checkpoint won whoever wrote it."""
+    import torch
+
+    from app.run.drafter_group import next_generation, rebuild_checkpoint
+    from app.training.checkpoint import GENERATION_KEY, TrainState, save_checkpoint
+
+    root = tmp_path / "run"
+
+    def write(step: int, generation: int | None) -> None:
+        extra = {} if generation is None else {GENERATION_KEY: generation}
+        save_checkpoint(root, TrainState(step, 0, list(range(step)), {"w": torch.zeros(2)}, extra=extra), keep=10)
+
+    assert rebuild_checkpoint(str(root), 1, 0) is None and next_generation(str(root), 0) == 1
+    write(2, None)  # before generations were stamped
+    write(4, 2)
+    write(8, 3)
+    write(12, 2)  # group 2 was killed at the rebuild to group 3 (resumed from ckpt-4) but still wrote this
+    assert rebuild_checkpoint(str(root), 3, 4).name == "ckpt-00000008"
+    assert rebuild_checkpoint(str(root), 4, 8).name == "ckpt-00000008"  # group 4 wrote none yet
+    assert rebuild_checkpoint(str(root), 9, 2).name == "ckpt-00000002"  # the one it resumed from (unstamped: 0)
+    assert next_generation(str(root), 3) == 4 and next_generation(str(root), 7) == 8

@@ -4,6 +4,11 @@ Each step returns the supervision event it produced (`DrafterGroupStarted`, `Dra
 supervisor's loop to hand to `SupervisionPolicy`. A rebuild tears the whole group down, rolls the pool
 back to the latest checkpoint's ledger (jobs trained after it are re-issued) and resumes a new group
 from it, on fewer ranks when a lost node took GPUs nobody can replace.
+
+Each group start has a generation, higher than any stamped in the checkpoint folder; rank 0 stamps it
+into every checkpoint it writes. A rebuild resumes from the newest checkpoint of the group being
+replaced or from before that group started (`rebuild_checkpoint`): a newer one stamped by an older
+generation is a late write of a group killed earlier, whose weights the pool's ledger no longer matches.
 """
 from __future__ import annotations
 
@@ -34,6 +39,38 @@ def check_probe(root: str, name: str, token: str, where: str) -> None:
         raise RunFailed(f"drafter rank 0 writes checkpoint.dir={redact(root)} as {redact(where)}, a folder this driver "
                         "does not see: its checkpoints would never be found and a rebuild would start from scratch; "
                         "put checkpoint.dir on storage every node mounts at the same path, or use an s3:// URI")
+
+
+def rebuild_checkpoint(root: str, generation: int, resumed_step: int):
+    """The newest checkpoint under `root` that a rebuild of group `generation` (which resumed at
+    `resumed_step`) may resume from: stamped by that group or a later one, or no newer than its start.
+    None when there is none (a rebuild from scratch)."""
+    from app.training.checkpoint import list_checkpoints
+
+    for ckpt in reversed(list_checkpoints(root)):
+        if _step(ckpt) <= resumed_step or _generation(ckpt) >= generation:
+            return ckpt
+    return None
+
+
+def next_generation(root: str, current: int) -> int:
+    """A new group's generation: above the current one and above every one stamped under `root` (a
+    resubmitted driver counts on from the previous run's groups)."""
+    from app.training.checkpoint import list_checkpoints
+
+    return max([current, *(_generation(c) for c in list_checkpoints(root))]) + 1
+
+
+def _step(ckpt) -> int:
+    from app.training.checkpoint import PREFIX
+
+    return int(ckpt.name[len(PREFIX):])
+
+
+def _generation(ckpt) -> int:
+    from app.training.checkpoint import GENERATION_KEY, read_extra
+
+    return int(read_extra(ckpt).get(GENERATION_KEY, 0))  # 0: written before generations were stamped
 
 
 class BundleWaits:
@@ -67,6 +104,8 @@ class DrafterGroup:
         self.run_refs: list[Any] = []
         self.progress_query: dict[int, tuple[Any, float]] = {}  # rank -> (pending progress() ref, sent at)
         self.progress_seen: dict[int, RankProgress] = {}
+        self.generation = 0  # of the group now running (0: none started yet)
+        self.resumed_step = 0  # the step the group now running started at
         ckpt_dir = self.cfg.checkpoint.dir  # rank 0 writes the step log; on a URI there is no local file
         self.step_log = StepLog(Path(ckpt_dir) / STEP_LOG_FILE) if self.cfg.logging.step_log and not is_uri(ckpt_dir) \
             else None
@@ -78,6 +117,7 @@ class DrafterGroup:
         import ray
         from ray.exceptions import GetTimeoutError, RayError
 
+        self.generation = next_generation(self.cfg.checkpoint.dir, self.generation)
         self.ranks = self.topo.make_drafters(self._setup(resume_from, bundles), self.pool.handle, bundles)
         self.progress_query, self.progress_seen = {}, {}
         try:  # setup builds the model and joins the process group: slow on a loaded box
@@ -92,6 +132,7 @@ class DrafterGroup:
                             + (f" while resuming from {resume_from}" if resume_from else "")) from None
         self._probe()
         step, checksums = ready[0][0], sorted({round(c, 6) for _, c in ready})
+        self.resumed_step = step
         self.monitor.restart_at(step)
         if self.step_log:
             self.step_log.group_start(step)
@@ -108,7 +149,7 @@ class DrafterGroup:
         """Tear the group down, roll the pool back to the latest checkpoint and start a new group from it."""
         import ray
 
-        from app.training.checkpoint import latest_checkpoint, read_ledger
+        from app.training.checkpoint import read_ledger
 
         self.kill()
         # ray.kill is asynchronous: wait until the old ranks are gone, so no late ack or checkpoint
@@ -116,7 +157,7 @@ class DrafterGroup:
         if self.run_refs:
             ray.wait(self.run_refs, num_returns=len(self.run_refs), timeout=OLD_GROUP_EXIT_S)
         self.drain_records()  # the dead group's last reports belong before the new group's start
-        ckpt = latest_checkpoint(self.cfg.checkpoint.dir)
+        ckpt = rebuild_checkpoint(self.cfg.checkpoint.dir, self.generation, self.resumed_step)
         ledger = read_ledger(ckpt)[2] if ckpt else list(self.plan.resume_ledger)
         requeued = self.pool.rollback(ledger)
         self.pool.report_restart("drafter_group")
@@ -198,5 +239,5 @@ class DrafterGroup:
             num_cpus=cfg.topology.cpus_per_drafter, dtype=cfg.model.dtype,
             total_steps=p.total_steps, total_jobs=len(p.jobs), resume_from=resume_from,
             data_fingerprint=p.data_fingerprint, eval_every_steps=cfg.eval.every_steps,
-            step_log=str(self.step_log.path) if self.step_log else None,
+            step_log=str(self.step_log.path) if self.step_log else None, group_generation=self.generation,
         )
