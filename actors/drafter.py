@@ -210,13 +210,25 @@ class DrafterActor:
         return DrafterProgress(self.rank, phase, time.monotonic() - since, self.step_now)
 
     def address(self) -> tuple[str, int]:
-        """Rank 0's rendezvous address for torch.distributed."""
+        """Rank 0's rendezvous address for torch.distributed: a socket listening on this node's address
+        only (not every interface), handed to the TCPStore in `setup`, so the port cannot be taken meanwhile."""
         import ray
 
         ip = ray.util.get_node_ip_address()
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            return ip, sock.getsockname()[1]
+        self._listener = socket.create_server((ip, 0))
+        return ip, self._listener.getsockname()[1]
+
+    def _store(self, master_addr: str, master_port: int):
+        """The rendezvous store: rank 0 serves it on the socket `address` bound, the others connect."""
+        import torch.distributed as dist
+        from torch.distributed.constants import default_pg_timeout
+
+        listener = getattr(self, "_listener", None) if self.rank == 0 else None
+        store = dist.TCPStore(master_addr, master_port, self.cfg.world_size, is_master=self.rank == 0,
+                              timeout=default_pg_timeout, **({"master_listen_fd": listener.fileno()} if listener else {}))
+        if listener is not None:
+            listener.detach()  # the store owns (and closes) the fd now; Python must not close it again
+        return store
 
     def write_probe(self, name: str, token: str) -> str:
         """Rank 0 at group start: `token` into `<checkpoint.dir>/<name>`, for the driver to read back (both
@@ -240,7 +252,7 @@ class DrafterActor:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
+        dist.init_process_group(backend, store=self._store(master_addr, master_port),
                                 rank=self.rank, world_size=self.cfg.world_size)
         drafter, head, self.arch = build_or_load_drafter(
             self.cfg.model_dir, None, self.cfg.drafter, self.cfg.layer_ids, self.cfg.mask_token_id,

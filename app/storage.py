@@ -76,17 +76,37 @@ def local_path(root: str | Path) -> Path | None:
 
 
 def local_cache_dir(root: str | Path) -> Path:
-    """A local folder tied to a root: the root itself when local, else one under the temp dir.
+    """A local folder tied to a root: the root itself when local, else one in this user's cache root.
 
     For what must stay on a local disk even when checkpoints go to object storage (wandb files,
-    fault markers, downloaded checkpoints)."""
+    fault markers, downloaded checkpoints, staged uploads)."""
     if (local := local_path(root)) is not None:
         return local
     import hashlib
 
     digest = hashlib.sha256(str(root).encode()).hexdigest()[:12]
-    path = Path(tempfile.gettempdir()) / f"dflash-{root_name(root)}-{digest}"
-    path.mkdir(parents=True, exist_ok=True)
+    path = cache_root() / f"{root_name(root)}-{digest}"
+    path.mkdir(mode=0o700, exist_ok=True)
+    return path
+
+
+def cache_root() -> Path:
+    """`<tmp>/dflash-<uid>/`: this user's private (0700) folder for URI runs' caches and staging. A
+    shared /tmp lets anyone create a predictable name first: a symlink there, or a folder of another
+    owner, is refused (`RuntimeError`), never followed."""
+    import stat
+
+    path = Path(tempfile.gettempdir()) / f"dflash-{os.getuid()}"
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise RuntimeError(f"{path} is not a folder of this user (a symlink, a file or another user's folder): "
+                           "refusing to cache there; remove it or set TMPDIR to a private folder")
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        os.chmod(path, 0o700)  # ours but opened up: others could plant files in it
     return path
 
 
@@ -258,7 +278,7 @@ class UriStorage(Storage):
     # ---- entries -----------------------------------------------------------------------------
 
     def stage(self, name: str) -> Path:
-        return Path(tempfile.mkdtemp(prefix=f"dflash-stage-{name}-"))
+        return Path(tempfile.mkdtemp(prefix=f"stage-{name}-", dir=cache_root()))
 
     def publish(self, staged: Path, name: str) -> str:
         version = f"v-{uuid.uuid4().hex[:12]}"

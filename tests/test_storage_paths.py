@@ -29,9 +29,11 @@ def test_a_local_root_is_its_own_folder(tmp_path: Path) -> None:
 
 
 def test_a_uri_root_gets_one_stable_folder_under_the_temp_dir(tmp_temp_dir: Path) -> None:
+    import os
+
     assert is_uri(URI) and local_path(URI) is None
     first = local_cache_dir(URI)
-    assert first.parent == tmp_temp_dir and first.name.startswith("dflash-qwen-") and first.is_dir()
+    assert first.parent == tmp_temp_dir / f"dflash-{os.getuid()}" and first.name.startswith("qwen-") and first.is_dir()
     assert local_cache_dir(URI) == first  # a restarted process finds the same folder
     assert local_cache_dir("s3://bucket/runs/other") != first
 

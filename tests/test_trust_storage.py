@@ -345,3 +345,54 @@ def test_a_torn_last_line_does_not_swallow_the_next_start_s_first_row(tmp_path: 
     timeline.note("b")
     timeline.close()
     assert [r["text"] for r in read_timeline(tmp_path)] == ["a", "b"]
+
+
+# ---- item 15: per-user private caches, the rendezvous on the node's address --------------------------
+
+def test_uri_caches_live_in_a_private_per_user_root(tmp_path: Path, monkeypatch) -> None:
+    """Item 15: caches and staging of URI runs were predictable names shared in /tmp; now they sit in
+    `<tmp>/dflash-<uid>/` (0700), and a planted symlink or another user's folder there is refused."""
+    import os
+    import stat
+
+    from app.storage import cache_root, local_cache_dir
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    folder = local_cache_dir("s3://b/runs/x")
+    root = tmp_path / f"dflash-{os.getuid()}"
+    assert folder.parent == root and stat.S_IMODE(root.stat().st_mode) == 0o700
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert open_storage("s3://b/runs/x?endpoint_override=127.0.0.1:1&scheme=http").stage("ckpt-1").parent == root
+    root.chmod(0o777)  # opened up: closed again
+    assert stat.S_IMODE(cache_root().stat().st_mode) == 0o700
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "shared"))
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "attacker").mkdir()
+    (tmp_path / "shared" / f"dflash-{os.getuid()}").symlink_to(tmp_path / "attacker")
+    with pytest.raises(RuntimeError, match="not a folder of this user"):
+        local_cache_dir("s3://b/runs/x")
+    assert list((tmp_path / "attacker").iterdir()) == []
+
+
+def test_the_rendezvous_listens_on_the_node_address_only(monkeypatch) -> None:
+    """Item 15: rank 0's rendezvous socket is bound to the node's address, not every interface, and is
+    the very socket the TCPStore serves on (a one-rank gloo group joins through it)."""
+    import ray.util
+    import torch
+    import torch.distributed as dist
+
+    from actors.drafter import DrafterActor
+
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
+    actor = DrafterActor.__new__(DrafterActor)  # only address and the store: no model, no pool
+    actor.rank, actor.cfg = 0, type("Setup", (), {"world_size": 1})()
+    ip, port = actor.address()
+    assert actor._listener.getsockname() == ("127.0.0.1", port) and ip == "127.0.0.1"
+    dist.init_process_group("gloo", store=actor._store(ip, port), rank=0, world_size=1)
+    try:
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        assert t.tolist() == [1.0, 1.0]
+    finally:
+        dist.destroy_process_group()
