@@ -396,3 +396,18 @@ def test_the_rendezvous_listens_on_the_node_address_only(monkeypatch) -> None:
         assert t.tolist() == [1.0, 1.0]
     finally:
         dist.destroy_process_group()
+
+
+def test_a_driver_that_crashes_before_the_run_gives_its_lease_back(tmp_path: Path, monkeypatch) -> None:
+    """Item 2: an exception between the lease and the run (here: planning) releases the lease, so a
+    caller in the same process (a test, a notebook) can start on the same dir again."""
+    import app.run.driver as driver
+    from app.config.load import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(driver, "make_plan", lambda cfg: (_ for _ in ()).throw(RuntimeError("boom")))
+    cfg = load_config(root / "conf/tiny.yaml", [f"checkpoint.dir={tmp_path / 'run'}"])
+    with pytest.raises(RuntimeError, match="boom"):
+        driver.run(cfg)
+    assert not (tmp_path / "run" / ".run-lease").exists()

@@ -38,6 +38,10 @@ def run(cfg: Config) -> int:
         if lease is not None:
             lease.release()
         return 2
+    except BaseException:  # a crash before the run starts: a caller in this process may start again on the dir
+        if lease is not None:
+            lease.release()
+        raise
     stop, restore_signals = install_stop_handler()
     try:
         return supervise(plan, use_gpu, stop)
