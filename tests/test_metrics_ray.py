@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from app.pool import metric_names as mn
-from tests.e2e_helpers import run_in_process
+from app.config.load import load_config
+from app.run.plan import run_name
+from tests.e2e_helpers import ROOT, run_in_process, tiny_overrides
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -41,12 +43,13 @@ def test_every_design_metric_is_exported_with_sane_values(ray_cluster, tmp_path:
 
     port = ray._private.worker.global_worker.node.metrics_export_port
     run_dir = tmp_path / "metrics-run"
+    run_label = run_name(load_config(ROOT / "conf/tiny.yaml", tiny_overrides(run_dir)))  # folder name + digest
     result: dict[str, int] = {}
     worker = threading.Thread(target=lambda: result.update(code=run_in_process(run_dir, "train.epochs=8")))
     worker.start()
     scrapes = []
     while worker.is_alive():
-        scrapes.append(_scrape(port, run_dir.name))
+        scrapes.append(_scrape(port, run_label))
         time.sleep(1.0)
     worker.join()
     assert result["code"] == 0

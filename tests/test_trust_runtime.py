@@ -244,3 +244,77 @@ def test_a_truncated_parquet_file_exits_2_with_one_line(tmp_path) -> None:
     err = [line for line in proc.stderr.splitlines() if line.strip()]
     assert (proc.returncode, len(err)) == (2, 1), proc.stderr[-2000:]
     assert err[0].startswith(f"data error: data file '{data}' is not a readable Parquet file (Parquet magic bytes")
+
+
+# ---- item 18: the placement group's timeout -----------------------------------------------------------
+
+
+@pytest.mark.ray
+def test_a_placement_group_that_never_fits_is_one_config_error_line(ray_cluster) -> None:
+    """Item 18: past the timeout Topology raised RuntimeError (a traceback, exit 1); now a ConfigError (the
+    driver prints its one line and exits 2 for errors raised while supervising too) saying what is free."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from app.config.errors import ConfigError
+    from app.run.placement import wait_placement
+
+    bundles = [{"CPU": 1.0}, {"CPU": 1000.0}]  # more than the cluster has: never ready
+    pg = placement_group(bundles, strategy="PACK")
+    try:
+        with pytest.raises(ConfigError) as err:
+            wait_placement(pg, bundles, timeout_s=0.5)
+    finally:
+        remove_placement_group(pg)
+    line = str(err.value)
+    assert "\n" not in line
+    assert line.startswith("the placement group of 2 bundles (1001 CPU) was not ready after 0.5 s: the cluster has ")
+    assert " of 16 CPU free; " in line and line.endswith("lower topology.num_targets / num_drafters")
+
+
+def test_a_user_error_while_supervising_exits_2_with_one_line(monkeypatch, capsys) -> None:
+    """Item 18: errors found once the run started (the placement group's timeout, a failed wandb.init)
+    were outside the driver's UserError handling: a traceback, exit 1."""
+    from types import SimpleNamespace
+
+    from app.config.errors import ConfigError
+    from app.run import driver
+
+    class Lease:
+        def release(self) -> None:
+            pass
+
+    def supervise(*_a):
+        raise ConfigError("the placement group of 2 bundles (9 CPU) was not ready after 120 s: ...")
+
+    plan = SimpleNamespace(use_device=lambda _gpu: None, jobs=SimpleNamespace(max_payload_bytes=lambda: 0))
+    for name, fake in {"check_dir_shared": lambda _c: None, "take_lease": lambda _c: Lease(),
+                       "make_plan": lambda _c: plan, "connect": lambda _c: False,
+                       "check_object_store": lambda *_a: None, "_object_store_bytes": lambda: 0.0,
+                       "supervise": supervise}.items():
+        monkeypatch.setattr(driver, name, fake)
+    assert driver.run(SimpleNamespace()) == 2
+    assert capsys.readouterr().err == ("config error: the placement group of 2 bundles (9 CPU) was not ready "
+                                       "after 120 s: ...\n")
+
+
+# ---- item 18: a bench starts its own cluster ------------------------------------------------------------
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_bench_pool_starts_its_own_cluster_beside_another(ray_cluster) -> None:
+    """Item 18: with another cluster reachable (RAY_ADDRESS, as `ray start` leaves for the machine), the
+    bench joined it and died: "When connecting to an existing cluster, num_cpus and num_gpus must not be
+    provided". It now starts its own (app.run.driver.start_own_cluster, which bench sched calls too)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    gcs = ray_cluster.get_runtime_context().gcs_address
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")} | {"RAY_ADDRESS": gcs}
+    proc = subprocess.run([sys.executable, "-m", "app.bench", "pool", "--items", "20", "--producers", "1",
+                           "--consumers", "1", "--kib", "1", "--repeats", "1", "--batches", "1"], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1].startswith("RESULT pool_pairs_per_s=")

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from app.config.errors import ConfigError
 from app.config.schema import CheckpointConfig, Config, LoggingConfig, ModelConfig
 from app.run.wandb_log import WandbLogger
 
@@ -34,3 +35,36 @@ def test_offline_writes_a_local_run_with_the_values(tmp_path: Path, monkeypatch)
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     assert any(f.suffix == ".wandb" for f in runs[0].iterdir())
+
+
+def test_a_failing_wandb_init_is_one_config_error_line(tmp_path: Path, monkeypatch) -> None:
+    """Issue 22 item 18: wandb.init's error (no API key, no network) was a traceback, exit 1; now one
+    ConfigError line (the driver exits 2 with it) naming the mode and the fix, with no URI credentials."""
+    import wandb
+
+    def refuse(**_kw):
+        raise wandb.errors.CommError("Network error (ConnectionError) at s3://key:secret@host/x\nretrying")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    cfg = _cfg(tmp_path, "online")
+    with pytest.raises(ConfigError) as err:
+        WandbLogger(cfg.logging, "r", cfg)
+    assert str(err.value) == ("wandb.init failed for logging.wandb_mode=online (CommError: Network error "
+                              "(ConnectionError) at s3://***@host/x); log in (wandb login, or WANDB_API_KEY), or set "
+                              "logging.wandb_mode=offline or disabled")
+
+
+def test_two_runs_whose_folders_share_a_name_get_two_run_names(tmp_path: Path) -> None:
+    """Item 18: the run name (wandb id, the metrics' run label) was the folder's basename, so runs/a/exp
+    and runs/b/exp merged into one wandb run and one label; now basename plus a digest of the path."""
+    from app.run.plan import run_name
+
+    def name(root: str, explicit: str = "") -> str:
+        return run_name(replace(Config(model=ModelConfig(target="tiny")), checkpoint=CheckpointConfig(dir=root),
+                                logging=LoggingConfig(run_name=explicit)))
+
+    a, b = name(str(tmp_path / "a" / "exp")), name(str(tmp_path / "b" / "exp"))
+    assert a != b and a.startswith("exp-") and b.startswith("exp-") and len(a) == len("exp-") + 6
+    assert name(str(tmp_path / "a" / "exp") + "/") == a == name(str(tmp_path / "a" / "x" / ".." / "exp"))
+    assert name("s3://bucket/runs/exp") != name("s3://other/runs/exp")
+    assert name(str(tmp_path / "a" / "exp"), explicit="mine") == "mine"

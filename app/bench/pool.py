@@ -18,7 +18,6 @@ Both run at B=1 and B=4; the RESULT ratio is at B=4 (the bench's default batch).
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import numpy as np
@@ -201,8 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=16, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    from app.run.driver import start_own_cluster
+
+    start_own_cluster(num_cpus=16)  # never another cluster on the machine (RAY_ADDRESS, ray start)
     floats = args.kib * 1024 // 4
     # The same producer and consumer actors serve both layouts (only the middle differs).
     prods = [ray.remote(BenchProducer).remote(t, floats) for t in range(args.producers)]

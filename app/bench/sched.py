@@ -29,7 +29,6 @@ instead of Ray, in seconds.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import numpy as np
@@ -298,8 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.sim:
         import ray
 
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        ray.init(num_cpus=16, include_dashboard=False, configure_logging=False, log_to_driver=False)
+        from app.run.driver import start_own_cluster
+
+        start_own_cluster(num_cpus=16)  # never another cluster on the machine (RAY_ADDRESS, ray start)
         import sys
 
         ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

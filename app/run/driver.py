@@ -48,6 +48,9 @@ def run(cfg: Config) -> int:
     except RunFailed as exc:
         print(f"run failed: {redact(str(exc))}", file=sys.stderr)
         return 1
+    except UserError as exc:  # found once the run starts: the placement group's timeout, wandb.init
+        print(f"{exc.kind} error: {redact(str(exc))}", file=sys.stderr)
+        return 2
     finally:
         restore_signals()
         lease.release()
@@ -108,13 +111,28 @@ def init_ray() -> None:
     import ray
 
     address = os.environ.get("RAY_ADDRESS") or None
-    if address in (None, "local") and "RAY_AUTH_MODE" not in os.environ \
-            and not {"RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"} & set(os.environ):
-        import secrets
-
-        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)  # 256 bits, as Ray's own generator
+    if address in (None, "local"):
+        local_cluster_token()
     ray.init(address=address, include_dashboard=None if address else False, log_to_driver=True,
              configure_logging=False)
+
+
+def local_cluster_token() -> None:
+    """Before starting a throwaway local cluster: unless RAY_AUTH_MODE or a token is set, give it a fresh
+    token (256 bits, as Ray's own generator) in the environment its processes inherit (see init_ray)."""
+    if "RAY_AUTH_MODE" not in os.environ and not {"RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"} & set(os.environ):
+        import secrets
+
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+
+
+def start_own_cluster(**resources) -> None:
+    """A bench's own local cluster with these resources, even when RAY_ADDRESS is set or another cluster
+    runs on the machine (plain ray.init would join it and refuse num_cpus/num_gpus), with token auth."""
+    import ray
+
+    local_cluster_token()
+    ray.init(address="local", include_dashboard=False, configure_logging=False, log_to_driver=False, **resources)
 
 
 def spare_cpus(cfg: Config) -> float:

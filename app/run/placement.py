@@ -1,7 +1,8 @@
 """Will the run's placement group fit the cluster? A pure check over `ray.nodes()`-shaped data.
 
 A placement group reserves every bundle before any actor starts; one that cannot fit waits forever
-(or until the driver's 120 s timeout) with no word of what is missing. This check places the bundles
+(or until the driver's 120 s timeout, `wait_placement`, which then says what is free) with no word of
+what is missing. This check places the bundles
 the way the chosen strategy would, on the live nodes' totals, and names what is short on which node:
 
     topology does not fit the cluster (PACK): drafter 2 bundle {CPU: 4, GPU: 1} fits on no node:
@@ -17,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from app.config.checks import bundle_totals
+from app.config.checks import actor_bundles, bundle_totals
 
 STRATEGIES = ("PACK", "SPREAD")
 RESOURCES = ("GPU", "CPU")  # what a bundle asks for; memory and custom resources are not reserved
@@ -130,10 +131,33 @@ def _shortfall(bundle: dict[str, float], label: str, nodes: list[NodeRoom], stra
 def check_cluster_fits(cfg, use_gpu: bool, ray_nodes: Iterable[dict[str, Any]]) -> Fit:
     """The driver's check before any actor starts: a misfit is a ConfigError (one line, exit 2)."""
     from app.config.load import ConfigError
-    from app.run.topology import plan_bundles
 
-    plan = plan_bundles(cfg.topology, use_gpu)
+    topo = cfg.topology  # the bundles app/run/topology.plan_bundles gives the placement group
     try:
-        return check_placement(plan.bundles, plan.num_targets, plan.num_drafters, ray_nodes, cfg.topology.strategy)
+        return check_placement(actor_bundles(topo, use_gpu), topo.num_targets, topo.num_drafters, ray_nodes,
+                               topo.strategy)
     except PlacementError as exc:
         raise ConfigError(str(exc)) from None
+
+
+PLACEMENT_TIMEOUT_S = 120.0  # a placement group the check let through should be ready long before this
+
+
+def wait_placement(pg: Any, bundles: list[dict[str, float]], timeout_s: float = PLACEMENT_TIMEOUT_S) -> None:
+    """Wait for the placement group; past `timeout_s` raise ConfigError (one line, exit 2) with what the
+    cluster has free now against what the bundles ask: they fit the nodes' totals (`check_cluster_fits`),
+    so other jobs hold the rest, or nodes are still starting."""
+    import ray
+
+    from app.config.errors import ConfigError
+
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if ready:
+        return
+    free, total = ray.available_resources(), ray.cluster_resources()
+    need = {r: sum(b.get(r, 0.0) for b in bundles) for r in RESOURCES}
+    have = ", ".join(f"{_fmt(free.get(r, 0.0))} of {_fmt(total.get(r, 0.0))} {r}" for r in RESOURCES if need[r])
+    ask = ", ".join(f"{_fmt(need[r])} {r}" for r in RESOURCES if need[r])
+    raise ConfigError(f"the placement group of {len(bundles)} bundles ({ask}) was not ready after {timeout_s:g} s: "
+                      f"the cluster has {have} free; other jobs or actors hold the rest, or nodes are still "
+                      "starting: free them, wait for the nodes, or lower topology.num_targets / num_drafters")

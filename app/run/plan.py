@@ -141,7 +141,15 @@ def _check_same_data(cfg: Config, ckpt: Path, fingerprint: str) -> None:
 
 
 def run_name(cfg: Config) -> str:
-    """`logging.run_name`, or the checkpoint folder's name: the `run` label of every metric."""
-    from app.storage import root_name
+    """`logging.run_name`, or the checkpoint folder's name and a short digest of its absolute path (or
+    URI): the wandb run and the `run` label of every metric. Two runs whose folders share a name
+    (runs/a/exp, runs/b/exp) thus stay two runs; the same folder resumes under the same one."""
+    import hashlib
 
-    return cfg.logging.run_name or root_name(cfg.checkpoint.dir)
+    from app.storage import is_uri, redact, root_name
+
+    if cfg.logging.run_name:
+        return cfg.logging.run_name
+    root = cfg.checkpoint.dir
+    where = redact(root).rstrip("/") if is_uri(root) else str(Path(root).resolve())
+    return f"{root_name(cfg.checkpoint.dir)}-{hashlib.sha256(where.encode()).hexdigest()[:6]}"

@@ -47,14 +47,18 @@ class Topology:
     """Creates (and re-creates) the run's actors inside its placement group."""
 
     def __init__(self, cfg: Config, plan: BundlePlan, run_name: str) -> None:
-        import ray
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        from app.config.errors import ConfigError
+        from app.run.placement import wait_placement
 
         self.cfg, self.plan, self.run_name = cfg, plan, run_name
         self.pg = placement_group(plan.bundles, strategy=cfg.topology.strategy, name=f"dflash-{run_name}")
-        ready, _ = ray.wait([self.pg.ready()], timeout=120)
-        if not ready:
-            raise RuntimeError(f"placement group {plan.bundles} not ready after 120 s: the cluster lacks resources")
+        try:
+            wait_placement(self.pg, plan.bundles)  # past its timeout: one line (ConfigError), exit 2
+        except ConfigError:
+            remove_placement_group(self.pg)  # a pending group would keep its claim on the cluster
+            raise
 
     def _strategy(self, bundle: int) -> Any:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
