@@ -411,3 +411,15 @@ def test_a_driver_that_crashes_before_the_run_gives_its_lease_back(tmp_path: Pat
     with pytest.raises(RuntimeError, match="boom"):
         driver.run(cfg)
     assert not (tmp_path / "run" / ".run-lease").exists()
+
+
+def test_the_lease_names_the_ray_job_that_holds_it(tmp_path: Path, monkeypatch) -> None:
+    """Item 2: the refusal names host, pid and the `ray job submit` id (from the job config Ray passes)."""
+    import json
+
+    from app.run.lease import LeaseHeld, RunLease
+
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"metadata": {"job_submission_id": "raysubmit_X1"}}))
+    RunLease(tmp_path, 60).acquire()
+    with pytest.raises(LeaseHeld, match="job raysubmit_X1"):
+        RunLease(tmp_path, 60).acquire()

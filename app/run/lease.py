@@ -48,6 +48,15 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def submission_id() -> str:
+    """The `ray job submit` id of this driver ("" outside a submitted job): Ray passes it in the job config."""
+    try:
+        config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}")
+    except ValueError:
+        return ""
+    return str((config.get("metadata") or {}).get("job_submission_id", "")) if isinstance(config, dict) else ""
+
+
 def is_stale(holder: dict, timeout_s: float, now: float) -> bool:
     """A lease nobody keeps: no heartbeat for `timeout_s`, or its process on this host is gone."""
     if now - float(holder.get("heartbeat", 0.0)) > timeout_s:
@@ -66,8 +75,7 @@ class RunLease:
 
     def __init__(self, root: str | Path, timeout_s: float, clock: Callable[[], float] = time.time) -> None:
         self.root, self.timeout_s, self.clock = str(root), float(timeout_s), clock
-        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "job": os.environ.get("RAY_JOB_SUBMISSION_ID", ""),
-                   "run_id": uuid.uuid4().hex}
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "job": submission_id(), "run_id": uuid.uuid4().hex}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.taken_over: dict | None = None  # the stale holder this lease replaced, if any
