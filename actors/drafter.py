@@ -224,8 +224,9 @@ class DrafterActor:
         from torch.distributed.constants import default_pg_timeout
 
         listener = getattr(self, "_listener", None) if self.rank == 0 else None
+        bound = {"master_listen_fd": listener.fileno()} if listener else {}
         store = dist.TCPStore(master_addr, master_port, self.cfg.world_size, is_master=self.rank == 0,
-                              timeout=default_pg_timeout, **({"master_listen_fd": listener.fileno()} if listener else {}))
+                              timeout=default_pg_timeout, **bound)
         if listener is not None:
             listener.detach()  # the store owns (and closes) the fd now; Python must not close it again
         return store
@@ -333,8 +334,10 @@ class DrafterActor:
 
         root = self.cfg.checkpoint.dir
         if not is_uri(root):  # a temp sibling exchanged in: a reader never sees new weights beside an old config
-            return str(publish_export(os.path.join(root, "drafter"),
-                                      lambda tmp: export_drafter(self.trainer.drafter, self.arch, tmp, dtype=self.dtype)))
+            def write(tmp: Path) -> None:
+                export_drafter(self.trainer.drafter, self.arch, tmp, dtype=self.dtype)  # engines load bf16 on GPU
+
+            return str(publish_export(os.path.join(root, "drafter"), write))
         with tempfile.TemporaryDirectory() as tmp:
             export_drafter(self.trainer.drafter, self.arch, tmp, dtype=self.dtype)
             return open_storage(root).upload_dir(Path(tmp), "drafter", last="config.json")
