@@ -52,8 +52,10 @@ def _generate(cfg: Config, todo: list, f, counts: dict, max_new_tokens: int, chu
     from app.tiny.build import resolve_target
     from app.run.topology import uses_gpu
 
-    if not ray.is_initialized():
-        ray.init(configure_logging=False)
+    if not ray.is_initialized():  # RAY_ADDRESS, or a throwaway local cluster with token auth (as app.train's)
+        from app.run.driver import init_ray
+
+        init_ray()
     topo = cfg.topology
     use_gpu = uses_gpu(topo, ray.cluster_resources().get("GPU", 0))
     model_dir = resolve_target(cfg).model_dir
