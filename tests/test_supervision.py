@@ -33,7 +33,7 @@ def test_restart_within_budget_then_give_up_when_spent() -> None:
     p.on(TargetStarted(0), 4.0)
     actions = p.on(TargetFailed(0, "boom"), 5.0)
     assert actions == [GiveUpTarget(0, 2, 2, 1, "boom")]
-    assert p.alive() == [1] and p.restarts() == {"target": 2, "drafter_group": 0}
+    assert p.alive() == [1] and p.restarts() == {"target": 2, "drafter_group": 0, "pool": 0}
     assert p.on(TargetFailed(0, "late report"), 6.0) == []  # a given-up target is not counted again
 
 

@@ -4,13 +4,13 @@
 
 Starts a local Ray cluster, submits the driver (`python -m app.train`) as its own process, and
 meanwhile injects `--faults` faults at random points of training (seeded): SIGKILL of a random target
-or drafter process, SIGKILL of the pool actor (once; the driver then exits 1 and is resubmitted),
-SIGTERM of the driver followed by a resubmission (once), and a sticky target (once, from 4 faults on: a
-broken-but-alive GPU, `faults.sticky_target_error` on a random target id, in effect from the start: that
-target raises on every job until the pool calls it broken and the driver restarts it). Each fault waits a random number of
-optimizer steps (`GAP_STEPS`) of the training group after the previous one, read from the step log:
-counted in steps, not seconds, a run long enough for the gaps gets every fault on any machine. It
-ends with one line:
+or drafter process, SIGKILL of the pool actor (once; the driver recreates it in the same job within
+`supervision.max_restarts_pool`), SIGTERM of the driver followed by a resubmission (once), and a sticky
+target (once, from 4 faults on: a broken-but-alive GPU, `faults.sticky_target_error` on a random target
+id, in effect from the start: it raises on every job until the pool calls it broken and the driver
+restarts it). Each fault waits a random number of optimizer steps (`GAP_STEPS`) of the training group
+after the previous one, read from the step log: counted in steps, not seconds, a run long enough for
+the gaps gets every fault on any machine. It ends with one line:
 
     RESULT faults=... survived=... jobs_scheduled=... trained_once=... trained_twice=...
            never_trained=... quarantined=... tau_untrained=... tau_trained=...
@@ -45,7 +45,7 @@ class ChaosState:
     """What the injector did and what the submissions saw; shared by the two threads."""
 
     fired: list[str] = field(default_factory=list)
-    planned_exits: int = 0  # driver exits we caused (pool kill, SIGTERM): each gets a resubmission
+    planned_exits: int = 0  # driver exits we caused (SIGTERM): each gets a resubmission
     driver: subprocess.Popen | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     done: threading.Event = field(default_factory=threading.Event)
@@ -173,7 +173,7 @@ def inject(state: ChaosState, kinds: list[str], rng: random.Random, step_log: Pa
                 what = fire(kind, driver, rng) if alive else None
                 if what:
                     state.fired.append(what)
-                    state.planned_exits += kind in ("pool", "driver")
+                    state.planned_exits += kind == "driver"  # a pool kill is survived in the same job
             if what:
                 after = len(_lines(step_log))
                 _say(f"fault {len(state.fired)}/{len(kinds)}: {what}")

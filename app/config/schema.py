@@ -304,6 +304,7 @@ class SupervisionConfig:
 
     max_restarts_target: int = 3
     max_restarts_drafter_group: int = 2
+    max_restarts_pool: int = 3  # a dead pool is recreated from the latest checkpoint this often in one job
     stall_timeout_s: float = 600.0
     stop_timeout_s: float = 120.0
     broken_target_raises: int = 3  # a target whose forward raises this many times in a row is broken (restarted)
@@ -311,6 +312,7 @@ class SupervisionConfig:
 
     def __post_init__(self) -> None:
         _at_least("supervision.max_restarts_target", self.max_restarts_target, 0, "a budget cannot be negative")
+        _at_least("supervision.max_restarts_pool", self.max_restarts_pool, 0, "a budget cannot be negative")
         _at_least("supervision.broken_target_raises", self.broken_target_raises, 2,
                   "1 would call a target broken for one poison job")
         if not 0.0 <= self.max_quarantined_share <= 1.0:  # a range test: nan fails it too

@@ -145,8 +145,9 @@ class DrafterGroup:
         self.run_refs = [d.run.remote() for d in self.ranks]
         return DrafterGroupStarted(step)
 
-    def rebuild(self, action: RebuildDrafters):
-        """Tear the group down, roll the pool back to the latest checkpoint and start a new group from it."""
+    def stop_for_rebuild(self):
+        """Kill the group and wait for its ranks to be gone; returns the checkpoint a new group resumes
+        from (None: scratch) and its ledger."""
         import ray
 
         from app.training.checkpoint import read_ledger
@@ -156,9 +157,13 @@ class DrafterGroup:
         # lands between reading the checkpoint and rolling the pool back to it.
         if self.run_refs:
             ray.wait(self.run_refs, num_returns=len(self.run_refs), timeout=OLD_GROUP_EXIT_S)
-        self.drain_records()  # the dead group's last reports belong before the new group's start
         ckpt = rebuild_checkpoint(self.cfg.checkpoint.dir, self.generation, self.resumed_step)
-        ledger = read_ledger(ckpt)[2] if ckpt else list(self.plan.resume_ledger)
+        return ckpt, (read_ledger(ckpt)[2] if ckpt else list(self.plan.resume_ledger))
+
+    def rebuild(self, action: RebuildDrafters):
+        """Tear the group down, roll the pool back to the latest checkpoint and start a new group from it."""
+        ckpt, ledger = self.stop_for_rebuild()
+        self.drain_records()  # the dead group's last reports belong before the new group's start
         requeued = self.pool.rollback(ledger)
         self.pool.report_restart("drafter_group")
         self.monitor.note(f"{action.reason} -> group rebuilt from {ckpt.name if ckpt else 'scratch'}, "

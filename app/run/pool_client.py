@@ -3,8 +3,9 @@
 Every call the driver makes to HSPoolActor goes through `PoolClient`: a waited call returns the
 pool's answer. Ray raises ActorUnavailableError for a connection that blips (seen once in four
 node-loss runs) without saying whether the call ran, so only the calls that are safe to send twice
-are retried, after a pause that doubles each time. A pool that died or stays silent ends the run:
-`RunFailed`, one line saying where a resubmission resumes from.
+are retried, after a pause that doubles each time. A pool that died or stays silent raises `PoolDied`
+(a `RunFailed`: one line saying where a resubmission resumes from); the supervisor recreates the pool
+while `supervision.max_restarts_pool` lasts (`replace` swaps the handle every helper reaches it by).
 """
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ BACKOFF_S = 0.5  # the first pause; doubled per retry (0.5 + 1 + 2 + 4 + 8 = 15.
 IDEMPOTENT = frozenset({"stats", "request_stop", "finish_adding", "pause_target", "resume_target", "set_ranks"})
 
 
+class PoolDied(RunFailed):
+    """The pool actor died or stopped answering; the message is the run's one line if it is not recreated."""
+
+
 class PoolClient:
     """The HSPoolActor handle with one method per remote call the driver makes (names as the pool's)."""
 
@@ -29,6 +34,10 @@ class PoolClient:
         self.handle = handle  # the raw actor handle: the drafters call the pool themselves
         self.checkpoint_dir = checkpoint_dir
         self._get, self._sleep = get, sleep  # injectable: tests drive the retries without a cluster
+
+    def replace(self, handle: Any) -> None:
+        """A recreated pool: every later call (targets, drafter group, evaluations) goes to `handle`."""
+        self.handle = handle
 
     # ---- waited calls ----------------------------------------------------------------------
 
@@ -96,9 +105,9 @@ class PoolClient:
                 raise self._dead(exc) from None
         raise AssertionError("unreachable: the last attempt returns or raises")
 
-    def _dead(self, exc: BaseException) -> RunFailed:
+    def _dead(self, exc: BaseException) -> PoolDied:
         from app.training.checkpoint import latest_checkpoint
 
         ckpt = latest_checkpoint(self.checkpoint_dir)
-        return RunFailed(f"pool actor HSPoolActor died ({type(exc).__name__}); the run stops here. Resubmit the "
+        return PoolDied(f"pool actor HSPoolActor died ({type(exc).__name__}); the run stops here. Resubmit the "
                          f"same command to resume from {ckpt or 'the start (no checkpoint yet)'}")

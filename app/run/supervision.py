@@ -17,6 +17,9 @@ Rules:
   nothing to serve. A rank stuck outside a collective (computing, or not answering at all) while
   nothing is buffered - the last step, a byte-full pool - is therefore a stall too.
 - Stop: the first stop signal asks the drafters to checkpoint; past `stop_timeout_s` the run fails.
+- A pool that died (or stopped answering) is recreated while `max_restarts_pool` lasts: the shell
+  restores the new pool from the latest checkpoint, re-registers the live targets and rebuilds the
+  drafter group; a spent budget fails the run with the pool's one line.
 - Quarantine: more than `max_quarantined_share` of the run's jobs quarantined (and more than one)
   fails the run: so many poison jobs mean broken data or targets, not a few bad records.
 """
@@ -66,6 +69,13 @@ class DrafterGroupStarted:
     """A (re)built group finished setup at `step`: progress counts from now."""
 
     step: int
+
+
+@dataclass(frozen=True)
+class PoolFailed:
+    """The pool actor died or stopped answering; `message` is its one line (where a resubmission resumes)."""
+
+    message: str
 
 
 @dataclass(frozen=True)
@@ -137,6 +147,15 @@ class RebuildDrafters:
 
 
 @dataclass(frozen=True)
+class RecreatePool:
+    """Start a new pool from the latest checkpoint, hand it the live targets, rebuild the drafter group."""
+
+    reason: str
+    attempt: int
+    budget: int
+
+
+@dataclass(frozen=True)
 class RequestStop:
     """Ask the drafters to checkpoint at the next step boundary and return."""
 
@@ -150,9 +169,9 @@ class Fail:
     message: str
 
 
-Action = RestartTarget | GiveUpTarget | KillStalledTarget | RebuildDrafters | RequestStop | Fail
+Action = RestartTarget | GiveUpTarget | KillStalledTarget | RebuildDrafters | RecreatePool | RequestStop | Fail
 Event = (TargetFailed | TargetStarted | TargetStartFailed | DrafterGroupFailed | DrafterGroupStarted
-         | StopSignal | Tick)
+         | PoolFailed | StopSignal | Tick)
 
 
 class TargetState(str, Enum):
@@ -179,6 +198,7 @@ class SupervisionPolicy:
     now: float = 0.0
     targets: dict[int, _Target] = field(default_factory=dict)
     group_rebuilds: int = 0
+    pool_restarts: int = 0
     last_progress: float = 0.0
     last_step: int = 0
     stop_deadline: float | None = None
@@ -194,7 +214,8 @@ class SupervisionPolicy:
         return [t for t, s in self.targets.items() if s.state is TargetState.ALIVE]
 
     def restarts(self) -> dict[str, int]:
-        return {"target": sum(s.restarts for s in self.targets.values()), "drafter_group": self.group_rebuilds}
+        return {"target": sum(s.restarts for s in self.targets.values()), "drafter_group": self.group_rebuilds,
+                "pool": self.pool_restarts}
 
     # ---- events ------------------------------------------------------------------------------
 
@@ -207,6 +228,8 @@ class SupervisionPolicy:
             return self._target_failed(event.target_id, event.reason)
         if isinstance(event, DrafterGroupFailed):
             return self._rebuild(event.reason)
+        if isinstance(event, PoolFailed):
+            return self._recreate_pool(event.message)
         if isinstance(event, DrafterGroupStarted):
             self.last_progress, self.last_step = now, event.step
             return []
@@ -250,6 +273,14 @@ class SupervisionPolicy:
         self.group_rebuilds += 1
         self.last_progress = self.now  # the new group gets a full stall timeout to show progress
         return [RebuildDrafters(reason, self.group_rebuilds, budget)]
+
+    def _recreate_pool(self, message: str) -> list[Action]:
+        budget = self.cfg.max_restarts_pool
+        if self.pool_restarts >= budget:
+            return [Fail(f"{message} (supervision.max_restarts_pool={budget} spent)")]
+        self.pool_restarts += 1
+        self.last_progress = self.now  # the rebuilt group gets a full stall timeout to show progress
+        return [RecreatePool(message, self.pool_restarts, budget)]
 
     # ---- watchdog ----------------------------------------------------------------------------
 

@@ -12,7 +12,9 @@ actors, each behind a helper that returns the events it saw:
 - the drafters behind `DrafterGroup` (app/run/drafter_group.py): a crash or stall tears the whole
   group down, the pool rolls back to the latest checkpoint's ledger (jobs trained after it are
   re-issued), and a new group resumes from it.
-Stop (SIGTERM): the pool tells rank 0, the group checkpoints at the next step boundary and returns;
+A pool that died (`PoolDied`) is recreated within `supervision.max_restarts_pool`: a new pool
+restored from the checkpoint the drafter group rebuilds from, the live targets handed to it (not
+restarted), the group rebuilt. Stop (SIGTERM): the pool tells rank 0, the group checkpoints at the next step boundary and returns;
 the driver exits 0 and the next submission resumes. At the end, `evaluate` measures tau with the
 code of the evaluations during the run (app/run/final_tau.py).
 """
@@ -30,13 +32,15 @@ from app.run.failures import RunFailed
 from app.run.final_tau import FinalTau, TauResult
 from app.run.monitor import RunMonitor
 from app.run.plan import RunPlan
-from app.run.pool_client import PoolClient
-from app.run.supervision import (Fail, GiveUpTarget, KillStalledTarget, RebuildDrafters, RequestStop, RestartTarget,
-                                  StopSignal, SupervisionPolicy, TargetFailed, TargetStarted, Tick)
+from app.run.pool_client import PoolClient, PoolDied
+from app.run.supervision import (Fail, GiveUpTarget, KillStalledTarget, PoolFailed, RebuildDrafters, RecreatePool,
+                                  RequestStop, RestartTarget, StopSignal, SupervisionPolicy, TargetFailed,
+                                  TargetStarted, TargetState, Tick)
 from app.run.targets import Targets
 from app.run.topology import Topology
 
 LOOP_WAIT_S = 0.5  # each loop turn waits this long for the drafters to finish
+POOL_NAME_FREE_S = 30.0  # how long a recreated pool waits for the dead one's actor name to be released
 
 
 @dataclass
@@ -94,9 +98,7 @@ class Supervisor:
         # reads the arrays zero-copy from the object store and makes a JobSpec only when it issues the job.
         # The refs are kept for the run so the objects stay while the pool reads them.
         self.schedule_refs = [ray.put(epoch.with_costs(rows)) for epoch in self.plan.jobs.epochs]
-        for ref in self.schedule_refs:
-            self.pool.add_epoch(ref, self.plan.bytes_per_token)
-        self.pool.finish_adding()
+        self._fill_pool(self.plan.resume_ledger)
         self.fleet = Targets(self.plan, self.topo, self.pool, ray.put(self.plan.dataset), self.bundles.wait,
                              self.clock)
         self.group = DrafterGroup(self.plan, self.topo, self.pool, self.monitor, self.bundles, self._drain_records,
@@ -104,33 +106,92 @@ class Supervisor:
         self._feed_all(self.fleet.start_all())
         self._feed(self.group.start(self.plan.resume_from))
 
+    def _fill_pool(self, ledger: list[int]) -> None:
+        """Restore the ledger into the (new) pool, then queue every epoch: acked jobs are skipped."""
+        self.pool.restore_ledger(ledger)
+        for ref in self.schedule_refs:
+            self.pool.add_epoch(ref, self.plan.bytes_per_token)
+        self.pool.finish_adding()
+
     # ---- loop ------------------------------------------------------------------------------
 
     def run(self) -> Outcome:
         """Supervise until the drafters finish (or stop); raises RunFailed when the run cannot go on."""
         while True:
-            if self.stop_event.is_set():
-                self._feed(StopSignal())  # the policy acts on the first one only
-            failed, results = self.group.finished(LOOP_WAIT_S)
-            stats = self.pool.stats()
-            self._drain_records()
-            self.monitor.add_pool(stats)
-            if results is not None:
-                self._drain_records()  # the last step's reports may land after the results
-                self._finish(results)
-                break
-            self._feed(failed)
-            self._feed_all(self._log_restarted(self.fleet.poll_starts()))
-            self._note_quarantined(stats)
-            for failure in stats.target_failures[self.seen_failures:]:
-                self.seen_failures += 1
-                self._feed(TargetFailed(failure.target_id, str(failure)))
-            self._feed_all(self.fleet.watch_idle(stats.oldest_in_flight_age_s))
-            self._feed(self._tick(stats))
-            self._status()
+            try:
+                if self._turn():
+                    break
+            except PoolDied as exc:  # the policy recreates the pool, or fails with this line
+                self._feed(PoolFailed(str(exc)))
         self._status(force=True)
         self.outcome.restarts = self.policy.restarts()
         return self.outcome
+
+    def _turn(self) -> bool:
+        """One look at everything; True once the drafters finished."""
+        if self.stop_event.is_set():
+            self._feed(StopSignal())  # the policy acts on the first one only
+        failed, results = self.group.finished(LOOP_WAIT_S)
+        stats = self.pool.stats()
+        self._drain_records()
+        self.monitor.add_pool(stats)
+        if results is not None:
+            self._drain_records()  # the last step's reports may land after the results
+            self._finish(results)
+            return True
+        self._feed(failed)
+        self._feed_all(self._log_restarted(self.fleet.poll_starts()))
+        self._note_quarantined(stats)
+        for failure in stats.target_failures[self.seen_failures:]:
+            self.seen_failures += 1
+            self._feed(TargetFailed(failure.target_id, str(failure)))
+        self._feed_all(self.fleet.watch_idle(stats.oldest_in_flight_age_s))
+        self._feed(self._tick(stats))
+        self._status()
+        return False
+
+    def _recreate_pool(self, action: RecreatePool) -> None:
+        """A new pool from the checkpoint the group rebuilds from; live targets handed over, the group rebuilt."""
+        self.log(f"{action.reason.split('; the run stops here')[0]}; recreating it from the latest checkpoint "
+                 f"({action.attempt}/{action.budget}, supervision.max_restarts_pool)")
+        ckpt, ledger = self.group.stop_for_rebuild()
+        self.pool.replace(self._new_pool())
+        self._fill_pool(ledger)
+        self.seen_failures = 0  # the new pool's failure list starts empty
+        self._hand_over_targets()
+        if self.policy.stop_deadline is not None:
+            self.pool.request_stop()  # the dead pool's stop flag went with it
+        self.monitor.note(f"pool died -> recreated from {ckpt.name if ckpt else 'scratch'} "
+                          f"({action.attempt}/{action.budget})")
+        for tid, slot in self.policy.targets.items():  # the dead pool would have reported these
+            if slot.state is TargetState.KILLED:
+                self._feed(TargetFailed(tid, "killed by the watchdog while the pool died"))
+        self._feed(self.group.rebuild(RebuildDrafters("pool recreated", action.attempt, action.budget)))
+
+    def _hand_over_targets(self) -> None:
+        """The live targets join the new pool and keep their loaded model; one whose start answered just
+        as the pool died (handed to the dead pool only) counts as started now."""
+        for tid, handle in sorted(self.fleet.live.items()):
+            state = self.policy.targets[tid].state
+            if state is TargetState.ALIVE or (state is TargetState.STARTING and tid not in self.fleet.starting):
+                self.pool.add_target(tid, handle)
+                if state is TargetState.STARTING:
+                    self._feed(TargetStarted(tid))
+
+    def _new_pool(self) -> Any:
+        """A pool actor in the dead one's place (a silent one is killed first: its name must be free)."""
+        import ray
+
+        ray.kill(self.pool.handle, no_restart=True)
+        deadline = self.clock() + POOL_NAME_FREE_S
+        while True:
+            try:
+                return self.topo.make_pool(len(self.cfg.data.bucket_boundaries))
+            except ValueError as exc:  # the name is still taken: the GCS has not released it yet
+                if self.clock() > deadline:
+                    raise RunFailed(f"the pool could not be recreated ({exc}); resubmit the same command to "
+                                    "resume from the latest checkpoint") from None
+                time.sleep(0.5)
 
     def _finish(self, results: list[Any]) -> None:
         self.outcome.drafter_results = results
@@ -196,6 +257,8 @@ class Supervisor:
             self.fleet.kill(action.target_id, forget=False)  # the pool sees the error and re-queues the job
         elif isinstance(action, RebuildDrafters):
             self._feed(self.group.rebuild(action))
+        elif isinstance(action, RecreatePool):
+            self._recreate_pool(action)
         elif isinstance(action, RequestStop):
             self.pool.request_stop()
             self.log("received a stop signal (SIGTERM/SIGINT)")
