@@ -317,7 +317,7 @@ class SupervisionConfig:
                   "1 would call a target broken for one poison job")
         if not 0.0 <= self.max_quarantined_share <= 1.0:  # a range test: nan fails it too
             _fail("supervision.max_quarantined_share", self.max_quarantined_share,
-                  "must be a share in [0, 1]; e.g. supervision.max_quarantined_share=0.01")
+                  "must be in [0, 1] (a share of the jobs); e.g. supervision.max_quarantined_share=0.01")
         _at_least("supervision.max_restarts_drafter_group", self.max_restarts_drafter_group, 0,
                   "a budget cannot be negative")
         _positive("supervision.stall_timeout_s", self.stall_timeout_s, " seconds")
