@@ -21,6 +21,14 @@ def tiny_overrides(run_dir: Path, *extra: str) -> list[str]:
     return [f"checkpoint.dir={run_dir}", f"tiny.cache_dir={ROOT / '.cache/tiny'}", *FAST, *extra]
 
 
+def pool_name(run_dir: Path) -> str:
+    """The pool actor's name for a tiny run in `run_dir`, as the driver makes it (app.run.plan.run_name)."""
+    from app.config.load import load_config
+    from app.run.plan import run_name
+
+    return f"dflash-pool-{run_name(load_config(ROOT / 'conf/tiny.yaml', tiny_overrides(run_dir)))}"
+
+
 def run_in_process(run_dir: Path, *extra: str) -> int:
     """The driver in this process, on the session's Ray cluster (already initialised)."""
     from app.config.load import load_config

@@ -70,14 +70,14 @@ def test_pool_crash_stops_the_run_and_the_next_start_resumes(ray_cluster, tmp_pa
 
     import ray
 
-    from tests.e2e_helpers import wait_for
+    from tests.e2e_helpers import pool_name, wait_for
 
     code: dict[str, int] = {}
     worker = threading.Thread(target=lambda: code.update(first=run_in_process(  # no pool recreation: the line
         tmp_path, "checkpoint.every_steps=2", "supervision.max_restarts_pool=0")))
     worker.start()
     wait_for(lambda: latest_checkpoint(tmp_path) is not None, 900, "a first checkpoint")  # a bound, not a speed claim
-    ray.kill(ray.get_actor(f"dflash-pool-{tmp_path.name}"), no_restart=True)
+    ray.kill(ray.get_actor(pool_name(tmp_path)), no_restart=True)
     worker.join(timeout=180)
     assert code["first"] == 1
     lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("run failed:")]

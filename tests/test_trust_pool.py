@@ -264,13 +264,6 @@ def test_a_pool_client_call_to_a_dead_pool_raises_pool_died() -> None:
     assert client.handle == "new handle"
 
 
-def _run_name(run_dir) -> str:
-    """The run's name as the driver makes it (the folder's name and a digest of its path)."""
-    from app.config.load import load_config
-    from app.run.plan import run_name
-    from tests.e2e_helpers import ROOT, tiny_overrides
-
-    return run_name(load_config(ROOT / "conf/tiny.yaml", tiny_overrides(run_dir)))
 
 
 @pytest.mark.ray
@@ -283,13 +276,13 @@ def test_a_pool_killed_mid_run_is_recreated_and_the_run_finishes_in_the_same_job
     import ray
 
     from app.training.checkpoint import latest_checkpoint
-    from tests.e2e_helpers import final_weights_finite, run_in_process, summary, trained_counts, wait_for
+    from tests.e2e_helpers import final_weights_finite, pool_name, run_in_process, summary, trained_counts, wait_for
 
     code: dict[str, int] = {}
     worker = threading.Thread(target=lambda: code.update(rc=run_in_process(tmp_path, "checkpoint.every_steps=2")))
     worker.start()
     wait_for(lambda: latest_checkpoint(tmp_path) is not None, 900, "a first checkpoint")  # a bound, not a speed claim
-    ray.kill(ray.get_actor(f"dflash-pool-{_run_name(tmp_path)}"), no_restart=True)
+    ray.kill(ray.get_actor(pool_name(tmp_path)), no_restart=True)
     worker.join(timeout=900)
     out = capsys.readouterr().out
     assert code["rc"] == 0, out[-3000:]
