@@ -6,50 +6,22 @@ receives only its own section.
 
 Every value check lives once, in its section's `__post_init__` (which `OmegaConf.to_object`, a
 direct construction and `dataclasses.replace` all run): a bad value raises a one-line ValueError
-that starts with the dotted key. Checks across sections sit in `Config.__post_init__`. Checks that
+that starts with the dotted key (the helpers in `app/config/values.py`). Checks across sections sit in `Config.__post_init__`. Checks that
 need the filesystem, the target model or the cluster live in `app/config/checks.py`.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
 
 from omegaconf import MISSING
 
+from app.config.values import at_least, fail, finite, one_of, positive
 from app.storage import has_credentials, redact
 
 TINY_TARGET = "tiny"
 # Token ids the tiny tokenizer reserves before its words (special tokens and role words);
 # app/tiny/build.py asserts its vocabulary agrees.
 TINY_RESERVED_TOKENS = 9
-
-
-def _fail(key: str, value: Any, problem: str) -> NoReturn:
-    raise ValueError(f"{key}={value!r} {problem}")
-
-
-def _finite(key: str, value: float, fix: str) -> None:
-    # nan passes every `<` test and inf every `>` one: a nan lr trains nan weights, a nan timeout never fires
-    if isinstance(value, float) and not math.isfinite(value):
-        _fail(key, value, f"is not a finite number; {fix}")
-
-
-def _at_least(key: str, value: float, minimum: float, why: str) -> None:
-    _finite(key, value, f"set {key}={minimum} or more")
-    if value < minimum:
-        _fail(key, value, f"must be >= {minimum} ({why}); set {key}={minimum} or more")
-
-
-def _positive(key: str, value: float, unit: str = "") -> None:
-    _finite(key, value, f"set a number > 0{unit}")
-    if value <= 0:
-        _fail(key, value, f"must be > 0{unit}")
-
-
-def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        _fail(key, value, f"is not one of {', '.join(allowed)}; pick one of them")
 
 
 @dataclass(frozen=True)
@@ -61,7 +33,7 @@ class ModelConfig:
     target_layer_ids: list[int] = field(default_factory=list)  # empty = DFlash default
 
     def __post_init__(self) -> None:
-        _one_of("model.dtype", self.dtype, ("bfloat16", "float16", "float32"))
+        one_of("model.dtype", self.dtype, ("bfloat16", "float16", "float32"))
 
 
 @dataclass(frozen=True)
@@ -90,27 +62,27 @@ class TinyConfig:
     def __post_init__(self) -> None:
         words = self.vocab_size - TINY_RESERVED_TOKENS
         if words < 16:
-            _fail("tiny.vocab_size", self.vocab_size, "is too small; use at least 64")
+            fail("tiny.vocab_size", self.vocab_size, "is too small; use at least 64")
         for key, value in (("tiny.hidden_size", self.hidden_size), ("tiny.num_heads", self.num_heads),
                            ("tiny.num_kv_heads", self.num_kv_heads), ("tiny.num_layers", self.num_layers),
                            ("tiny.intermediate_size", self.intermediate_size)):
-            _at_least(key, value, 1, "the tiny target needs it")
+            at_least(key, value, 1, "the tiny target needs it")
         if self.hidden_size % self.num_heads:
-            _fail("tiny.hidden_size", self.hidden_size, f"must be a multiple of tiny.num_heads={self.num_heads}")
+            fail("tiny.hidden_size", self.hidden_size, f"must be a multiple of tiny.num_heads={self.num_heads}")
         if self.num_heads % self.num_kv_heads:
-            _fail("tiny.num_heads", self.num_heads, f"must be a multiple of tiny.num_kv_heads={self.num_kv_heads}")
-        _at_least("tiny.num_train_prompts", self.num_train_prompts, 1, "the tiny target generates the training data")
-        _at_least("tiny.num_eval_prompts", self.num_eval_prompts, 0, "a count cannot be negative")
-        _at_least("tiny.prompt_length", self.prompt_length, 1, "a prompt needs a word")
-        _at_least("tiny.response_length", self.response_length, 4, "responses are at least a quarter of it")
+            fail("tiny.num_heads", self.num_heads, f"must be a multiple of tiny.num_kv_heads={self.num_kv_heads}")
+        at_least("tiny.num_train_prompts", self.num_train_prompts, 1, "the tiny target generates the training data")
+        at_least("tiny.num_eval_prompts", self.num_eval_prompts, 0, "a count cannot be negative")
+        at_least("tiny.prompt_length", self.prompt_length, 1, "a prompt needs a word")
+        at_least("tiny.response_length", self.response_length, 4, "responses are at least a quarter of it")
         if not 0.5 < self.chain_top_prob <= 1.0:  # a range test: nan and inf fail it too
-            _fail("tiny.chain_top_prob", self.chain_top_prob, "must be in (0.5, 1] so greedy follows the chain")
+            fail("tiny.chain_top_prob", self.chain_top_prob, "must be in (0.5, 1] so greedy follows the chain")
         if not 0 <= self.chain_words <= words or self.chain_words == 1:
-            _fail("tiny.chain_words", self.chain_words, f"must be 0 (all) or in [2, {words}]")
-        _at_least("tiny.lm_steps", self.lm_steps, 0, "0 keeps the target random")
-        _at_least("tiny.lm_batch_size", self.lm_batch_size, 1, "a training step needs a conversation")
-        _at_least("tiny.lm_response_length", self.lm_response_length, 1, "a training answer needs a word")
-        _positive("tiny.lm_lr", self.lm_lr)
+            fail("tiny.chain_words", self.chain_words, f"must be 0 (all) or in [2, {words}]")
+        at_least("tiny.lm_steps", self.lm_steps, 0, "0 keeps the target random")
+        at_least("tiny.lm_batch_size", self.lm_batch_size, 1, "a training step needs a conversation")
+        at_least("tiny.lm_response_length", self.lm_response_length, 1, "a training answer needs a word")
+        positive("tiny.lm_lr", self.lm_lr)
 
 
 @dataclass(frozen=True)
@@ -127,15 +99,15 @@ class TopologyConfig:
     strategy: str = "PACK"  # placement group strategy: PACK | SPREAD (checked by app/run/placement.py)
 
     def __post_init__(self) -> None:
-        _at_least("topology.num_targets", self.num_targets, 1, "at least one target must produce hidden states")
-        _at_least("topology.num_drafters", self.num_drafters, 1, "at least one drafter must train")
+        at_least("topology.num_targets", self.num_targets, 1, "at least one target must produce hidden states")
+        at_least("topology.num_drafters", self.num_drafters, 1, "at least one drafter must train")
         for key, value in (("topology.gpus_per_target", self.gpus_per_target),
                            ("topology.gpus_per_drafter", self.gpus_per_drafter),
                            ("topology.cpus_per_target", self.cpus_per_target),
                            ("topology.cpus_per_drafter", self.cpus_per_drafter)):
-            _at_least(key, value, 0, "a reservation cannot be negative")
-        _one_of("topology.device", self.device, ("auto", "cuda", "cpu"))
-        _one_of("topology.strategy", self.strategy, ("PACK", "SPREAD"))
+            at_least(key, value, 0, "a reservation cannot be negative")
+        one_of("topology.device", self.device, ("auto", "cuda", "cpu"))
+        one_of("topology.strategy", self.strategy, ("PACK", "SPREAD"))
 
 
 @dataclass(frozen=True)
@@ -158,23 +130,23 @@ class DataConfig:
     cache_dir: str = ""  # tokenized-data cache; "" = <checkpoint.dir>/data-cache (.cache/data for a URI)
 
     def __post_init__(self) -> None:
-        _one_of("data.format", self.format, ("auto", "openai", "sharegpt", "tokenized"))
-        _one_of("data.overlong", self.overlong, ("truncate", "drop"))
-        _one_of("data.on_error", self.on_error, ("raise", "skip"))
-        _at_least("data.max_length", self.max_length, 1, "a sequence holds at least one token")
-        _at_least("data.tokens_per_job", self.tokens_per_job, 1, "a job holds at least one token")
-        _at_least("data.num_workers", self.num_workers, 0, "0 = auto, 1 = one process")
+        one_of("data.format", self.format, ("auto", "openai", "sharegpt", "tokenized"))
+        one_of("data.overlong", self.overlong, ("truncate", "drop"))
+        one_of("data.on_error", self.on_error, ("raise", "skip"))
+        at_least("data.max_length", self.max_length, 1, "a sequence holds at least one token")
+        at_least("data.tokens_per_job", self.tokens_per_job, 1, "a job holds at least one token")
+        at_least("data.num_workers", self.num_workers, 0, "0 = auto, 1 = one process")
         bounds = list(self.bucket_boundaries)
         if not bounds:
-            _fail("data.bucket_boundaries", bounds, "is empty; give increasing upper lengths ending at data.max_length")
+            fail("data.bucket_boundaries", bounds, "is empty; give increasing upper lengths ending at data.max_length")
         for a, b in zip(bounds, bounds[1:]):
             if b <= a:
-                _fail("data.bucket_boundaries", bounds,
+                fail("data.bucket_boundaries", bounds,
                       f"must be strictly increasing ({a} then {b}); sort them and drop repeats")
         if bounds[0] < 1:
-            _fail("data.bucket_boundaries", bounds, "must be positive lengths")
+            fail("data.bucket_boundaries", bounds, "must be positive lengths")
         if bounds[-1] < self.max_length:
-            _fail("data.bucket_boundaries", bounds,
+            fail("data.bucket_boundaries", bounds,
                   f"end at {bounds[-1]} and do not reach data.max_length={self.max_length}; "
                   f"make the last boundary {self.max_length}")
 
@@ -192,17 +164,17 @@ class PoolConfig:
     pull_policy: str = "stratified"  # stratified | round_robin (app/pool/pull_policy.py)
 
     def __post_init__(self) -> None:
-        _one_of("pool.pull_policy", self.pull_policy, ("stratified", "round_robin"))
-        _at_least("pool.capacity", self.capacity, 1, "the pool must hold at least one item")
-        _at_least("pool.capacity_bytes", self.capacity_bytes, 1, "the pool needs a positive byte budget")
-        _at_least("pool.min_ready", self.min_ready, 0, "0 = pulls take whatever is buffered")
+        one_of("pool.pull_policy", self.pull_policy, ("stratified", "round_robin"))
+        at_least("pool.capacity", self.capacity, 1, "the pool must hold at least one item")
+        at_least("pool.capacity_bytes", self.capacity_bytes, 1, "the pool needs a positive byte budget")
+        at_least("pool.min_ready", self.min_ready, 0, "0 = pulls take whatever is buffered")
         if self.min_ready > self.capacity:
-            _fail("pool.min_ready", self.min_ready,
+            fail("pool.min_ready", self.min_ready,
                   f"exceeds pool.capacity={self.capacity}, so pulls would wait forever; "
                   f"set pool.min_ready <= {self.capacity}")
-        _at_least("pool.jobs_in_flight_per_target", self.jobs_in_flight_per_target, 1,
+        at_least("pool.jobs_in_flight_per_target", self.jobs_in_flight_per_target, 1,
                   "a target with no job slot never works")
-        _positive("pool.metrics_every_s", self.metrics_every_s, " seconds")
+        positive("pool.metrics_every_s", self.metrics_every_s, " seconds")
 
 
 @dataclass(frozen=True)
@@ -218,14 +190,14 @@ class DrafterConfig:
     max_rows: int = 65536  # query rows (blocks x block_size) per drafter sub-batch; 0 = a whole job at once
 
     def __post_init__(self) -> None:
-        _at_least("drafter.num_layers", self.num_layers, 1, "the drafter needs a layer")
-        _at_least("drafter.block_size", self.block_size, 2, "a block is the anchor plus at least one predicted token")
-        _at_least("drafter.num_anchors", self.num_anchors, 1, "each sequence needs at least one anchor")
-        _at_least("drafter.loss_gamma", self.loss_gamma, 0, "0 = default for the block")
+        at_least("drafter.num_layers", self.num_layers, 1, "the drafter needs a layer")
+        at_least("drafter.block_size", self.block_size, 2, "a block is the anchor plus at least one predicted token")
+        at_least("drafter.num_anchors", self.num_anchors, 1, "each sequence needs at least one anchor")
+        at_least("drafter.loss_gamma", self.loss_gamma, 0, "0 = default for the block")
         if self.mask_token_id < -1:  # only -1 means auto; -2 is a typo, not a second auto
-            _fail("drafter.mask_token_id", self.mask_token_id, "must be -1 (the tokenizer's mask token) or an id >= 0")
-        _at_least("drafter.ce_chunk_rows", self.ce_chunk_rows, 1, "the loss computes at least one row at a time")
-        _at_least("drafter.max_rows", self.max_rows, 0, "0 = no bound; else rows per sub-batch")
+            fail("drafter.mask_token_id", self.mask_token_id, "must be -1 (the tokenizer's mask token) or an id >= 0")
+        at_least("drafter.ce_chunk_rows", self.ce_chunk_rows, 1, "the loss computes at least one row at a time")
+        at_least("drafter.max_rows", self.max_rows, 0, "0 = no bound; else rows per sub-batch")
 
     @property
     def gamma(self) -> float:
@@ -250,18 +222,18 @@ class TrainConfig:
     on_nonfinite: str = "stop"  # a step whose loss or grad norm is nan/inf: stop (no checkpoint of it) | skip
 
     def __post_init__(self) -> None:
-        _one_of("train.compile", self.compile, ("auto", "on", "off"))
-        _one_of("train.on_nonfinite", self.on_nonfinite, ("stop", "skip"))
-        _at_least("train.epochs", self.epochs, 1, "train at least one epoch")
-        _finite("train.lr", self.lr, "the DFlash default is 6e-4")
+        one_of("train.compile", self.compile, ("auto", "on", "off"))
+        one_of("train.on_nonfinite", self.on_nonfinite, ("stop", "skip"))
+        at_least("train.epochs", self.epochs, 1, "train at least one epoch")
+        finite("train.lr", self.lr, "the DFlash default is 6e-4")
         if self.lr <= 0:
-            _fail("train.lr", self.lr, "must be > 0; the DFlash default is 6e-4")
-        _at_least("train.weight_decay", self.weight_decay, 0, "0 = none, the DFlash default")
+            fail("train.lr", self.lr, "must be > 0; the DFlash default is 6e-4")
+        at_least("train.weight_decay", self.weight_decay, 0, "0 = none, the DFlash default")
         if not 0.0 <= self.warmup_ratio < 1.0:  # a range test: nan and inf fail it too
-            _fail("train.warmup_ratio", self.warmup_ratio, "must be in [0, 1); the default is 0.04")
-        _at_least("train.grad_accum", self.grad_accum, 1, "it counts micro-batches per optimizer step")
-        _positive("train.max_grad_norm", self.max_grad_norm)
-        _at_least("train.sample_every", self.sample_every, 0, "0 = never")
+            fail("train.warmup_ratio", self.warmup_ratio, "must be in [0, 1); the default is 0.04")
+        at_least("train.grad_accum", self.grad_accum, 1, "it counts micro-batches per optimizer step")
+        positive("train.max_grad_norm", self.max_grad_norm)
+        at_least("train.sample_every", self.sample_every, 0, "0 = never")
 
 
 @dataclass(frozen=True)
@@ -274,9 +246,9 @@ class CheckpointConfig:
     lease_timeout_s: float = 120.0  # a run lease not refreshed for this long is stale: another run may take it
 
     def __post_init__(self) -> None:
-        _at_least("checkpoint.every_steps", self.every_steps, 1, "checkpoints are written every N >= 1 steps")
-        _at_least("checkpoint.keep", self.keep, 1, "keep at least the latest checkpoint")
-        _at_least("checkpoint.lease_timeout_s", self.lease_timeout_s, 10.0,
+        at_least("checkpoint.every_steps", self.every_steps, 1, "checkpoints are written every N >= 1 steps")
+        at_least("checkpoint.keep", self.keep, 1, "keep at least the latest checkpoint")
+        at_least("checkpoint.lease_timeout_s", self.lease_timeout_s, 10.0,
                   "the driver refreshes its lease every quarter of it; shorter is easily missed on a busy node")
         if has_credentials(self.dir):  # a key in the URI reaches wandb, log lines and error messages
             raise ValueError(f"checkpoint.dir={redact(self.dir)!r} holds credentials in the URI; remove them and set "
@@ -294,8 +266,8 @@ class LoggingConfig:
     step_log: bool = False  # drafter rank 0 appends each step's job ids per rank to <checkpoint.dir>/steps.jsonl (app/training/step_log.py)
 
     def __post_init__(self) -> None:
-        _one_of("logging.wandb_mode", self.wandb_mode, ("offline", "online", "disabled"))
-        _positive("logging.status_every_s", self.status_every_s, " seconds")
+        one_of("logging.wandb_mode", self.wandb_mode, ("offline", "online", "disabled"))
+        positive("logging.status_every_s", self.status_every_s, " seconds")
 
 
 @dataclass(frozen=True)
@@ -311,17 +283,17 @@ class SupervisionConfig:
     max_quarantined_share: float = 0.01  # the run stops once more than this share of its jobs is quarantined
 
     def __post_init__(self) -> None:
-        _at_least("supervision.max_restarts_target", self.max_restarts_target, 0, "a budget cannot be negative")
-        _at_least("supervision.max_restarts_pool", self.max_restarts_pool, 0, "a budget cannot be negative")
-        _at_least("supervision.broken_target_raises", self.broken_target_raises, 2,
+        at_least("supervision.max_restarts_target", self.max_restarts_target, 0, "a budget cannot be negative")
+        at_least("supervision.max_restarts_pool", self.max_restarts_pool, 0, "a budget cannot be negative")
+        at_least("supervision.broken_target_raises", self.broken_target_raises, 2,
                   "1 would call a target broken for one poison job")
         if not 0.0 <= self.max_quarantined_share <= 1.0:  # a range test: nan fails it too
-            _fail("supervision.max_quarantined_share", self.max_quarantined_share,
+            fail("supervision.max_quarantined_share", self.max_quarantined_share,
                   "must be in [0, 1] (a share of the jobs); e.g. supervision.max_quarantined_share=0.01")
-        _at_least("supervision.max_restarts_drafter_group", self.max_restarts_drafter_group, 0,
+        at_least("supervision.max_restarts_drafter_group", self.max_restarts_drafter_group, 0,
                   "a budget cannot be negative")
-        _positive("supervision.stall_timeout_s", self.stall_timeout_s, " seconds")
-        _positive("supervision.stop_timeout_s", self.stop_timeout_s, " seconds")
+        positive("supervision.stall_timeout_s", self.stall_timeout_s, " seconds")
+        positive("supervision.stop_timeout_s", self.stop_timeout_s, " seconds")
 
 
 @dataclass(frozen=True)
@@ -342,7 +314,7 @@ class FaultsConfig:
         for key in ("target_delay_s", "drafter_delay_s"):
             seconds = getattr(self, key)
             if not 0.0 <= seconds < float("inf"):  # nan fails every comparison
-                _fail(f"faults.{key}", seconds, f"must be a finite number of seconds >= 0; set faults.{key}=0 to turn it off")
+                fail(f"faults.{key}", seconds, f"must be a finite number of seconds >= 0; set faults.{key}=0 to turn it off")
 
 
 @dataclass(frozen=True)
@@ -355,11 +327,11 @@ class EvalConfig:
     timeout_s: float = 900.0  # one tau measurement on one target (during the run or at its end); past it, skipped
 
     def __post_init__(self) -> None:
-        _at_least("eval.num_prompts", self.num_prompts, 0, "a count cannot be negative")
-        _at_least("eval.every_steps", self.every_steps, 0, "use 0 to turn evaluation during the run off")
-        _at_least("eval.max_new_tokens", self.max_new_tokens, 1, "tau needs at least one generated token")
+        at_least("eval.num_prompts", self.num_prompts, 0, "a count cannot be negative")
+        at_least("eval.every_steps", self.every_steps, 0, "use 0 to turn evaluation during the run off")
+        at_least("eval.max_new_tokens", self.max_new_tokens, 1, "tau needs at least one generated token")
         if not 0 < self.timeout_s < float("inf"):  # a range test: nan fails it too (nan would never time out)
-            _fail("eval.timeout_s", self.timeout_s, "must be a finite number of seconds > 0; e.g. eval.timeout_s=900")
+            fail("eval.timeout_s", self.timeout_s, "must be a finite number of seconds > 0; e.g. eval.timeout_s=900")
 
 
 @dataclass(frozen=True)
@@ -381,7 +353,7 @@ class Config:
 
     def __post_init__(self) -> None:
         if self.data.max_length < 2 * self.drafter.block_size:
-            _fail("data.max_length", self.data.max_length,
+            fail("data.max_length", self.data.max_length,
                   f"is shorter than 2 x drafter.block_size={self.drafter.block_size}; raise data.max_length")
 
 
