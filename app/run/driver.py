@@ -140,9 +140,9 @@ def spare_cpus(cfg: Config) -> float:
     import ray
 
     connect(cfg)
-    topo = cfg.topology
-    reserved = topo.num_targets * topo.cpus_per_target + topo.num_drafters * topo.cpus_per_drafter
-    return ray.cluster_resources().get("CPU", 0.0) - reserved
+    from app.config.checks import reserved_resources
+
+    return ray.cluster_resources().get("CPU", 0.0) - reserved_resources(cfg.topology, use_gpu=False)["CPU"]
 
 
 def _object_store_bytes() -> float:
