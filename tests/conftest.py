@@ -43,3 +43,21 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory):
+    """The seed-0 tiny Qwen3 target of tests/toy.py, saved with save_pretrained: (model, folder)."""
+    from tests.toy import save_tiny_target
+
+    path = tmp_path_factory.mktemp("tiny-target")
+    return save_tiny_target(path, seed=0), path
+
+
+@pytest.fixture(scope="session")
+def vocab64_target(tmp_path_factory):
+    """A 64-token, 4-layer tiny target for trainer tests (fast steps): (model config, folder)."""
+    from tests.toy import save_tiny_target
+
+    path = tmp_path_factory.mktemp("vocab64-target")
+    return save_tiny_target(path, vocab=64, hidden=32, layers=4).config, path

@@ -17,20 +17,20 @@ def test_without_cuda_it_exits_nonzero_with_one_line(capsys):
 
 def test_jobs_mix_every_bucket_round_robin():
     per_bucket = [[[10], [11]], [], [[30, 30]], [[40], [41], [42]]]
-    assert gpu._mixed(per_bucket, 5) == [[10], [30, 30], [40], [11], [41]]
+    assert gpu.mixed_jobs(per_bucket, 5) == [[10], [30, 30], [40], [11], [41]]
 
 
 def test_asking_more_jobs_than_the_schedule_holds_takes_them_all_and_ends():
-    """Item 3 of issue 23: --small at its defaults asks 26 jobs of a 22-job schedule; _mixed never ended."""
+    """Item 3 of issue 23: --small at its defaults asks 26 jobs of a 22-job schedule; mixed_jobs never ended."""
     import signal
 
     def hang(*_):
-        raise TimeoutError("_mixed did not end")
+        raise TimeoutError("mixed_jobs did not end")
 
     old = signal.signal(signal.SIGALRM, hang)
     signal.alarm(20)  # pure Python loop: the alarm interrupts it on the old code
     try:
-        assert gpu._mixed([[[1]], [], [[2], [3]]], 9) == [[1], [2], [3]]
+        assert gpu.mixed_jobs([[[1]], [], [[2], [3]]], 9) == [[1], [2], [3]]
         setup = gpu.make_setup(gpu.parse(["--small"]))  # the defaults
     finally:
         signal.alarm(0)

@@ -11,7 +11,6 @@ from app.config.schema import DrafterConfig, EvalConfig
 from app.model.build import build_or_load_drafter
 from app.model.live_eval import (META_KEY, EvalSpec, copy_as_best, evaluate_drafter, export_best,
                                  per_position_acceptance, read_best_meta, weights_to_numpy)
-from tests.toy import save_tiny_target
 
 LAYERS = [0, 2]
 PROMPTS = [[5, 9, 17, 2], [100, 3], [7, 7, 7, 7, 7, 7, 40]]
@@ -21,9 +20,9 @@ SPEC = EvalSpec(PROMPTS, DCFG, ECFG, mask_token_id=3, seed=0, eos_token_id=None)
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    path = tmp_path_factory.mktemp("target")
-    return save_tiny_target(path, seed=0), str(path)
+def target(tiny_target):
+    model, path = tiny_target
+    return model, str(path)
 
 
 def _trained_like(model_dir: str, seed: int):

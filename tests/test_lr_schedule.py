@@ -8,17 +8,16 @@ from app.config.schema import DrafterConfig, TrainConfig
 from app.model.drafter import DFlashDrafter
 from app.model.loss import TrainBatch
 from app.model.target_head import TargetHead
-from tests.toy import save_tiny_target, tiny_arch
+from tests.toy import tiny_arch
 from app.training.trainer import DrafterTrainer, warmup_cosine
 
 BLOCK = 4
 
 
 @pytest.fixture(scope="module")
-def parts(tmp_path_factory):
-    target_dir = tmp_path_factory.mktemp("target")
-    target = save_tiny_target(target_dir, vocab=64, hidden=32, layers=4)
-    arch = tiny_arch(target.config, num_layers=1, block_size=BLOCK, mask_token_id=3)
+def parts(vocab64_target):
+    config, target_dir = vocab64_target
+    arch = tiny_arch(config, num_layers=1, block_size=BLOCK, mask_token_id=3)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(4, 64, (2, 24), generator=g)
     mask = torch.ones(2, 24)

@@ -11,7 +11,7 @@ from app.model.drafter import DFlashDrafter
 from app.model.features import target_features
 from app.model.loss import TrainBatch, dflash_loss
 from app.model.target_head import TargetHead
-from tests.toy import save_tiny_target, tiny_arch
+from tests.toy import tiny_arch
 
 B = 4
 LAYERS = (0, 2)
@@ -20,9 +20,8 @@ PROMPTS = [[5, 9, 17, 2], [100, 3], [7, 7, 7, 7, 7, 7, 40]]
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    path = tmp_path_factory.mktemp("target")
-    model = save_tiny_target(path, seed=0)
+def target(tiny_target):
+    model, path = tiny_target
     return model, TargetHead.load(path), path
 
 

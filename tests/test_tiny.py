@@ -154,22 +154,20 @@ def test_reuses_the_cache_and_keys_it_by_settings(small):
     assert settings_hash(replace(tiny, seed=1)) != settings_hash(tiny)
 
 
-def test_losing_a_concurrent_build_race_uses_the_winner(tmp_path, monkeypatch):
-    import app.tiny.build as tiny_mod
-
+def test_losing_a_concurrent_build_race_uses_the_winner(tmp_path):
     tiny = replace(TinyConfig(), cache_dir=str(tmp_path), **{**SMALL, "num_train_prompts": 2, "lm_steps": 0})
-    real_build = tiny_mod._build
     final = tmp_path / settings_hash(tiny)
+    real_build = tmp_path / "real"
+    ensure_tiny_target(replace(tiny, cache_dir=str(real_build)))  # what a real build leaves in its folder
 
     def racing_build(cfg, root):
-        real_build(cfg, root)
+        shutil.copytree(real_build / settings_hash(tiny), root)
         shutil.copytree(root, final)  # another process renames its build into place first
         (final / "winner").write_text("1")
 
-    monkeypatch.setattr(tiny_mod, "_build", racing_build)
-    art = ensure_tiny_target(tiny)
+    art = ensure_tiny_target(tiny, build=racing_build)
     assert Path(art.model_dir).parent == final and (final / "winner").exists()
-    assert [p.name for p in tmp_path.iterdir()] == [final.name]  # the loser's temp folder is gone
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([final.name, "real"])  # the loser's temp folder is gone
 
 
 def test_resolve_target():

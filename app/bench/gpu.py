@@ -90,11 +90,11 @@ def make_setup(args) -> Setup:
         cfg = load_config(_root() / "conf/tiny.yaml", compile_)
         shape = Shape(hidden=64, intermediate=128, layers=6, heads=4, kv_heads=2, head_dim=16, vocab=512)
         lengths = synthetic_lengths(400, max_length=cfg.data.max_length) // 6 + 8
-        jobs = _mixed(_jobs_for(lengths, cfg.data), args.jobs + 2)
+        jobs = mixed_jobs(_jobs_for(lengths, cfg.data), args.jobs + 2)
         return Setup(device, torch.bfloat16 if cuda else torch.float32, shape, [1, 2, 3], jobs,
                      args.drafter_jobs, cfg.drafter, cfg.train, 3, peak_flops(device, args.peak_tflops))
     cfg = load_config(_root() / "conf/default.yaml", ["model.target=tiny", "data.train_files=[]", *compile_])
-    jobs = _mixed(_jobs_for(synthetic_lengths(), cfg.data), args.jobs + 2)
+    jobs = mixed_jobs(_jobs_for(synthetic_lengths(), cfg.data), args.jobs + 2)
     return Setup(device, torch.bfloat16, Shape(), list(LAYER_IDS), jobs, args.drafter_jobs, cfg.drafter, cfg.train,
                  cfg.drafter.mask_token_id, peak_flops(device, args.peak_tflops))
 
@@ -105,7 +105,7 @@ def _jobs_for(lengths: np.ndarray, data) -> list[list[list[int]]]:
     return [[[int(lengths[i]) for i in j] for j in b] for b in bucket_jobs(lengths, data, epoch=0)]
 
 
-def _mixed(per_bucket: list[list[list[int]]], n: int) -> list[list[int]]:
+def mixed_jobs(per_bucket: list[list[list[int]]], n: int) -> list[list[int]]:
     """Up to n jobs taken round-robin over the buckets, so every length class is in the timing (all
     of them when the schedule holds fewer than n)."""
     out: list[list[int]] = []

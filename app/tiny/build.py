@@ -80,14 +80,15 @@ def settings_hash(tiny: TinyConfig) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def ensure_tiny_target(tiny: TinyConfig) -> TinyArtifacts:
-    """Build the tiny target and its data once (atomically) and return where they are."""
+def ensure_tiny_target(tiny: TinyConfig, build=None) -> TinyArtifacts:
+    """Build the tiny target and its data once (atomically) and return where they are. `build(tiny, folder)`
+    (default: the real build) fills the temp folder; a test passes one that loses the rename race."""
     final = Path(tiny.cache_dir) / settings_hash(tiny)
     if not final.exists():
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.parent / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
-            _build(tiny, tmp)
+            (build or _build)(tiny, tmp)
             try:
                 os.rename(tmp, final)
             except OSError:
