@@ -9,7 +9,6 @@ step log, checkpoints and export, fault hooks, and the phases the supervisor's w
 from __future__ import annotations
 
 import os
-import socket
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from app.training.checkpoint import GENERATION_KEY
 from app.training.loop import (AwaitPull, Checkpoint, Compute, Fetched, Gather, LoopConfig, NonFinite, OfferEval,
                                PullAnswered, RankLoop, ReadStop, Reduce, SendAcks, Sleep, StartPull, StepDone,
                                StepStart, Updated, drive)
+from app.training.rendezvous import Rendezvous
 from app.training.step_log import StepLog
 from app.config.schema import CheckpointConfig, DrafterConfig, FaultsConfig, TrainConfig
 from app.devices import compute_dtype, limit_threads, pick_device
@@ -194,6 +194,7 @@ class DrafterActor:
     def __init__(self, rank: int, setup: DrafterSetup, pool) -> None:
         limit_threads(setup.num_cpus)
         self.rank, self.cfg, self.pool = rank, setup, pool
+        self.rendezvous = Rendezvous()
         self.step_log = StepLog(setup.step_log) if rank == 0 and setup.step_log else None  # rank 0 writes it
         self.device = pick_device(setup.device)
         self.dtype = compute_dtype(setup.dtype, self.device)
@@ -210,26 +211,10 @@ class DrafterActor:
         return DrafterProgress(self.rank, phase, time.monotonic() - since, self.step_now)
 
     def address(self) -> tuple[str, int]:
-        """Rank 0's rendezvous address for torch.distributed: a socket listening on this node's address
-        only (not every interface), handed to the TCPStore in `setup`, so the port cannot be taken meanwhile."""
+        """Rank 0's rendezvous address for torch.distributed: this node's address only (app/training/rendezvous.py)."""
         import ray
 
-        ip = ray.util.get_node_ip_address()
-        self._listener = socket.create_server((ip, 0))
-        return ip, self._listener.getsockname()[1]
-
-    def _store(self, master_addr: str, master_port: int):
-        """The rendezvous store: rank 0 serves it on the socket `address` bound, the others connect."""
-        import torch.distributed as dist
-        from torch.distributed.constants import default_pg_timeout
-
-        listener = getattr(self, "_listener", None) if self.rank == 0 else None
-        bound = {"master_listen_fd": listener.fileno()} if listener else {}
-        store = dist.TCPStore(master_addr, master_port, self.cfg.world_size, is_master=self.rank == 0,
-                              timeout=default_pg_timeout, **bound)
-        if listener is not None:
-            listener.detach()  # the store owns (and closes) the fd now; Python must not close it again
-        return store
+        return self.rendezvous.listen(ray.util.get_node_ip_address())
 
     def write_probe(self, name: str, token: str) -> str:
         """Rank 0 at group start: `token` into `<checkpoint.dir>/<name>`, for the driver to read back (both
@@ -253,7 +238,7 @@ class DrafterActor:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        dist.init_process_group(backend, store=self._store(master_addr, master_port),
+        dist.init_process_group(backend, store=self.rendezvous.store(master_addr, master_port, self.cfg.world_size, self.rank == 0),
                                 rank=self.rank, world_size=self.cfg.world_size)
         drafter, head, self.arch = build_or_load_drafter(
             self.cfg.model_dir, None, self.cfg.drafter, self.cfg.layer_ids, self.cfg.mask_token_id,

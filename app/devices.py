@@ -62,11 +62,12 @@ def target_load_kwargs(device: torch.device, dtype: torch.dtype) -> dict:
         if is_accelerate_available():  # transformers needs accelerate for any device map
             kw["device_map"] = {"": device}
         else:
-            _warn_no_accelerate()
+            warn_no_accelerate()
     return kw
 
 
 @functools.cache
-def _warn_no_accelerate() -> None:
+def warn_no_accelerate() -> None:
+    """Once per process: a CUDA target without accelerate loads through host RAM."""
     warnings.warn("accelerate is not installed: each target loads its model into host RAM before moving it to "
                   "the GPU (pip install accelerate to load straight onto the device)", RuntimeWarning)

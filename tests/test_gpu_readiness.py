@@ -98,7 +98,7 @@ def test_targets_load_straight_onto_the_gpu_in_their_dtype(monkeypatch):
     assert kw["device_map"] == {"": cuda} and kw["dtype"] is torch.bfloat16 and kw["attn_implementation"] == "sdpa"
     assert "device_map" not in devices.target_load_kwargs(torch.device("cpu"), torch.float32)
     monkeypatch.setattr(transformers.utils, "is_accelerate_available", lambda: False)
-    devices._warn_no_accelerate.cache_clear()
+    devices.warn_no_accelerate.cache_clear()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         kws = [devices.target_load_kwargs(cuda, torch.bfloat16) for _ in range(2)]
@@ -147,8 +147,7 @@ def test_the_stager_makes_every_device_tensor_on_its_side_stream(monkeypatch):
         def synchronize(self):
             pass
 
-    stager = PayloadStager(torch.device("cpu"), torch.float32)
-    stager.enabled, stager._stream = True, object()  # the CUDA path, with stand-ins for stream and event
+    stager = PayloadStager(torch.device("cpu"), torch.float32, side_stream=object())  # the CUDA path, stand-ins
     monkeypatch.setattr(torch.cuda, "stream", stream)
     monkeypatch.setattr(torch.cuda, "Event", Event)
     for name in ("to", "float", "long", "view"):

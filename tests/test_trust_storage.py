@@ -375,21 +375,18 @@ def test_uri_caches_live_in_a_private_per_user_root(tmp_path: Path, monkeypatch)
     assert list((tmp_path / "attacker").iterdir()) == []
 
 
-def test_the_rendezvous_listens_on_the_node_address_only(monkeypatch) -> None:
+def test_the_rendezvous_listens_on_the_node_address_only() -> None:
     """Item 15: rank 0's rendezvous socket is bound to the node's address, not every interface, and is
     the very socket the TCPStore serves on (a one-rank gloo group joins through it)."""
-    import ray.util
     import torch
     import torch.distributed as dist
 
-    from actors.drafter import DrafterActor
+    from app.training.rendezvous import Rendezvous
 
-    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
-    actor = DrafterActor.__new__(DrafterActor)  # only address and the store: no model, no pool
-    actor.rank, actor.cfg = 0, type("Setup", (), {"world_size": 1})()
-    ip, port = actor.address()
-    assert actor._listener.getsockname() == ("127.0.0.1", port) and ip == "127.0.0.1"
-    dist.init_process_group("gloo", store=actor._store(ip, port), rank=0, world_size=1)
+    rdv = Rendezvous()
+    ip, port = rdv.listen("127.0.0.1")
+    assert rdv.listener.getsockname() == ("127.0.0.1", port) and ip == "127.0.0.1"
+    dist.init_process_group("gloo", store=rdv.store(ip, port, 1, True), rank=0, world_size=1)
     try:
         t = torch.ones(2)
         dist.all_reduce(t)

@@ -20,13 +20,16 @@ import torch
 class PayloadStager:
     """Turns `HiddenBatch` payloads into device `TrainBatch`es; `stage` runs in the prefetch thread."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype, side_stream=None) -> None:
+        """`side_stream`: a stand-in for the CUDA side stream; it turns the staging path on anywhere (a CPU
+        test rehearses the CUDA path with it)."""
         self.device, self.dtype = device, dtype
-        self.enabled = device.type == "cuda"
+        self.enabled = device.type == "cuda" or side_stream is not None
         self._pinned: list[torch.Tensor | None] = [None, None]
         self._copied: list = [None, None]  # each buffer's last copy-out event
         self._turn = 0
-        self._stream = torch.cuda.Stream(device=device) if self.enabled else None
+        self._stream = side_stream if side_stream is not None else (
+            torch.cuda.Stream(device=device) if self.enabled else None)
 
     def stage(self, hb):
         """The payload as a device TrainBatch whose copy is in flight (CUDA), or `hb` unchanged (CPU)."""
