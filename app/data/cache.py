@@ -30,6 +30,7 @@ import numpy as np
 
 from app.config.schema import Config, DataConfig
 from app.data.dataset import DataSummary, TokenizedDataset
+from app.data.shards import file_kind
 from app.storage import local_path
 
 CACHE_VERSION = 2  # bump when the tokenizer path changes what it writes for the same inputs
@@ -78,6 +79,7 @@ def cache_key(files: list[str], tokenizer_id: str, data: DataConfig, block_size:
     """(key, what it hashes) for tokenizing `files` with these settings."""
     inputs = []
     for f in files:
+        file_kind(f)  # a missing file or a folder named *.jsonl is one data error line, not a traceback
         size, digest = file_digest(f)
         inputs.append({"path": str(Path(f).resolve()), "size": size, "sha256": digest})
     parts = {
