@@ -52,6 +52,20 @@ def test_progress_restarts_at_the_restored_step() -> None:
 
 
 
+def test_target_rate_stays_positive_across_a_recreated_pool() -> None:
+    """A recreated pool counts its targets' tokens from zero: the rate goes on, it does not turn negative."""
+    from dataclasses import replace
+
+    clock = Clock()
+    mon = RunMonitor(clock=clock)
+    base = HSPool(PoolConfig(capacity=16, min_ready=4), 6).stats()
+    for tokens in (0, 1000, 2000, 100, 1100):  # 10 s apart; the pool was recreated before the 4th snapshot
+        mon.add_pool(replace(base, tokens_by_target={0: tokens}))
+        clock.t += 10
+    # The 30 s window spans t=110..140: 1000 tokens, then 100 by the new pool, then 1000 more.
+    assert mon.values()["target_tok_s"] == (1000 + 100 + 1000) / 30
+
+
 def test_status_line_with_a_resumed_best_and_no_evaluation_yet() -> None:
     """A resumed run restores drafter-best/'s tau before this start has evaluated anything (chaos found
     the status line raising IndexError there)."""

@@ -29,12 +29,20 @@ def bottleneck(data_wait_share: float, buffered: int, capacity: int) -> str:
 
 @dataclass
 class _Window:
-    """Rate over a sliding time window."""
+    """Rate over a sliding time window of a cumulative counter that may restart from zero."""
 
     seconds: float = 30.0
     points: deque = field(default_factory=deque)  # (time, cumulative value)
+    _offset: float = 0.0  # what earlier incarnations of the counter had counted
+    _last: float = 0.0
 
-    def add(self, now: float, total: float) -> None:
+    def add(self, now: float, counter: float) -> None:
+        # A recreated pool counts its targets' tokens from zero again: carry the old count forward
+        # instead of reading the drop as a negative rate.
+        if counter < self._last:
+            self._offset += self._last
+        self._last = counter
+        total = self._offset + counter
         self.points.append((now, total))
         while len(self.points) > 2 and now - self.points[0][0] > self.seconds:
             self.points.popleft()
