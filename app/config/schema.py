@@ -97,6 +97,10 @@ class TopologyConfig:
     cpus_per_drafter: float = 4.0
     device: str = "auto"  # auto | cuda | cpu
     strategy: str = "PACK"  # placement group strategy: PACK | SPREAD (checked by app/run/placement.py)
+    rebalance: str = "advise"  # off | advise (status line only) | auto (re-split at a checkpoint, app/run/rebalance.py)
+    rebalance_hold_s: float = 20.0  # the advice must hold this long before an auto re-split
+    rebalance_min_gain: float = 0.15  # estimated tokens/s gain a re-split must beat (it costs a checkpoint and a rebuild)
+    max_rebalances: int = 3  # auto re-splits per run, at most
 
     def __post_init__(self) -> None:
         at_least("topology.num_targets", self.num_targets, 1, "at least one target must produce hidden states")
@@ -108,6 +112,12 @@ class TopologyConfig:
             at_least(key, value, 0, "a reservation cannot be negative")
         one_of("topology.device", self.device, ("auto", "cuda", "cpu"))
         one_of("topology.strategy", self.strategy, ("PACK", "SPREAD"))
+        one_of("topology.rebalance", self.rebalance, ("off", "advise", "auto"))
+        finite("topology.rebalance_hold_s", self.rebalance_hold_s, "give seconds, e.g. 20")
+        at_least("topology.rebalance_hold_s", self.rebalance_hold_s, 0, "a hold time cannot be negative")
+        finite("topology.rebalance_min_gain", self.rebalance_min_gain, "give a share, e.g. 0.15")
+        at_least("topology.rebalance_min_gain", self.rebalance_min_gain, 0, "a gain threshold cannot be negative")
+        at_least("topology.max_rebalances", self.max_rebalances, 0, "0 turns automatic re-splits off")
 
 
 @dataclass(frozen=True)
@@ -127,7 +137,7 @@ class DataConfig:
     enable_thinking: bool = False
     eval_prompts: str = ""  # JSONL of held-out prompts; empty with target=tiny: generated
     num_workers: int = 0  # tokenizing workers: 0 = auto (1 for small inputs, else the cluster's spare CPUs), 1 = no Ray
-    cache_dir: str = ""  # tokenized-data cache; "" = <checkpoint.dir>/data-cache (.cache/data for a URI)
+    cache_dir: str = ""  # tokenized-data cache; "" = <checkpoint.dir>/data-cache (a URI run: <tmp>/dflash-<uid>/<run>/data-cache)
 
     def __post_init__(self) -> None:
         one_of("data.format", self.format, ("auto", "openai", "sharegpt", "tokenized"))
