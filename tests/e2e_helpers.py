@@ -21,12 +21,21 @@ def tiny_overrides(run_dir: Path, *extra: str) -> list[str]:
     return [f"checkpoint.dir={run_dir}", f"tiny.cache_dir={ROOT / '.cache/tiny'}", *FAST, *extra]
 
 
-def pool_name(run_dir: Path) -> str:
-    """The pool actor's name for a tiny run in `run_dir`, as the driver makes it (app.run.plan.run_name)."""
-    from app.config.load import load_config
-    from app.run.plan import run_name
+def kill_pool() -> int:
+    """SIGKILL the run's live pool actor (it has no name to look it up by); returns its pid."""
+    from app.bench.chaos import live_actor_pids
 
-    return f"dflash-pool-{run_name(load_config(ROOT / 'conf/tiny.yaml', tiny_overrides(run_dir)))}"
+    pids = live_actor_pids("HSPoolActor")
+    assert len(pids) == 1, f"expected one live pool actor, found pids {pids}"
+    os.kill(pids[0], signal.SIGKILL)
+    return pids[0]
+
+
+def named_actors() -> list[str]:
+    """Every named actor in every namespace of the cluster: a run must add none."""
+    import ray
+
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
 
 
 def run_in_process(run_dir: Path, *extra: str) -> int:

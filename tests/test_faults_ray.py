@@ -68,16 +68,14 @@ def test_no_restart_budget_fails_with_one_line(ray_cluster, tmp_path: Path, caps
 def test_pool_crash_stops_the_run_and_the_next_start_resumes(ray_cluster, tmp_path: Path, capsys) -> None:
     import threading
 
-    import ray
-
-    from tests.e2e_helpers import pool_name, wait_for
+    from tests.e2e_helpers import kill_pool, wait_for
 
     code: dict[str, int] = {}
     worker = threading.Thread(target=lambda: code.update(first=run_in_process(  # no pool recreation: the line
         tmp_path, "checkpoint.every_steps=2", "supervision.max_restarts_pool=0")))
     worker.start()
     wait_for(lambda: latest_checkpoint(tmp_path) is not None, 900, "a first checkpoint")  # a bound, not a speed claim
-    ray.kill(ray.get_actor(pool_name(tmp_path)), no_restart=True)
+    kill_pool()
     worker.join(timeout=180)
     assert code["first"] == 1
     lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("run failed:")]

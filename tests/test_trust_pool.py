@@ -269,20 +269,19 @@ def test_a_pool_client_call_to_a_dead_pool_raises_pool_died() -> None:
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_pool_killed_mid_run_is_recreated_and_the_run_finishes_in_the_same_job(ray_cluster, tmp_path, capsys) -> None:
-    """Issue 22 item 10 with the real pool actor: SIGKILL-equivalent ray.kill after the first checkpoint;
-    the same driver recreates the pool from the checkpoint, keeps its targets, and trains every job once."""
+    """Issue 22 items 10 and 15 with the real pool actor, which has no name: SIGKILL after the first
+    checkpoint; the same driver recreates the pool from the checkpoint, keeps its targets, trains every job once."""
     import threading
 
-    import ray
-
     from app.training.checkpoint import latest_checkpoint
-    from tests.e2e_helpers import final_weights_finite, pool_name, run_in_process, summary, trained_counts, wait_for
+    from tests.e2e_helpers import final_weights_finite, kill_pool, named_actors, run_in_process, summary, trained_counts, wait_for
 
     code: dict[str, int] = {}
     worker = threading.Thread(target=lambda: code.update(rc=run_in_process(tmp_path, "checkpoint.every_steps=2")))
     worker.start()
     wait_for(lambda: latest_checkpoint(tmp_path) is not None, 900, "a first checkpoint")  # a bound, not a speed claim
-    ray.kill(ray.get_actor(pool_name(tmp_path)), no_restart=True)
+    assert named_actors() == []  # item 15: no job on the cluster can look the pool up and call it
+    kill_pool()
     worker.join(timeout=900)
     out = capsys.readouterr().out
     assert code["rc"] == 0, out[-3000:]

@@ -189,7 +189,7 @@ def fire(kind: str, driver: subprocess.Popen, rng: random.Random) -> str | None:
         driver.send_signal(signal.SIGTERM)
         return f"SIGTERM driver pid {driver.pid} (resubmitted after it checkpoints)"
     cls = {"target": "TargetActor", "drafter": "DrafterActor", "pool": "HSPoolActor"}[kind]
-    pids = _actor_pids(cls)
+    pids = live_actor_pids(cls)
     if not pids:
         return None
     pid = rng.choice(sorted(pids))
@@ -200,7 +200,7 @@ def fire(kind: str, driver: subprocess.Popen, rng: random.Random) -> str | None:
     return f"SIGKILL {cls} pid {pid}"
 
 
-def _actor_pids(class_name: str) -> list[int]:
+def live_actor_pids(class_name: str) -> list[int]:
     """PIDs of this cluster's live actors of one class (the GCS actor table; no dashboard needed)."""
     import ray._private.state as ray_state  # the public state API needs the dashboard
 

@@ -99,7 +99,7 @@ class Topology:
         topo = self.cfg.topology
         return ray.remote(HSPoolActor).options(
             num_cpus=0, max_concurrency=pool_max_concurrency(topo.num_targets, topo.num_drafters),
-            name=f"dflash-pool-{self.run_name}", max_restarts=0, scheduling_strategy=self._pool_node(),
+            max_restarts=0, scheduling_strategy=self._pool_node(),  # no name: no other job can look it up
         ).remote(self.cfg.pool, num_buckets, self.run_name, ranks=topo.num_drafters, accum=self.cfg.train.grad_accum,
                  broken_after=self.cfg.supervision.broken_target_raises)
 
