@@ -280,3 +280,27 @@ def test_every_config_case_exits_2_with_one_line(overrides: list[str], expected:
     captured = capsys.readouterr()
     lines = [l for l in (captured.out + captured.err).splitlines() if l.strip()]
     assert len(lines) == 1 and lines[0].startswith("config error: ") and expected in lines[0], lines
+
+
+@pytest.mark.parametrize(
+    "ids, expected",
+    [
+        ("[1,5]", "model.target_layer_ids=[1, 5] has 5, the target's last layer"),
+        ("[3,1]", "model.target_layer_ids=[3, 1] is not ascending: vLLM and SGLang sort the ids"),
+        ("[1,3,3]", "model.target_layer_ids=[1, 3, 3] repeats layer 3: vLLM and SGLang fail"),
+    ],
+)
+def test_layer_ids_engines_misread_are_refused(ids: str, expected: str) -> None:
+    """Issue 25: last layer, non-ascending, repeated ids load into the engines wrong or not at all."""
+    with pytest.raises(ConfigError) as info:
+        check_target(_tiny(f"model.target_layer_ids={ids}"), INFO)
+    assert expected in str(info.value) and "\n" not in str(info.value)
+
+
+def test_layer_ids_default_spread_is_checked_too() -> None:
+    # 6 target layers, 5 draft layers: DFlash's spread repeats ids; the line says where they came from.
+    with pytest.raises(ConfigError, match=r"the DFlash default for a 6-layer target and drafter.num_layers=5 is "
+                                          r"\[1, 2, 2, 2, 3\]\) repeats layer 2"):
+        check_target(_tiny("drafter.num_layers=5"), INFO)
+    for ids in ("[1,3]", "[0,4]", "[]"):  # fine: ascending, distinct, below the last layer
+        check_target(_tiny(f"model.target_layer_ids={ids}"), INFO)
