@@ -109,6 +109,9 @@ class SplitAdvisor:
         self.target_jobs: dict[int, int] = {}
         self._same_since: float | None = None
         self._last_split: tuple[int, int] | None = None
+        # The pool's per-target counters are cumulative: after a re-split the rates count from these.
+        self._base: dict[str, dict[int, float]] = {}
+        self._raw: dict[str, dict[int, float]] = {}
 
     @classmethod
     def for_topology(cls, topo, **kw) -> "SplitAdvisor":
@@ -130,10 +133,25 @@ class SplitAdvisor:
 
     def add_pool(self, stats) -> None:
         """A PoolStats (or its dict): cumulative tokens, forward seconds and jobs per target."""
-        self.target_tokens = {int(k): v for k, v in dict(_get(stats, "tokens_by_target")).items()}
-        self.target_forward_s = {int(k): v for k, v in dict(_get(stats, "forward_s_by_target")).items()}
-        self.target_jobs = {int(k): v for k, v in dict(_get(stats, "done_by_target")).items()}
+        for key in ("tokens_by_target", "forward_s_by_target", "done_by_target"):
+            self._raw[key] = {int(k): v for k, v in dict(_get(stats, key)).items()}
+        since = {key: {t: v - self._since(key, t, v) for t, v in raw.items()} for key, raw in self._raw.items()}
+        self.target_tokens, self.target_forward_s = since["tokens_by_target"], since["forward_s_by_target"]
+        self.target_jobs = since["done_by_target"]
         self._track()
+
+    def _since(self, key: str, tid: int, value: float) -> float:
+        base = self._base.get(key, {}).get(tid, 0)
+        return base if value >= base else 0  # a recreated pool counts from zero again
+
+    def resplit(self, num_targets: int, num_drafters: int) -> None:
+        """The run now has another split: measure both sides afresh (the drafter ranks' rate at the
+        new group size, the targets' from the counters as they stand), and wait for stability again."""
+        self.num_targets, self.num_drafters = num_targets, num_drafters
+        self.rank_steps, self.rank_tokens, self.rank_compute_s = {}, {}, {}
+        self._base = {key: dict(raw) for key, raw in self._raw.items()}
+        self.target_tokens, self.target_forward_s, self.target_jobs = {}, {}, {}
+        self._same_since, self._last_split = None, None
 
     def note(self, _event: str) -> None:
         """Listener interface of the RunMonitor; faults do not change the rates."""

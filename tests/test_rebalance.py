@@ -1,0 +1,150 @@
+"""The split trigger (app/run/rebalance.py) and the advisor's re-measuring after a re-split, without Ray."""
+from __future__ import annotations
+
+import pytest
+
+from app.config.schema import TopologyConfig
+from app.run.advice import SplitAdvice, SplitAdvisor, best_split
+from app.run.rebalance import Rebalancer, Resplit, ResplitMeasured
+
+
+def est(split: tuple[int, int], rt: float, rd: float) -> SplitAdvice:
+    """The advisor's estimate for the current `split` at these per-side rates."""
+    t, d, best, cur = best_split(split[0], split[1], rt, rd)
+    return SplitAdvice(t, d, split[0], split[1], best / cur - 1, rt, rd, best, cur,
+                       "targets" if split[0] * rt < split[1] * rd else "drafters", True)
+
+
+def trigger(mode="auto", hold=10.0, gain=0.15, most=3, split=(5, 3)) -> Rebalancer:
+    return Rebalancer(mode, hold, gain, most, *split, window_s=10.0)
+
+
+def feed(rb: Rebalancer, split, rt, rd, t0: float, t1: float, dt: float = 1.0) -> list:
+    out, t = [], t0
+    while t <= t1:
+        out += rb.observe(est(split, rt, rd), t)
+        t += dt
+    return out
+
+
+def test_stable_advice_past_hold_asks_for_one_resplit_toward_the_short_side():
+    rb = trigger()
+    # Targets short: a target makes 100 tok/s, a drafter rank trains 400: 5/3 -> more targets.
+    assert feed(rb, (5, 3), 100, 400, 0, 9) == []  # held 9 s < 10 s
+    actions = feed(rb, (5, 3), 100, 400, 10, 30)
+    assert len(actions) == 1 and isinstance(actions[0], Resplit)
+    rs = actions[0]
+    assert rs.old == (5, 3) and rs.new[0] > 5 and sum(rs.new) == 8 and rs.gain_estimated > 0.15
+    assert rb.status().startswith("re-split to")
+
+
+def test_drafters_short_moves_gpus_to_drafters():
+    rb = trigger()
+    (rs,) = feed(rb, (5, 3), 400, 100, 0, 20)
+    assert rs.new[1] > 3 and sum(rs.new) == 8
+
+
+@pytest.mark.parametrize("mode", ["off", "advise"])
+def test_off_and_advise_never_act(mode):
+    rb = trigger(mode)
+    assert feed(rb, (5, 3), 100, 400, 0, 100) == []
+    assert rb.shows_advice == (mode == "advise")
+
+
+def test_gain_below_the_threshold_keeps_the_split():
+    rb = trigger(gain=1.0)
+    # 5/3 at 200/100: the best split (3/5) gains 67%, under the 100% asked for.
+    e = est((5, 3), 200, 100)
+    assert (e.targets, e.drafters) == (3, 5) and e.gain == pytest.approx(2 / 3)
+    assert feed(rb, (5, 3), 200, 100, 0, 100) == []
+
+
+def test_a_changing_advice_restarts_the_hold():
+    rb = trigger()
+    t, out = 0.0, []
+    for i in range(40):  # the advice flips every 5 s between two splits: never stable for 10 s
+        rates = (100, 400) if (i // 5) % 2 == 0 else (100, 250)
+        out += rb.observe(est((5, 3), *rates), t)
+        t += 1
+    assert est((5, 3), 100, 400).targets != est((5, 3), 100, 250).targets
+    assert out == []
+
+
+def test_hysteresis_no_second_resplit_on_the_same_rates_and_at_most_max():
+    rb = trigger(most=2)
+    (rs,) = feed(rb, (5, 3), 100, 400, 0, 20)
+    assert feed(rb, (5, 3), 100, 400, 21, 60) == []  # pending: one at a time
+    rb.done(*rs.new, now=60, tokens=0)
+    # Same rates on the new split: its advice is keep (best already), nothing happens.
+    assert feed(rb, rs.new, 100, 400, 61, 200) == []
+    # Noise that suggests another split but rates moved < 15%: still nothing.
+    assert feed(rb, rs.new, 110, 380, 201, 300) == []
+    # The balance really shifts (drafters 3x slower): a second re-split, back toward drafters.
+    (rs2,) = feed(rb, rs.new, 100, 130, 301, 400)
+    assert rs2.number == 2 and rs2.new[1] > rs.new[1]
+    rb.done(*rs2.new, now=400, tokens=0)
+    # The budget (2) is spent: whatever the rates do, no third.
+    assert feed(rb, rs2.new, 100, 1000, 401, 500) == []
+    assert rb.summary()["rebalances"] == 2
+
+
+def test_refused_resplit_says_why_and_waits_for_the_rates_to_move():
+    rb = trigger()
+    (rs,) = feed(rb, (5, 3), 100, 400, 0, 20)
+    rb.refused("target and drafter bundles differ in shape (GPU 2 vs 1)")
+    assert "differ in shape" in rb.status()
+    assert feed(rb, (5, 3), 100, 400, 21, 100) == []
+    assert rb.history[-1]["refused"].startswith("target and drafter")
+
+
+def test_measured_gain_compares_the_windows_before_and_after_and_can_show_a_loss():
+    rb = trigger()
+    tokens, out = 0.0, []
+    for t in range(0, 21):  # 1000 tok/s before
+        rb.tokens(tokens, t)
+        out += rb.observe(est((5, 3), 100, 400), t)
+        tokens += 1000
+    (rs,) = out
+    rb.done(*rs.new, now=25, tokens=tokens)
+    measured = []
+    for t in range(25, 40):  # 600 tok/s after: the re-split made things worse, and it says so
+        measured += rb.tokens(tokens, t)
+        tokens += 600
+    (m,) = measured
+    assert isinstance(m, ResplitMeasured)
+    assert m.before_tok_s == pytest.approx(1000, rel=0.01)
+    assert m.after_tok_s == pytest.approx(600, rel=0.01)
+    assert m.gain_measured == pytest.approx(-0.4, abs=0.01)
+    assert [h["k"] for h in rb.summary()["rebalance_history"]] == ["resplit", "resplit_measured"]
+
+
+def test_bad_mode_is_a_value_error_naming_the_choices():
+    with pytest.raises(ValueError, match="topology.rebalance='sometimes'"):
+        Rebalancer("sometimes", 1, 0.1, 1, 5, 3)
+    with pytest.raises(ValueError, match="topology.rebalance"):
+        TopologyConfig(rebalance="sometimes")
+    with pytest.raises(ValueError, match="topology.rebalance_min_gain"):
+        TopologyConfig(rebalance_min_gain=-1)
+
+
+def test_for_topology_reads_the_config_defaults():
+    rb = Rebalancer.for_topology(TopologyConfig())
+    assert (rb.mode, rb.hold_s, rb.min_gain, rb.max_rebalances, rb.split) == ("advise", 20.0, 0.15, 3, (5, 3))
+
+
+def test_advisor_measures_afresh_after_a_resplit():
+    clock = [0.0]
+    adv = SplitAdvisor(5, 3, hold_s=0, clock=lambda: clock[0])
+    for step in range(8):
+        adv.add_records([{"rank": r, "tokens": 400, "compute_s": 1.0} for r in range(3)])
+    adv.add_pool({"tokens_by_target": {t: 500 for t in range(5)}, "forward_s_by_target": {t: 5.0 for t in range(5)},
+                  "done_by_target": {t: 5 for t in range(5)}})
+    assert adv.rates() == (100.0, 400.0)
+    adv.resplit(7, 1)
+    assert adv.rates() == (0.0, 0.0) and not adv.enough_samples()
+    assert adv.num_targets == 7
+    # Targets 0-4 keep their counters; from now they make 200 tok/s; a new target 5 counts from zero.
+    adv.add_pool({"tokens_by_target": {**{t: 900 for t in range(5)}, 5: 400},
+                  "forward_s_by_target": {**{t: 7.0 for t in range(5)}, 5: 2.0},
+                  "done_by_target": {**{t: 9 for t in range(5)}, 5: 4}})
+    assert adv.rates()[0] == pytest.approx(200.0)
