@@ -53,7 +53,7 @@ def _generate(cfg: Config, todo: list, f, counts: dict, max_new_tokens: int, chu
     from app.run.topology import uses_gpu
 
     if not ray.is_initialized():  # RAY_ADDRESS, or a throwaway local cluster with token auth (as app.train's)
-        from app.run.driver import init_ray
+        from app.ray_cluster import init_ray
 
         init_ray()
     topo = cfg.topology

@@ -157,7 +157,7 @@ def test_a_same_size_rewrite_with_its_old_mtime_misses_the_cache(tmp_path) -> No
 _DRIVER = """
 import json, os, subprocess, sys
 import ray
-from app.run.driver import init_ray
+from app.ray_cluster import init_ray
 init_ray()
 gcs = ray.get_runtime_context().gcs_address
 answer = ray.get(ray.remote(lambda: 41 + 1).remote())  # the cluster's own workers authenticate
@@ -305,7 +305,7 @@ def test_a_user_error_while_supervising_exits_2_with_one_line(monkeypatch, capsy
 def test_bench_pool_starts_its_own_cluster_beside_another(ray_cluster) -> None:
     """Item 18: with another cluster reachable (RAY_ADDRESS, as `ray start` leaves for the machine), the
     bench joined it and died: "When connecting to an existing cluster, num_cpus and num_gpus must not be
-    provided". It now starts its own (app.run.driver.start_own_cluster, which bench sched calls too)."""
+    provided". It now starts its own (app.ray_cluster.start_own_cluster, which bench sched calls too)."""
     import os
     import subprocess
     import sys

@@ -95,12 +95,12 @@ def chaos_overrides(args) -> list[str]:
 def run_chaos(config: str, overrides: list[str], run_dir: Path, n_faults: int, seed: int, num_targets: int = 1) -> int:
     import ray
 
+    from app.ray_cluster import start_own_cluster
     from app.training.step_log import FILE_NAME, count_trained
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    # Logical CPUs: the tiny topology's fractional shares fit even a 2-core machine.
-    ray.init(num_cpus=max(os.cpu_count() or 1, 8), include_dashboard=False, configure_logging=False,
-             log_to_driver=False)
+    # Logical CPUs: the tiny topology's fractional shares fit even a 2-core machine. The drivers it
+    # starts join this cluster with its token (inherited environment).
+    start_own_cluster(num_cpus=max(os.cpu_count() or 1, 8))
     state = ChaosState()
     rng = random.Random(seed)
     kinds = plan_faults(n_faults, rng)

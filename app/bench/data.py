@@ -179,7 +179,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=6, help="epochs scheduled for the driver and pool figures")
     parser.add_argument("--keep", default="", help="folder to keep the inputs and the cache in (default: temp)")
     args = parser.parse_args(argv)
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     import ray
@@ -187,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from app.data import cache
     from app.data.pipeline import data_cache_key, load_or_tokenize, tokenize_files
+    from app.ray_cluster import start_own_cluster
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.keep or tmp)
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         single = tokenize_files(cfg.data, cfg.drafter.block_size, model_dir, tok, files, workers=1)
         tokenize_s = time.perf_counter() - t0
 
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, configure_logging=False, log_to_driver=False)
+        start_own_cluster(num_cpus=os.cpu_count())  # never another cluster on the machine; token auth
         t0 = time.perf_counter()
         parallel = tokenize_files(cfg.data, cfg.drafter.block_size, model_dir, tok, files, workers=args.workers)
         parallel_s = time.perf_counter() - t0

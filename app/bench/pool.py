@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import ray
 
-    from app.run.driver import start_own_cluster
+    from app.ray_cluster import start_own_cluster
 
     start_own_cluster(num_cpus=16)  # never another cluster on the machine (RAY_ADDRESS, ray start)
     floats = args.kib * 1024 // 4

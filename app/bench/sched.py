@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.sim:
         import ray
 
-        from app.run.driver import start_own_cluster
+        from app.ray_cluster import start_own_cluster
 
         start_own_cluster(num_cpus=16)  # never another cluster on the machine (RAY_ADDRESS, ray start)
         import sys

@@ -117,8 +117,10 @@ def _ray_data_results(shards: list[Shard], data: DataConfig, block_size: int, mo
                       progress: bool, vocab_size: int = 0) -> list[ShardResult]:
     import ray
 
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS") or None, configure_logging=False)
+    if not ray.is_initialized():  # RAY_ADDRESS, or a throwaway local cluster with token auth (as app.train's)
+        from app.ray_cluster import init_ray
+
+        init_ray()
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # ours counts records, theirs blocks
     ds = ray.data.from_items([{"shard": i} for i in range(len(shards))], override_num_blocks=len(shards))

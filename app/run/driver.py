@@ -13,6 +13,7 @@ from app.config.schema import Config
 from app.config.checks import check_object_store, check_resources
 from app.config.errors import UserError
 from app.run.monitor import RunMonitor
+from app.ray_cluster import init_ray
 from app.storage import redact
 
 
@@ -102,39 +103,6 @@ def connect(cfg: Config) -> bool:
     return use_gpu
 
 
-def init_ray() -> None:
-    """Join RAY_ADDRESS, or start our own throwaway local cluster with Ray's default token auth: its GCS
-    listens on the node's address, so without a token any process that reaches it could list and call
-    the pool. The token is a fresh secret in this process's environment (inherited by the cluster's
-    processes), not Ray's ~/.ray/auth_token, which Ray writes readable by every user; an explicit
-    RAY_AUTH_MODE (tests set `disabled`) or token setting is kept."""
-    import ray
-
-    address = os.environ.get("RAY_ADDRESS") or None
-    if address in (None, "local"):
-        local_cluster_token()
-    ray.init(address=address, include_dashboard=None if address else False, log_to_driver=True,
-             configure_logging=False)
-
-
-def local_cluster_token() -> None:
-    """Before starting a throwaway local cluster: unless RAY_AUTH_MODE or a token is set, give it a fresh
-    token (256 bits, as Ray's own generator) in the environment its processes inherit (see init_ray)."""
-    if "RAY_AUTH_MODE" not in os.environ and not {"RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"} & set(os.environ):
-        import secrets
-
-        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
-
-
-def start_own_cluster(**resources) -> None:
-    """A bench's own local cluster with these resources, even when RAY_ADDRESS is set or another cluster
-    runs on the machine (plain ray.init would join it and refuse num_cpus/num_gpus), with token auth."""
-    import ray
-
-    local_cluster_token()
-    ray.init(address="local", include_dashboard=False, configure_logging=False, log_to_driver=False, **resources)
-
-
 def spare_cpus(cfg: Config) -> float:
     """CPUs for tokenizing (data.num_workers=0, a large input, no cache): the cluster's, less the actors'."""
     import ray
@@ -198,7 +166,7 @@ def install_stop_handler():
 
 def supervise(plan, use_gpu: bool, stop: threading.Event) -> int:
     from app.run.failures import RunFailed
-    from app.run.outputs import RunOutputs
+    from app.run.outputs import RunOutputs, print_serving, serving_outputs
     from app.run.plan import run_name
     from app.run.supervisor import Supervisor
     from app.run.topology import Topology, plan_bundles
@@ -232,9 +200,13 @@ def supervise(plan, use_gpu: bool, stop: threading.Event) -> int:
             log(f"WARNING: tau not fully measured ({tau.reason})")
         summary = build_summary(plan, sup, monitor, outcome, tau, time.monotonic() - t0)
         summary.update(outputs.finish(outcome.steps, export_dir))  # tau_history, tau_best, split_advice
+        summary.update(serving_outputs(cfg, plan.model_dir, export_dir,  # launch lines, drafter-speculators/
+                                       tau.trained if tau.trained is not None else
+                                       (summary.get("tau_best") or {}).get("tau"), log))
         write_summary(cfg, summary)
         wandb.finish(summary)
         log(f"exported drafter to {export_dir}")
+        print_serving(summary, log)
         print(redact("RESULT " + " ".join(f"{k}={_fmt(v)}" for k, v in summary.items() if not isinstance(v, (list, dict)))),
               flush=True)
         return 0
