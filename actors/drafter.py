@@ -99,19 +99,7 @@ class _RankOps:
         return Fetched(item, payload, time.perf_counter() - t0)
 
     def _fetch(self, acks: list[int]):
-        import ray
-        from ray.exceptions import ObjectLostError
-
-        pool, rank = self.a.pool, self.a.rank
-        while True:
-            pulled = ray.get(pool.pull.remote(rank, self.generation, acks))
-            acks = []
-            if isinstance(pulled, (EndOfStream, Drained)):
-                return pulled, None
-            try:  # CUDA: the stager copies it to the GPU (pinned, side stream), in this thread
-                return pulled, self.a.stager.stage(ray.get(pulled.payload_ref))
-            except ObjectLostError:  # the node holding it died: recompute that job, pull another
-                ray.get(pool.payload_lost.remote(rank, pulled.meta.job_id, self.generation))
+        return fetch_next(self.a.pool, self.a.rank, self.generation, acks, self.a.stager.stage)
 
     def compute(self, eff: Compute) -> None:
         from app.model.loss import TrainBatch
@@ -186,6 +174,26 @@ class _RankOps:
         from app.model.live_eval import weights_to_numpy
 
         self.a.pool.offer_eval.remote(eff.step, [ray.put(weights_to_numpy(self.a.trainer.drafter))])
+
+
+def fetch_next(pool, rank: int, generation: int, acks: list[int], stage, on_pulled=None):
+    """The prefetch thread's work: pull one item (acks riding along) and fetch and `stage` its payload.
+    Returns (pulled, staged payload), or (EndOfStream | Drained, None). `python -m app.bench transport`
+    times this same function (`on_pulled()` marks the pull's answer)."""
+    import ray
+    from ray.exceptions import ObjectLostError
+
+    while True:
+        pulled = ray.get(pool.pull.remote(rank, generation, acks))
+        acks = []
+        if isinstance(pulled, (EndOfStream, Drained)):
+            return pulled, None
+        if on_pulled is not None:
+            on_pulled()
+        try:  # CUDA: the stager copies it to the GPU (pinned, side stream), in this thread
+            return pulled, stage(ray.get(pulled.payload_ref))
+        except ObjectLostError:  # the node holding it died: recompute that job, pull another
+            ray.get(pool.payload_lost.remote(rank, pulled.meta.job_id, generation))
 
 
 class DrafterActor:
@@ -314,17 +322,17 @@ class DrafterActor:
         """Rank 0: the drafter as an HF folder at `<checkpoint.dir>/drafter` (uploaded when a URI)."""
         import tempfile
 
-        from app.model.export import export_drafter, publish_export
+        from app.model.export import export_drafter, export_dtype, publish_export
         from app.storage import is_uri, open_storage
 
-        root = self.cfg.checkpoint.dir
+        root, dtype = self.cfg.checkpoint.dir, export_dtype(self.cfg.checkpoint.export_dtype)  # bf16 by default
         if not is_uri(root):  # a temp sibling exchanged in: a reader never sees new weights beside an old config
             def write(tmp: Path) -> None:
-                export_drafter(self.trainer.drafter, self.arch, tmp, dtype=self.dtype)  # engines load bf16 on GPU
+                export_drafter(self.trainer.drafter, self.arch, tmp, dtype=dtype)
 
             return str(publish_export(os.path.join(root, "drafter"), write))
         with tempfile.TemporaryDirectory() as tmp:
-            export_drafter(self.trainer.drafter, self.arch, tmp, dtype=self.dtype)
+            export_drafter(self.trainer.drafter, self.arch, tmp, dtype=dtype)
             return open_storage(root).upload_dir(Path(tmp), "drafter", last="config.json")
 
     def weights_checksum(self) -> float:

@@ -17,6 +17,7 @@ BENCHES = {
     "memory": ("app.bench.memory", "drafter peak GPU memory per bucket (fake tensors, full width): now vs before"),
     "data": ("app.bench.data", "tokenizing at scale: single process vs Ray Data, cache load, driver RSS, pool bytes/job"),
     "chaos": ("app.bench.chaos", "a run of the given config under outside faults: kills, SIGTERM, pool loss; counts every job"),
+    "transport": ("app.bench.transport", "one job's features target -> pool -> drafter staging at 64/160/640 MiB vs memcpy"),
     "gpu": ("app.bench.gpu", "one CUDA GPU: target prefill and drafter step tok/s, MFU, copy overlap, peak memory"),
 }
 

@@ -1,0 +1,230 @@
+"""`python -m app.bench transport`: one target job's features from the target to the drafter's staging
+buffer, through the project's own payload path, at real sizes, against a plain memcpy of the same bytes.
+
+The path, end to end, one job at a time (no overlap, so each part is timed alone):
+- produce: a TargetActor-shaped producer (`forward(job)` with `num_returns=2`, called by the real
+  HSPoolActor, which owns the refs) runs the target's own payload code (`start_job` -> `PendingBatch.result`
+  -> `pack_hidden`, `batch_nbytes`) on a features tensor it keeps (the forward itself is not measured:
+  on CUDA this is the device-to-host copy, on CPU the features are already on the host);
+- seal: Ray copies the returned numpy arrays into the object store when `forward` returns, then the
+  pool sees the small meta and answers the drafter's waiting pull ("produce+seal" = forward start ->
+  pull answered);
+- fetch: `ray.get` of the payload ref (a read-only view of the store on the same node);
+- staging: the drafter's `PayloadStager` copies the features out of the store into its staging buffer
+  (pinned on CUDA; on CUDA the host-to-device copy follows and is timed too).
+Both sides use the drafter's real `fetch_next` (actors/drafter.py) and stager (app/training/transfer.py).
+
+memcpy: `np.copyto` of the same number of bytes between two warm buffers, one thread, in the same run:
+the best one copy can do on this machine. The path makes at least two host copies (into the store, out of
+it), so 0.5 x memcpy is what two copies at full memory speed give.
+
+RESULT: per size, median and p99 GB/s end to end, the ratio of the median to memcpy, and the median
+split (produce+seal, fetch, staging) in ms. `--quick` runs small payloads for the tests.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+
+# 5 target layers x 4096 hidden x 2 bytes per token: the default shapes (conf/default.yaml).
+DEFAULT_WIDTH = 5 * 4096
+SIZES_TOKENS = {"64MiB": (1, 1638), "160MiB": (1, 4096), "640MiB": (4, 4096)}  # (sequences, tokens each)
+QUICK_SIZES = {"1MiB": (1, 128), "4MiB": (2, 256)}  # at width 4096
+
+
+class FixedTrunk:
+    """A stand-in for `TargetTrunk`: the same features every job (the bench times the payload, not the
+    forward). Fresh memory per job would time the allocator's page faults instead, which a real target
+    pays once for its reused activations."""
+
+    def __init__(self, feats) -> None:
+        self.feats, self.model = feats, None
+
+    def features(self, ids_BS, attn_BS):
+        return self.feats
+
+
+class TransportProducer:
+    """TargetActor-shaped: `forward(job) -> (ItemMeta, HiddenBatch)` through the target's own payload code."""
+
+    def __init__(self, num_seqs: int, seq_len: int, width: int, device: str) -> None:
+        import torch
+
+        from app.devices import pick_device
+
+        self.device = pick_device(device)
+        g = torch.Generator().manual_seed(0)
+        feats = torch.randn(num_seqs, seq_len, width, generator=g).to(torch.bfloat16)
+        self.trunk = FixedTrunk(feats.to(self.device))
+        rng = np.random.default_rng(0)
+        self.seqs = [(rng.integers(0, 1000, seq_len), np.ones(seq_len, np.uint8)) for _ in range(num_seqs)]
+        self.marks: dict[int, tuple[float, float]] = {}
+
+    def ready(self) -> bool:
+        return True
+
+    def forward(self, job):
+        from actors.target import batch_nbytes
+        from app.data.batching import start_job
+        from app.messages import ItemMeta
+
+        t0 = time.perf_counter()
+        batch = start_job(self.trunk, self.seqs, job.job_id, self.device, packed=False).result()
+        t1 = time.perf_counter()
+        self.marks[job.job_id] = (t0, t1)
+        meta = ItemMeta(job_id=job.job_id, bucket=job.bucket, num_seqs=len(self.seqs),
+                        num_tokens=int(batch.lengths_B.sum()), loss_tokens=int(batch.loss_mask_BS.sum()),
+                        nbytes=batch_nbytes(batch), target_id=0, forward_s=t1 - t0)
+        return meta, batch
+
+    def take_marks(self) -> dict[int, tuple[float, float]]:
+        marks, self.marks = self.marks, {}
+        return marks
+
+
+class TransportConsumer:
+    """A drafter rank's prefetch work: the real `fetch_next` and `PayloadStager`, timed."""
+
+    def __init__(self, device: str) -> None:
+        import torch
+
+        from app.devices import pick_device
+        from app.training.transfer import PayloadStager
+
+        self.device = pick_device(device)
+        self.stager = PayloadStager(self.device, torch.bfloat16)
+        self.acks: list[int] = []
+
+    def ready(self) -> bool:
+        return True
+
+    def take_one(self, pool, generation: int) -> dict:
+        """Pull one item and stage it; returns its job id, bytes and the times (perf_counter, one clock
+        for every process on this machine)."""
+        from actors.drafter import fetch_next
+
+        marks: dict[str, float] = {}
+
+        def stage(hb):
+            marks["got"] = time.perf_counter()
+            if self.stager.enabled:  # CUDA: the whole stage, host copy and device copy
+                batch = self.stager.stage(hb)
+                batch.ready_event.synchronize()
+            else:
+                self.stager.stage_host(hb)
+            marks["staged"] = time.perf_counter()
+            return hb.hidden_BSD.nbytes
+
+        pulled, nbytes = fetch_next(pool, 0, generation, self.acks, stage,
+                                    on_pulled=lambda: marks.__setitem__("pulled", time.perf_counter()))
+        self.acks = [pulled.meta.job_id]  # ride on the next pull, as the drafter's do
+        return {"job_id": pulled.meta.job_id, "nbytes": nbytes, **marks}
+
+
+def memcpy_seconds(nbytes: int, repeats: int) -> list[float]:
+    """One thread's `np.copyto` between two warm buffers of `nbytes`."""
+    src = np.ones(nbytes, np.uint8)
+    dst = np.zeros(nbytes, np.uint8)
+    np.copyto(dst, src)  # both touched: no page faults in the timed copies
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def percentile(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q))
+
+
+def run_size(ray, label: str, num_seqs: int, seq_len: int, width: int, repeats: int, device: str) -> dict:
+    from actors.hs_pool import HSPoolActor, pool_max_concurrency
+    from app.config.schema import PoolConfig
+    from app.messages import JobSpec
+
+    nbytes = num_seqs * seq_len * width * 2
+    opts = {"num_gpus": 1} if device == "cuda" else {}
+    prod = ray.remote(TransportProducer).options(**opts).remote(num_seqs, seq_len, width, device)
+    cons = ray.remote(TransportConsumer).options(**opts).remote(device)
+    cfg = PoolConfig(capacity=2, min_ready=1, jobs_in_flight_per_target=1, capacity_bytes=8 * nbytes + 2**20,
+                     metrics_every_s=60.0)
+    pool = ray.remote(HSPoolActor).options(max_concurrency=pool_max_concurrency(1, 1)).remote(
+        cfg, 1, f"bench-transport-{label}", None, 1, 1)
+    ray.get([prod.ready.remote(), cons.ready.remote(), pool.ledger.remote()])
+    ray.get(pool.add_target.remote(0, prod))
+    generation = ray.get(pool.generation.remote(0))
+    rows = []
+    for i in range(repeats + 1):  # the first is a warm-up: actor imports, first staging buffer
+        job = JobSpec(i, 0, i, 0, tuple(range(num_seqs)), num_seqs * seq_len, nbytes + 2**16)
+        taken = cons.take_one.remote(pool, generation)  # waits in its pull, as a drafter does
+        ray.get(pool.add_jobs.remote([job]))
+        rows.append(ray.get(taken))
+    marks = ray.get(prod.take_marks.remote())
+    for actor in (pool, prod, cons):
+        ray.kill(actor)
+    parts: dict[str, list[float]] = {"e2e": [], "produce_seal": [], "fetch": [], "staging": []}
+    for r in rows[1:]:
+        t0, _ = marks[r["job_id"]]
+        parts["e2e"].append(r["staged"] - t0)
+        parts["produce_seal"].append(r["pulled"] - t0)
+        parts["fetch"].append(r["got"] - r["pulled"])
+        parts["staging"].append(r["staged"] - r["got"])
+    mc = memcpy_seconds(nbytes, max(3, repeats))
+    gbps = [nbytes / s / 1e9 for s in parts["e2e"]]
+    out = {"label": label, "nbytes": nbytes, "median_gbps": percentile(gbps, 50),
+           "p99_gbps": percentile(gbps, 1),  # the p99 of the time is the 1st percentile of the rate
+           "memcpy_gbps": nbytes / float(np.median(mc)) / 1e9,
+           **{f"{k}_ms": 1e3 * float(np.median(v)) for k, v in parts.items()},
+           "p99_e2e_ms": 1e3 * percentile(parts["e2e"], 99)}
+    out["ratio"] = out["median_gbps"] / out["memcpy_gbps"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m app.bench transport", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small payloads, few repeats (the tests)")
+    ap.add_argument("--repeats", type=int, default=12, help="timed jobs per size (after one warm-up)")
+    ap.add_argument("--sizes", default="", help="comma list of size labels (default: all)")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda (a GPU each for producer and consumer)")
+    ap.add_argument("--prefault", choices=("on", "off"), default="on",
+                    help="pre-fault the object store at start (Ray's preallocate_plasma_memory)")
+    args = ap.parse_args(argv)
+    import ray
+
+    from app.ray_cluster import start_own_cluster
+
+    sizes = QUICK_SIZES if args.quick else SIZES_TOKENS
+    width = 4096 if args.quick else DEFAULT_WIDTH
+    if args.sizes:
+        sizes = {k: v for k, v in sizes.items() if k in args.sizes.split(",")}
+    repeats = 3 if args.quick else args.repeats
+    largest = max(b * s * width * 2 for b, s in sizes.values())
+    store = max(256 * 2**20, int(3.5 * largest))  # two payloads held (one leased, one landing) + the reader's view
+    system = {"preallocate_plasma_memory": args.prefault == "on"}
+    start_own_cluster(num_cpus=4, object_store_memory=store, _system_config=system,
+                      **({"num_gpus": 2} if args.device == "cuda" else {}))
+    print(f"payload path, one job at a time, {repeats} timed jobs per size after one warm-up; object store "
+          f"{store / 2**20:.0f} MiB, pre-fault {args.prefault}; device {args.device}; pid {os.getpid()}")
+    results = []
+    for label, (b, s) in sizes.items():
+        r = run_size(ray, label, b, s, width, repeats, args.device)
+        results.append(r)
+        print(f"{label}: {r['nbytes'] / 1e6:.0f} MB  e2e median {r['median_gbps']:.2f} GB/s  p99 {r['p99_gbps']:.2f} GB/s "
+              f"(p99 {r['p99_e2e_ms']:.0f} ms)  memcpy {r['memcpy_gbps']:.2f} GB/s  ratio {r['ratio']:.3f}  "
+              f"split ms: produce+seal {r['produce_seal_ms']:.1f} fetch {r['fetch_ms']:.1f} "
+              f"staging {r['staging_ms']:.1f}")
+    ray.shutdown()
+    fields = []
+    for r in results:
+        k = r["label"].lower()
+        fields += [f"{k}_median_gbps={r['median_gbps']:.2f}", f"{k}_p99_gbps={r['p99_gbps']:.2f}",
+                   f"{k}_ratio={r['ratio']:.3f}", f"{k}_memcpy_gbps={r['memcpy_gbps']:.2f}",
+                   f"{k}_seal_ms={r['produce_seal_ms']:.0f}", f"{k}_fetch_ms={r['fetch_ms']:.1f}",
+                   f"{k}_staging_ms={r['staging_ms']:.0f}"]
+    print("RESULT prefault=" + args.prefault + " " + " ".join(fields))
+    return 0
