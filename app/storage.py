@@ -20,14 +20,17 @@ marker whose content is not a version name (`v-` and 12 hex digits) publishes no
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
-import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
+
+# cache_root is re-exported: callers find this user's cache root where it always was
+from app.local_cache import cache_root, exchange, owned_tmp  # noqa: F401
 
 MARKER = "COMMITTED"
 VERSION = re.compile(r"v-[0-9a-f]{12}")  # what `publish` writes into a marker, and all a reader accepts
@@ -87,26 +90,6 @@ def local_cache_dir(root: str | Path) -> Path:
     digest = hashlib.sha256(str(root).encode()).hexdigest()[:12]
     path = cache_root() / f"{root_name(root)}-{digest}"
     path.mkdir(mode=0o700, exist_ok=True)
-    return path
-
-
-def cache_root() -> Path:
-    """`<tmp>/dflash-<uid>/`: this user's private (0700) folder for URI runs' caches and staging. A
-    shared /tmp lets anyone create a predictable name first: a symlink there, or a folder of another
-    owner, is refused (`RuntimeError`), never followed."""
-    import stat
-
-    path = Path(tempfile.gettempdir()) / f"dflash-{os.getuid()}"
-    try:
-        path.mkdir(mode=0o700)
-    except FileExistsError:
-        pass
-    info = os.lstat(path)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-        raise RuntimeError(f"{path} is not a folder of this user (a symlink, a file or another user's folder): "
-                           "refusing to cache there; remove it or set TMPDIR to a private folder")
-    if stat.S_IMODE(info.st_mode) & 0o077:
-        os.chmod(path, 0o700)  # ours but opened up: others could plant files in it
     return path
 
 
@@ -181,7 +164,7 @@ class LocalStorage(Storage):
 
     def publish(self, staged: Path, name: str) -> str:
         final, old = self.path / name, self.path / f".old-{name}"
-        if final.exists() and _exchange(staged, final):  # one atomic swap: never a moment without `name`
+        if final.exists() and exchange(staged, final):  # one atomic swap: never a moment without `name`
             shutil.rmtree(staged, ignore_errors=True)  # now holds the previous copy
             return str(final)
         if final.exists():  # same entry written twice (e.g. a stop right after a periodic save)
@@ -218,19 +201,6 @@ class LocalStorage(Storage):
         return str(self.path / rel)
 
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported, and the
-    caller falls back to set-aside-then-rename (a crash in between is repaired by checkpoint.clean_orphans)."""
-    import ctypes
-
-    try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
-
-
 class UriStorage(Storage):
     """A `pyarrow.fs` URI (s3://, gs://, file://, ...): entries published by a marker written last."""
 
@@ -257,9 +227,16 @@ class UriStorage(Storage):
     # ---- files -------------------------------------------------------------------------------
 
     def write_file(self, rel: str, data: bytes) -> str:
+        self._parent(rel)
         with self.fs.open_output_stream(self._path(rel)) as out:  # one PUT: readers see old or new
             out.write(data)
         return self.uri(rel)
+
+    def _parent(self, rel: str) -> None:
+        # A file:// root is a real filesystem: its folders must exist. Object stores have none (and a
+        # create_dir there would add a marker object per folder).
+        if self.fs.type_name == "local":
+            self.fs.create_dir(self._path(rel).rsplit("/", 1)[0], recursive=True)
 
     def read_file(self, rel: str) -> bytes | None:
         from pyarrow.fs import FileType
@@ -278,7 +255,10 @@ class UriStorage(Storage):
     # ---- entries -----------------------------------------------------------------------------
 
     def stage(self, name: str) -> Path:
-        return Path(tempfile.mkdtemp(prefix=f"stage-{name}-", dir=cache_root()))
+        from app.local_cache import clean_stale_once
+
+        clean_stale_once()  # a SIGKILLed stager's folder of an earlier process: gone before this one adds its own
+        return owned_tmp(f"stage-{name}-", cache_root())
 
     def publish(self, staged: Path, name: str) -> str:
         version = f"v-{uuid.uuid4().hex[:12]}"
@@ -344,39 +324,50 @@ def safe_destination(folder: Path, key: str, base: str) -> Path:
 
 
 def fetch_dir(location: str | Path, cache: bool = True) -> Path:
-    """A local folder with the files at `location` (a path: itself; a URI: a download).
+    """A local folder with the files at `location` (a path: itself; a URI: a download, app/local_cache.py).
 
-    `cache`: published checkpoint versions never change (a rewrite gets a new version), so their
-    download is reused. Several actors on one node may fetch the same version at once: each downloads
-    into its own folder and renames it into place; the loser of the race drops its copy. Folders that
-    are rewritten in place (the export) pass `cache=False` and get a fresh download."""
+    `cache`: published checkpoint versions never change (a rewrite gets a new version), so a download
+    is reused as it is. `cache=False`, for folders rewritten in place (the export): the copy is reused
+    while the remote listing (every key, size and mtime) is what it was downloaded from, else replaced.
+    Either way one copy per location, and per run root only the newest checkpoint versions stay
+    (`KEEP_VERSIONS`): an earlier layout copied the export on every load and kept every version.
+    Several processes on one node may fetch at once: each downloads into its own folder and installs it
+    in one rename; readers see a whole copy, the old or the new."""
     if not is_uri(location):
         return Path(location)
     from pyarrow.fs import FileSelector, FileSystem, FileType
 
-    local = local_cache_dir(str(location)) / "files"
-    if cache and local.is_dir():
-        return local
+    from app import local_cache
+
+    local_cache.clean_stale_once()
+    entry, family, keep = local_cache.download_entry(str(location))
+    if cache and (entry / "files").is_dir():
+        return local_cache.use(entry)
     fs, base = FileSystem.from_uri(str(location))
-    tmp = Path(tempfile.mkdtemp(prefix=".fetch-", dir=local.parent))
-    for info in fs.get_file_info(FileSelector(base, recursive=True)):
-        if info.type != FileType.File:
-            continue
-        try:
-            dest = safe_destination(tmp, info.path, base)
-        except ValueError:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        with fs.open_input_stream(info.path) as src:
-            dest.write_bytes(src.read())
-    if not cache:
-        return tmp
+    infos = [i for i in fs.get_file_info(FileSelector(base, recursive=True)) if i.type == FileType.File]
+    manifest = sorted([i.path, i.size, i.mtime_ns] for i in infos)
+    if (entry / "files").is_dir() and local_cache.read_manifest(entry) == manifest:
+        return local_cache.use(entry)
+    tmp = local_cache.owned_tmp(".fetch-", entry.parent)
     try:
-        tmp.rename(local)
-    except OSError:  # another fetch won the race; its copy is complete
+        (tmp / "files").mkdir()
+        for info in infos:
+            dest = safe_destination(tmp / "files", info.path, base)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            download(fs, info.path, dest)
+        (tmp / "manifest.json").write_text(json.dumps(manifest))
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-    return local
+        raise
+    local_cache.install(tmp, entry)
+    local_cache.evict(entry, family, keep)
+    return local_cache.use(entry)
+
+
+def download(fs, path: str, dest: Path) -> None:
+    """One object to a local file."""
+    with fs.open_input_stream(path) as src:
+        dest.write_bytes(src.read())
 
 
 def read_text(location: str | Path, file: str) -> str:

@@ -68,6 +68,12 @@ def hf_config_dict(arch: DrafterArch, dtype: torch.dtype = torch.bfloat16) -> di
     }
 
 
+def export_dtype(name: str) -> torch.dtype:
+    """`checkpoint.export_dtype` as a torch dtype (bfloat16 by default: what the engines serve; an fp32
+    export is twice the size and cast on load anyway)."""
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+
+
 def export_drafter(drafter: DFlashDrafter, arch: DrafterArch, out_dir: str | Path,
                    dtype: torch.dtype | None = None) -> Path:
     """Write config.json + model.safetensors to `out_dir` (created); returns the folder."""
@@ -162,7 +168,7 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu",
 
     from app.storage import fetch_dir
 
-    path = fetch_dir(path, cache=False)  # the export is rewritten in place: never reuse an old copy
+    path = fetch_dir(path, cache=False)  # rewritten in place: a cached copy only while the listing is unchanged
     if not (path / "config.json").exists():
         raise ValueError(f"{path} is not an exported drafter: no config.json (use export_drafter)")
     arch = arch_from_hf_config(json.loads((path / "config.json").read_text()))
