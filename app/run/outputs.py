@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from app.run.advice import SplitAdvisor
@@ -71,3 +72,56 @@ class RunOutputs:
                      f"python -m app.report {self.run_dir} retries")
             return
         self.log(f"report: {path}")
+
+
+def serving_outputs(cfg, model_dir: str, export_dir: str | None, tau: float | None, log=print) -> dict:
+    """After the export: `drafter-speculators/` beside `drafter/` (app/model/serving.py), the vLLM and
+    SGLang launch lines with the run's real paths and `block_size - 1`, and the decode speed estimate
+    from `tau`. The summary fields `serve` and `serving_estimate`; {} when nothing was exported. A
+    speculators folder that cannot be written is a warning: `drafter/` is what the lines serve."""
+    from app.model.serving import SPECULATORS_DIR, cost_ratio, launch_lines, speed_estimate
+    from app.storage import is_uri
+
+    if not export_dir:
+        return {}
+    spec_dir = None
+    try:
+        spec_dir = _write_speculators(cfg.checkpoint.dir, export_dir, model_dir)
+    except (OSError, ValueError, KeyError) as exc:
+        log(f"WARNING: {SPECULATORS_DIR}/ not written ({type(exc).__name__}: {exc})")
+    lines = launch_lines(model_dir, export_dir, cfg.drafter.block_size, spec_dir)
+    ratio = None
+    if not is_uri(export_dir):
+        hf = json.loads((Path(export_dir) / "config.json").read_text())
+        ratio = cost_ratio(model_dir, export_dir, int(hf["vocab_size"]), int(hf["hidden_size"]))
+    estimate = speed_estimate(tau, ratio)
+    return {"serve": lines, "serving_estimate": estimate}
+
+
+def print_serving(summary: dict, log=print) -> None:
+    """The launch lines (and the estimate) at the end of a run, one per line."""
+    for engine, line in (summary.get("serve") or {}).items():
+        log(f"serve with {engine}: {line}")
+    est = summary.get("serving_estimate")
+    if est:
+        log(f"expected decode speedup {est['speedup']:.2f}x ({est['formula']}, tau {est['tau']:.2f}, verify/draft "
+            f"cost ratio {est['ratio']:.1f} from {est['ratio_basis']})")
+
+
+def _write_speculators(root: str, export_dir: str, model_dir: str) -> str:
+    """The speculators-format folder `<root>/drafter-speculators`, published as the export is (atomic
+    locally, config.json last on a URI)."""
+    import os
+    import tempfile
+
+    from app.model.export import publish_export
+    from app.model.serving import SPECULATORS_DIR, write_speculators
+    from app.storage import fetch_dir, is_uri, open_storage
+
+    if not is_uri(root):
+        return str(publish_export(os.path.join(root, SPECULATORS_DIR),
+                                  lambda tmp: write_speculators(export_dir, tmp, model_dir)))
+    local = fetch_dir(export_dir, cache=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_speculators(local, tmp, model_dir)
+        return open_storage(root).upload_dir(Path(tmp), SPECULATORS_DIR, last="config.json")
