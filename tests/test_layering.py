@@ -16,7 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY_POINTS = {"app.train", "app.prepare", "app.regenerate", "app.evaluate", "app.advise", "app.report"}
-TOP_LEVEL_LEAVES = {"app", "app.messages", "app.devices", "app.faults", "app.storage", "app.local_cache"}
+TOP_LEVEL_LEAVES = {"app", "app.messages", "app.devices", "app.faults", "app.ray_cluster", "app.storage", "app.local_cache"}
 UPPER_PACKAGES = ("app.run", "app.bench")
 
 
