@@ -33,6 +33,7 @@ from urllib.parse import urlsplit, urlunsplit
 from app.local_cache import cache_root, exchange, owned_tmp  # noqa: F401
 
 MARKER = "COMMITTED"
+CHUNK = 8 << 20  # bytes a URI upload or download holds at once: checkpoints are multi-GB files
 VERSION = re.compile(r"v-[0-9a-f]{12}")  # what `publish` writes into a marker, and all a reader accepts
 
 
@@ -130,6 +131,19 @@ class Storage:
         """The bytes of `<root>/<rel>`, or None when it does not exist."""
         raise NotImplementedError
 
+    def upload_file(self, rel: str, local: Path) -> str:
+        """Copy one local file to `<root>/<rel>` (replacing it in one step, never whole in memory);
+        returns its location."""
+        raise NotImplementedError
+
+    def file_size(self, rel: str) -> int | None:
+        """The size of `<root>/<rel>`, or None when it does not exist."""
+        raise NotImplementedError
+
+    def download_file(self, rel: str, dest: Path) -> None:
+        """`<root>/<rel>` into the local file `dest`, never whole in memory."""
+        raise NotImplementedError
+
     def upload_dir(self, local: Path, rel: str, last: str) -> str:
         """Copy a local folder to `<root>/<rel>/` in place (no versions: the layout stays what readers
         such as inference engines expect), `last` removed first and written last, so a reader that waits
@@ -137,7 +151,7 @@ class Storage:
         self.remove_file(f"{rel}/{last}")
         files = sorted(p for p in Path(local).rglob("*") if p.is_file() and p.name != last)
         for file in [*files, Path(local) / last]:
-            self.write_file(f"{rel}/{file.relative_to(local).as_posix()}", file.read_bytes())
+            self.upload_file(f"{rel}/{file.relative_to(local).as_posix()}", file)
         return self.location(rel)
 
     def location(self, rel: str) -> str:
@@ -194,6 +208,21 @@ class LocalStorage(Storage):
         path = self.path / rel
         return path.read_bytes() if path.is_file() else None
 
+    def upload_file(self, rel: str, local: Path) -> str:
+        path = self.path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.copyfile(local, tmp)
+        tmp.replace(path)
+        return str(path)
+
+    def file_size(self, rel: str) -> int | None:
+        path = self.path / rel
+        return path.stat().st_size if path.is_file() else None
+
+    def download_file(self, rel: str, dest: Path) -> None:
+        shutil.copyfile(self.path / rel, dest)
+
     def remove_file(self, rel: str) -> None:
         (self.path / rel).unlink(missing_ok=True)
 
@@ -238,6 +267,14 @@ class UriStorage(Storage):
         if self.fs.type_name == "local":
             self.fs.create_dir(self._path(rel).rsplit("/", 1)[0], recursive=True)
 
+    def upload_file(self, rel: str, local: Path) -> str:
+        """Streamed in CHUNK pieces (an S3 stream sends them as multipart parts): a multi-GB checkpoint
+        file never sits in memory whole. One object, visible once the stream closes."""
+        self._parent(rel)
+        with open(local, "rb") as src, self.fs.open_output_stream(self._path(rel)) as out:
+            copy_stream(src, out)
+        return self.uri(rel)
+
     def read_file(self, rel: str) -> bytes | None:
         from pyarrow.fs import FileType
 
@@ -245,6 +282,17 @@ class UriStorage(Storage):
             return None
         with self.fs.open_input_stream(self._path(rel)) as src:
             return src.read()
+
+    def file_size(self, rel: str) -> int | None:
+        """The size of `<root>/<rel>`, or None when it does not exist."""
+        from pyarrow.fs import FileType
+
+        info = self.fs.get_file_info(self._path(rel))
+        return info.size if info.type == FileType.File else None
+
+    def download_file(self, rel: str, dest: Path) -> None:
+        """`<root>/<rel>` into the local file `dest`, streamed in CHUNK pieces."""
+        download(self.fs, self._path(rel), Path(dest))
 
     def remove_file(self, rel: str) -> None:
         from pyarrow.fs import FileType
@@ -264,7 +312,7 @@ class UriStorage(Storage):
         version = f"v-{uuid.uuid4().hex[:12]}"
         try:
             for file in sorted(p for p in staged.rglob("*") if p.is_file()):
-                self.write_file(f"{name}/{version}/{file.relative_to(staged).as_posix()}", file.read_bytes())
+                self.upload_file(f"{name}/{version}/{file.relative_to(staged).as_posix()}", file)
             self.write_file(f"{name}/{MARKER}", version.encode())  # the commit point
         finally:
             shutil.rmtree(staged, ignore_errors=True)
@@ -365,9 +413,20 @@ def fetch_dir(location: str | Path, cache: bool = True) -> Path:
 
 
 def download(fs, path: str, dest: Path) -> None:
-    """One object to a local file."""
-    with fs.open_input_stream(path) as src:
-        dest.write_bytes(src.read())
+    """One object to a local file, in CHUNK pieces (never the whole object in memory)."""
+    with fs.open_input_stream(path) as src, open(dest, "wb") as out:
+        copy_stream(src, out)
+
+
+def copy_stream(src, out) -> None:
+    """`src` to `out` one CHUNK at a time; the chunk is dropped before the next is read, so a copy
+    holds one chunk, not two."""
+    while True:
+        chunk = src.read(CHUNK)
+        if not chunk:
+            return
+        out.write(chunk)
+        del chunk
 
 
 def read_text(location: str | Path, file: str) -> str:
