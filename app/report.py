@@ -11,12 +11,12 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     from app.run.report import write_report
-    from app.run.timeline import FILE_NAME, read_timeline
+    from app.run.timeline import FILE_NAME, iter_timeline
 
     p = argparse.ArgumentParser(prog="python -m app.report", description=__doc__.splitlines()[0])
     p.add_argument("run_dir", help="the run's checkpoint.dir")
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
-    if not read_timeline(args.run_dir):
+    if next(iter_timeline(args.run_dir), None) is None:  # one row read, not the whole file
         print(f"error: no {FILE_NAME} in {args.run_dir}; give the checkpoint.dir of a run started by this "
               "version of python -m app.train", file=sys.stderr)
         return 2

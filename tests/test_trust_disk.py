@@ -154,3 +154,85 @@ def test_a_uri_save_and_load_stream_in_chunks(tmp_path: Path, private_tmp: Path)
     assert 1.5 * CHUNK < size / 5
     assert save_peak < 1.5 * CHUNK and load_peak < 1.5 * CHUNK, (save_peak, load_peak)
     assert hashlib.sha256((local / "drafter.safetensors").read_bytes()).hexdigest() == digest
+
+
+# ---- (b) the timeline is read as a stream -----------------------------------------------------------------
+
+def _write_timeline(folder: Path, steps: int, ranks: int = 3, pool_every: int = 10, eval_every: int = 0) -> int:
+    """A synthetic timeline as Timeline writes it: a run header, step rows of every rank, pool snapshots,
+    events and evaluations. Returns its size in bytes."""
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / "timeline.jsonl").open("w") as f:
+        f.write(json.dumps({"k": "run", "t": 0.0, "num_targets": 2, "num_drafters": ranks, "resumed_step": 0}) + "\n")
+        for step in range(1, steps + 1):
+            for rank in range(ranks):
+                row = {"k": "step", "t": step * 0.2, "rank": rank, "step": step, "epoch": 0, "loss": 5.0 / step,
+                       "correct": 0.5, "tokens": 4096, "accept_len": 2.0, "topk_acc": -1, "compute_s": 0.15,
+                       "data_wait_s": 0.05 * (rank + 1), "lr": 1e-4, "grad_norm": 1.0}
+                if rank == 0:
+                    row["per_pos_acc"] = [0.9, 0.7, 0.5]
+                f.write(json.dumps(row) + "\n")
+            if step % pool_every == 0:
+                f.write(json.dumps({"k": "pool", "t": step * 0.2, "q_hsb": [1, 2], "capacity_items": 16,
+                                    "forward_s_by_target": {"0": step * 0.1, "1": step * 0.1}}) + "\n")
+            if eval_every and step % eval_every == 0:
+                f.write(json.dumps({"k": "eval", "t": step * 0.2, "step": step, "tau": 1.0 + step / steps,
+                                    "per_pos_accept": [0.8, 0.4]}) + "\n")
+        f.write(json.dumps({"k": "event", "t": steps * 0.2, "text": "target 1 died"}) + "\n")
+        f.write('{"k": "step", "t": 1')  # a killed driver's torn last line
+    return (folder / "timeline.jsonl").stat().st_size
+
+
+def test_the_readers_of_a_small_timeline_see_what_the_whole_file_holds(tmp_path: Path) -> None:
+    """(b) below the report's caps the streamed readers keep every row, in file order: the same rows
+    the whole-file read gave."""
+    from app.run.timeline import iter_timeline, read_timeline, report_rows
+
+    _write_timeline(tmp_path, steps=50, eval_every=10)
+    whole = read_timeline(tmp_path)
+    assert len(whole) == 1 + 150 + 5 + 5 + 1
+    assert report_rows(tmp_path) == whole
+    assert list(iter_timeline(tmp_path, kinds=("eval",))) == [r for r in whole if r["k"] == "eval"]
+
+
+def test_a_long_timeline_is_read_in_bounded_memory(tmp_path: Path) -> None:
+    """(b) every resume and every report read the whole timeline into a list of dicts (about 2.9 GiB of
+    RSS per day of run). Now: opening it for appending reads one byte; the resume's evaluations and the
+    report's rows are read as a stream, the report keeping at most its caps of step rows (per rank, evenly
+    spaced, compute and wait summed over the rows each stands for) and pool snapshots. The Python heap's
+    peak stays under an eighth of the file (a day's file is ~0.5 GiB: the peak stays what the caps hold)."""
+    import tracemalloc
+
+    from app.run.timeline import Timeline, iter_timeline, report_rows
+
+    size = _write_timeline(tmp_path, steps=4_000, eval_every=1_000)  # 12k step rows, ~3 MB
+    tracemalloc.start()
+    try:
+        Timeline(tmp_path).close()
+        _, open_peak = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        evals = list(iter_timeline(tmp_path, kinds=("eval",)))
+        _, resume_peak = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        rows = report_rows(tmp_path, step_rows=150, pool_rows=50, min_rank_rows=40)
+        _, report_peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert [e["step"] for e in evals] == [1000, 2000, 3000, 4000]
+    assert max(open_peak, resume_peak, report_peak) < size / 8, (open_peak, resume_peak, report_peak, size)
+
+    steps = [r for r in rows if r["k"] == "step"]
+    by_rank = {rank: [r for r in steps if r["rank"] == rank] for rank in range(3)}
+    assert all(25 <= len(mine) <= 50 for mine in by_rank.values())  # 150 over 3 ranks, evenly thinned
+    gaps = {b["step"] - a["step"] for a, b in zip(by_rank[0], by_rank[0][1:])}
+    assert len(gaps) == 1  # evenly spaced
+    # each kept row stands for `gap` steps: its summed compute and wait give rank 2's true share (0.15 / 0.3)
+    gap = next(iter({b["step"] - a["step"] for a, b in zip(by_rank[2], by_rank[2][1:])}))
+    assert all(abs(r["compute_s"] - 0.15 * gap) < 1e-6 for r in by_rank[2][:-1])
+    assert all(abs(r["compute_s"] / (r["compute_s"] + r["data_wait_s"]) - 0.5) < 1e-9 for r in by_rank[2])
+    pools = [r for r in rows if r["k"] == "pool"]
+    assert 25 <= len(pools) <= 50
+    assert [r["k"] for r in rows if r["k"] not in ("step", "pool")] == ["run", *["eval"] * 4, "event"]
+    assert [r.get("t") for r in rows] == sorted(r.get("t") for r in rows)  # file order kept

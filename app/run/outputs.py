@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from app.run.advice import SplitAdvisor
-from app.run.timeline import FILE_NAME as TIMELINE, Timeline, adopt_remote, read_timeline
+from app.run.timeline import FILE_NAME as TIMELINE, Timeline, adopt_remote, iter_timeline
 
 
 class RunOutputs:
@@ -27,9 +27,10 @@ class RunOutputs:
         if self.uri:  # resumed on another machine: the remote timeline first, or close() would upload over it
             from app.storage import open_storage
 
-            adopt_remote(open_storage(cfg.checkpoint.dir).read_file(TIMELINE), self.run_dir)
+            adopt_remote(open_storage(cfg.checkpoint.dir), self.run_dir)
         # Evaluations of earlier starts of this run (a resume): the tau history and best go on from them.
-        self.earlier_evals = [r for r in read_timeline(self.run_dir) if r.get("k") == "eval"]
+        # Streamed, evaluations only: the file holds every step row of every earlier start.
+        self.earlier_evals = list(iter_timeline(self.run_dir, kinds=("eval",)))
         self.timeline = Timeline(self.run_dir, pool_every_s=min(2.0, cfg.logging.status_every_s))
         self.timeline.start(cfg.topology, run_name, resumed_step)
         monitor.advisor = SplitAdvisor.for_topology(cfg.topology)
@@ -66,7 +67,7 @@ class RunOutputs:
             if self.uri:
                 store = open_storage(self.cfg.checkpoint.dir)
                 for name in (TIMELINE, "report.html"):
-                    store.write_file(name, (Path(self.run_dir) / name).read_bytes())
+                    store.upload_file(name, Path(self.run_dir) / name)  # streamed: never the whole file in memory
         except (OSError, ValueError, RuntimeError) as exc:
             self.log(f"WARNING: report.html not written ({type(exc).__name__}: {exc}); "
                      f"python -m app.report {self.run_dir} retries")

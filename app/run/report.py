@@ -12,7 +12,7 @@ import io
 import json
 from pathlib import Path
 
-from app.run.timeline import read_timeline
+from app.run.timeline import report_rows
 
 FILE_NAME = "report.html"
 # Section ids, in page order: what a reader (and the test) finds in every report.
@@ -24,7 +24,7 @@ SMOOTH_STEPS = 5
 def write_report(run_dir: str | Path) -> Path:
     """Write `<run_dir>/report.html` atomically; returns its path."""
     run_dir = Path(run_dir)
-    rows = read_timeline(run_dir)
+    rows = report_rows(run_dir)  # streamed; step rows and pool snapshots thinned to what a plot shows
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     page = render(rows, summary, title=run_dir.name or str(run_dir))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 FILE_NAME = "timeline.jsonl"
@@ -37,7 +38,7 @@ class Timeline:
         self.pool_every_s, self.clock = pool_every_s, clock
         self._last_pool = float("-inf")
         self._tau: dict = {}  # the latest evaluation: {"tau": ..., "tau_step": ...}
-        torn = self.path.exists() and self.path.stat().st_size and not self.path.read_bytes().endswith(b"\n")
+        torn = _last_byte(self.path) not in (None, b"\n")  # one byte read: the file grows ~0.5 GiB a day
         self._file = self.path.open("a", encoding="utf-8")
         if torn:  # a killed driver's half line must not swallow this start's first row
             self._file.write("\n")
@@ -84,29 +85,120 @@ def _plain(obj):
     return obj.item() if hasattr(obj, "item") else str(obj)
 
 
-def adopt_remote(remote: bytes | None, run_dir: str | Path) -> bool:
+def _last_byte(path: Path) -> bytes | None:
+    if not path.exists() or not path.stat().st_size:
+        return None
+    with path.open("rb") as f:
+        f.seek(-1, 2)
+        return f.read(1)
+
+
+def adopt_remote(store, run_dir: str | Path) -> bool:
     """A URI run's timeline lives in a local cache and is uploaded at the end: on a new machine (or
-    after another machine's start) the remote copy is the longer one, and becomes the local file before
-    anything is appended. Both are append-only copies of one history, so the longer one holds the other."""
+    after another machine's start) the remote copy (`store`, the run's Storage) is the longer one, and
+    becomes the local file before anything is appended. Both are append-only copies of one history, so
+    the longer one holds the other. Streamed: the file is never in memory whole."""
     path = Path(run_dir) / FILE_NAME
-    if not remote or len(remote) <= (path.stat().st_size if path.exists() else 0):
+    remote = store.file_size(FILE_NAME)
+    if not remote or remote <= (path.stat().st_size if path.exists() else 0):
         return False
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(remote)
+    store.download_file(FILE_NAME, tmp)
     tmp.replace(path)
     return True
 
 
-def read_timeline(run_dir: str | Path) -> list[dict]:
-    """Every row of `<run_dir>/timeline.jsonl` (a torn last line, from a killed driver, is skipped)."""
+def iter_timeline(run_dir: str | Path, kinds: tuple[str, ...] | None = None) -> Iterator[dict]:
+    """The rows of `<run_dir>/timeline.jsonl` one at a time, in file order (a torn or bad line, from a
+    killed driver, is skipped); only rows of `kinds` when given. A line whose kind is visibly another
+    (rows are written `{"k": "<kind>", ...`) is skipped unparsed: a resume reading the evaluations
+    passes over a day's million step rows at the speed of reading lines."""
     path = Path(run_dir) / FILE_NAME
     if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
+        return
+    wanted = tuple(f'{{"k": "{k}"'.encode() for k in kinds) if kinds is not None else ()
+    with path.open("rb") as f:
+        for line in f:
+            if kinds is not None and line.startswith(b'{"k": "') and not line.startswith(wanted):
+                continue
+            try:
+                row = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue
+            if isinstance(row, dict) and (kinds is None or row.get("k") in kinds):
+                yield row
+
+
+def read_timeline(run_dir: str | Path) -> list[dict]:
+    """Every row of `<run_dir>/timeline.jsonl`, in memory: for small files and tests. Readers of a
+    long run's file use `iter_timeline` (the resume) or `report_rows` (the report)."""
+    return list(iter_timeline(run_dir))
+
+
+# The report draws each series on ~800 pixels: more rows than these say nothing more, and a week of
+# 3 ranks at 5 steps/s is 9 million step rows (~20 GiB as Python dicts).
+REPORT_STEP_ROWS = 8000  # over all ranks together (each rank at least MIN_RANK_ROWS)
+REPORT_POOL_ROWS = 4000
+MIN_RANK_ROWS = 256
+_SUMMED = ("compute_s", "data_wait_s")  # what a kept step row adds up over the rows it stands for
+
+
+class Thinned:
+    """At most `cap` evenly spaced rows of a stream: every `stride`-th row is kept, and when the rows
+    kept pass the cap every other one is dropped and the stride doubles (so one pass, bounded memory,
+    and a series shorter than the cap is kept whole). With `summed` fields, a kept row carries their
+    sum over the rows it stands for (itself and the dropped ones after it), so a share computed from
+    them (compute / (compute + wait)) is the true share of that span, not one step's sample."""
+
+    def __init__(self, cap: int, summed: tuple[str, ...] = ()) -> None:
+        self.cap, self.summed = max(2, cap), summed
+        self.stride, self.seen = 1, 0
+        self.rows: list[tuple[int, dict]] = []  # (line index, row)
+
+    def add(self, index: int, row: dict) -> None:
+        if self.seen % self.stride == 0:
+            self.rows.append((index, row))
+        elif self.rows:
+            last = self.rows[-1][1]
+            for key in self.summed:
+                last[key] = last.get(key, 0.0) + row.get(key, 0.0)
+        self.seen += 1
+        if len(self.rows) > self.cap:
+            self.shrink(self.cap)
+
+    def shrink(self, cap: int) -> None:
+        """Halve the rows kept (and double the stride) until at most `cap` are left."""
+        self.cap = max(2, cap)
+        while len(self.rows) > self.cap:
+            kept = self.rows[::2]
+            for (_, first), (_, second) in zip(self.rows[::2], self.rows[1::2]):
+                for key in self.summed:
+                    first[key] = first.get(key, 0.0) + second.get(key, 0.0)
+            self.rows, self.stride = kept, self.stride * 2
+
+
+def report_rows(run_dir: str | Path, step_rows: int = REPORT_STEP_ROWS, pool_rows: int = REPORT_POOL_ROWS,
+                min_rank_rows: int = MIN_RANK_ROWS) -> list[dict]:
+    """The rows the report draws, read as a stream, in file order: every row but `step` and `pool`
+    (runs, events, evaluations: few), step rows thinned per rank to `step_rows` over all ranks, pool
+    snapshots to `pool_rows`. Below those caps this is `read_timeline` exactly."""
+    ranks: dict[int, Thinned] = {}
+    pools = Thinned(pool_rows)
+    other: list[tuple[int, dict]] = []
+    for index, row in enumerate(iter_timeline(run_dir)):
+        kind = row.get("k")
+        if kind == "step":
+            rank = row.get("rank", 0)
+            if rank not in ranks:
+                ranks[rank] = Thinned(step_rows, _SUMMED)
+                for series in ranks.values():  # one more rank: each gets a smaller share
+                    series.shrink(max(min_rank_rows, step_rows // len(ranks)))
+            ranks[rank].add(index, row)
+        elif kind == "pool":
+            pools.add(index, row)
+        else:
+            other.append((index, row))
+    merged = sorted([*other, *pools.rows, *(r for series in ranks.values() for r in series.rows)],
+                    key=lambda pair: pair[0])
+    return [row for _, row in merged]
