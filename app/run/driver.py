@@ -177,7 +177,7 @@ def supervise(plan, use_gpu: bool, stop: threading.Event) -> int:
     topo = Topology(cfg, plan_bundles(cfg.topology, use_gpu), name)
     monitor = RunMonitor()
     outputs = RunOutputs(cfg, name, monitor, plan.resume_step, log=log)  # timeline, advice, evaluations, report
-    wandb = WandbLogger(cfg.logging, name, cfg)
+    wandb = WandbLogger(cfg.logging, name, cfg, monitor, plan.resume_step)  # a row per step, events
     sup = Supervisor(plan, topo, monitor, stop, log=log)
     sup.on_status = wandb.log
     t0 = time.monotonic()

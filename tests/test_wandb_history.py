@@ -1,0 +1,82 @@
+"""wandb history (issue 25, item 5): one row per optimizer step with the listed keys, events for tau, faults, re-splits.
+
+The logger is fed a recorded step stream through the real RunMonitor (two ranks reporting in separate
+batches, as the pool relays them), not a Ray run: a tiny run takes minutes on CPU, and what reaches
+wandb is the monitor's listener stream either way. The offline run file is read back from disk.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from app.config.schema import CheckpointConfig, Config, LoggingConfig, ModelConfig
+from app.messages import StepRecord
+from app.run.monitor import RunMonitor
+from app.run.wandb_log import STEP_KEYS, StepRows, WandbLogger, read_history
+
+STEPS, BLOCK = 6, 4
+
+
+def _record(rank: int, step: int) -> StepRecord:
+    return StepRecord(rank=rank, step=step, epoch=0, loss=3.0 - 0.1 * step, weight_sum=1.0, correct=0.1 * step,
+                      tokens=100 + rank, accept_len=1.5, per_pos_acc=[0.5, 0.3, 0.1] if rank == 0 else [],
+                      compute_s=0.9, data_wait_s=0.1 * (rank + 1), lr=1e-3 * step, grad_norm=2.0 + step)
+
+
+def _stream():
+    """Batches as the pool relays them: rank 1's record of a step often lands in the next batch."""
+    batches, carry = [], []
+    for step in range(1, STEPS + 1):
+        batches.append(carry + [_record(0, step)])
+        carry = [_record(1, step)]
+    batches.append(carry)
+    return batches
+
+
+def test_step_rows_fold_ranks_into_one_row_per_step():
+    rows = StepRows()
+    out = [r for batch in _stream() for r in rows.add(batch)] + rows.flush()
+    assert [r["step"] for r in out] == list(range(1, STEPS + 1))
+    first = out[0]
+    assert first["tokens"] == 201 and first["ranks"] == 2  # both ranks' tokens
+    assert first["data_wait"] == pytest.approx(0.3 / (0.3 + 1.8))  # wait over wait + compute, both ranks
+    assert (first["loss"], first["lr"], first["grad_norm"], first["acc_pos3"]) == (pytest.approx(2.9), 1e-3, 3.0, 0.1)
+    # A rollback repeats step numbers: each attempt is its own row.
+    again = StepRows()
+    redo = again.add([_record(0, 3), _record(0, 4), _record(0, 3)]) + again.flush()
+    assert [r["step"] for r in redo] == [3, 4, 3]
+
+
+@pytest.mark.slow
+def test_offline_file_has_one_row_per_step_and_the_events(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = replace(Config(model=ModelConfig(target="tiny")), checkpoint=CheckpointConfig(dir=str(tmp_path)),
+                  logging=LoggingConfig(wandb_mode="offline"))
+    monitor = RunMonitor()
+    logger = WandbLogger(cfg.logging, "history-run", cfg, monitor)
+    for i, batch in enumerate(_stream()):
+        monitor.add_records(batch)
+        logger.log(monitor.values())  # the status line: its numbers ride on the next step row
+        if i == 2:
+            monitor.add_tau(2, 2.25)
+            monitor.note("target 1 died -> job re-queued")
+            logger.resplit("resplit", old=[5, 3], new=[2, 6], gain=0.4)  # what RunMonitor.resplit_event relays
+    logger.finish({"tau_trained": 2.5})
+    import wandb
+
+    wandb.teardown()  # the service writes the run file after finish() returns: wait for it to end
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    history = read_history(run_file)
+    steps = [r for r in history if "event" not in r]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))  # one row per optimizer step
+    for row in steps:
+        assert set(STEP_KEYS) | {"acc_pos1", "acc_pos2", "acc_pos3"} <= set(row), row
+        assert row["tokens"] == 201 and row["ranks"] == 2
+    assert steps[-1]["lr"] == pytest.approx(6e-3) and steps[-1]["grad_norm"] == pytest.approx(8.0)
+    assert "status/train_tok_s" in steps[-1]
+    events = {r["event"]: r for r in history if "event" in r}
+    assert events["eval"]["tau"] == 2.25 and events["eval"]["eval_step"] == 2
+    assert events["fault"]["event_text"] == "target 1 died -> job re-queued" and events["fault"]["faults_total"] == 1
+    assert events["resplit"]["resplit/gain"] == 0.4
