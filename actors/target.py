@@ -34,6 +34,7 @@ class TargetActor:
         if faults.fail_target_restarts and not fire_once(run_dir, f"target_started_{target_id}"):
             raise RuntimeError(f"injected fault: target {target_id} cannot start again (faults.fail_target_restarts)")
         self.target_id, self.layer_ids, self.dataset = target_id, list(layer_ids), dataset
+        self.feature_dtype = model_cfg.feature_dtype  # FP8 in transit: encoded on the device (app/model/feature_codec.py)
         self.faults, self.run_dir = faults, run_dir
         self.sticky = sticky_target(run_dir, target_id, faults.sticky_target_error)  # raises on every job
         self.device = pick_device(device)
@@ -62,7 +63,7 @@ class TargetActor:
         with self.compute_lock:
             t0 = time.perf_counter()
             injected_delay(self.faults.target_delay_s)  # counted in forward_s, as a slower GPU would be
-            pending = start_job(self.trunk, seqs, job.job_id, self.device)
+            pending = start_job(self.trunk, seqs, job.job_id, self.device, feature_dtype=self.feature_dtype)
             self.jobs_done += 1
         batch = pending.result()  # CUDA: waits for the pinned copy while the next job computes
         meta = ItemMeta(
@@ -127,4 +128,6 @@ def target_concurrency(device_setting: str, use_gpu: bool, jobs_in_flight: int) 
 
 
 def batch_nbytes(batch: HiddenBatch) -> int:
-    return int(sum(a.nbytes for a in (batch.hidden_BSD, batch.input_ids_BS, batch.loss_mask_BS, batch.lengths_B)))
+    """The payload's object-store bytes (what the pool's byte budget counts): every array, FP8 scales too."""
+    arrays = (batch.hidden_BSD, batch.input_ids_BS, batch.loss_mask_BS, batch.lengths_B, batch.hidden_scale_BS)
+    return int(sum(a.nbytes for a in arrays if a is not None))

@@ -59,7 +59,8 @@ class HiddenBatch:
     """The payload of one job: target features for each sequence, padded to the job's longest.
 
     `hidden_BSD` holds the concatenation of `hidden_states[l + 1]` for `l` in target_layer_ids
-    (D = len(layers) * hidden); bf16 travels as a uint16 view (`hidden_dtype == "bfloat16"`).
+    (D = len(layers) * hidden); bf16 travels as a uint16 view (`hidden_dtype == "bfloat16"`), FP8 as
+    uint8 codes with a float32 scale per token (`hidden_dtype == "float8_e4m3"`, app/model/feature_codec.py).
     """
 
     job_id: int
@@ -68,6 +69,7 @@ class HiddenBatch:
     input_ids_BS: np.ndarray  # int64
     loss_mask_BS: np.ndarray  # uint8, 0 on padding
     lengths_B: np.ndarray  # int64
+    hidden_scale_BS: np.ndarray | None = None  # float32 per-token scales of FP8 features, else None
 
 
 @dataclass(frozen=True)

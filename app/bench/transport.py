@@ -141,7 +141,8 @@ def percentile(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q))
 
 
-def run_size(ray, label: str, num_seqs: int, seq_len: int, width: int, repeats: int, device: str) -> dict:
+def run_size(ray, label: str, num_seqs: int, seq_len: int, width: int, repeats: int, device: str,
+             verbose: bool = False) -> dict:
     from actors.hs_pool import HSPoolActor, pool_max_concurrency
     from app.config.schema import PoolConfig
     from app.messages import JobSpec
@@ -173,6 +174,10 @@ def run_size(ray, label: str, num_seqs: int, seq_len: int, width: int, repeats: 
         parts["produce_seal"].append(r["pulled"] - t0)
         parts["fetch"].append(r["got"] - r["pulled"])
         parts["staging"].append(r["staged"] - r["got"])
+    if verbose:
+        print(label, "per job ms (produce+seal, fetch, staging):",
+              " ".join(f"{1e3 * a:.0f}/{1e3 * b:.1f}/{1e3 * c:.0f}"
+                       for a, b, c in zip(parts["produce_seal"], parts["fetch"], parts["staging"])))
     mc = memcpy_seconds(nbytes, max(3, repeats))
     gbps = [nbytes / s / 1e9 for s in parts["e2e"]]
     out = {"label": label, "nbytes": nbytes, "median_gbps": percentile(gbps, 50),
@@ -193,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu | cuda (a GPU each for producer and consumer)")
     ap.add_argument("--prefault", choices=("on", "off"), default="on",
                     help="pre-fault the object store at start (Ray's preallocate_plasma_memory)")
+    ap.add_argument("--verbose", action="store_true", help="print every job's split")
     args = ap.parse_args(argv)
     import ray
 
@@ -212,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{store / 2**20:.0f} MiB, pre-fault {args.prefault}; device {args.device}; pid {os.getpid()}")
     results = []
     for label, (b, s) in sizes.items():
-        r = run_size(ray, label, b, s, width, repeats, args.device)
+        r = run_size(ray, label, b, s, width, repeats, args.device, args.verbose)
         results.append(r)
         print(f"{label}: {r['nbytes'] / 1e6:.0f} MB  e2e median {r['median_gbps']:.2f} GB/s  p99 {r['p99_gbps']:.2f} GB/s "
               f"(p99 {r['p99_e2e_ms']:.0f} ms)  memcpy {r['memcpy_gbps']:.2f} GB/s  ratio {r['ratio']:.3f}  "

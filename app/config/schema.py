@@ -31,9 +31,11 @@ class ModelConfig:
     target: str = MISSING  # HF folder, or "tiny" for the built-in tiny target
     dtype: str = "bfloat16"  # bfloat16 | float16 | float32 (CPU runs promote to float32)
     target_layer_ids: list[int] = field(default_factory=list)  # empty = DFlash default
+    feature_dtype: str = "bfloat16"  # features in transit: bfloat16 (as computed) | float8_e4m3 (half the bytes)
 
     def __post_init__(self) -> None:
         one_of("model.dtype", self.dtype, ("bfloat16", "float16", "float32"))
+        one_of("model.feature_dtype", self.feature_dtype, ("bfloat16", "float8_e4m3"))
 
 
 @dataclass(frozen=True)

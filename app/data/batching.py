@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from app.messages import HiddenBatch
+from app.model.feature_codec import FP8_NAME, encode_fp8
 
 FLASH_IMPLS = ("flash_attention_2", "flash_attention_3")
 
@@ -118,29 +119,40 @@ class PendingBatch:
     ids_BS: np.ndarray
     mask_BS: np.ndarray
     lengths_B: np.ndarray
+    host_scales: torch.Tensor | None = None  # FP8 features' per-token scales (copied before `done`)
 
     def result(self) -> HiddenBatch:
         if self.done is not None:
             self.done.synchronize()  # releases the GIL: the next job's forward runs meanwhile
-        return pack_hidden(self.job_id, self.host_feats, self.ids_BS, self.mask_BS, self.lengths_B)
+        return pack_hidden(self.job_id, self.host_feats, self.ids_BS, self.mask_BS, self.lengths_B, self.host_scales)
 
 
 def start_job(trunk, seqs: list[tuple[np.ndarray, np.ndarray]], job_id: int, device: torch.device,
-              packed: bool | None = None) -> PendingBatch:
-    """Run one job's forward and start its host copy. `packed=None` decides by device and attention backend."""
+              packed: bool | None = None, feature_dtype: str = "bfloat16") -> PendingBatch:
+    """Run one job's forward and start its host copy. `packed=None` decides by device and attention backend.
+    `feature_dtype="float8_e4m3"` encodes the features on the device first (half the bytes to copy)."""
     ids_BS, mask_BS, lengths_B = pad_sequences(seqs)
     if packed is None:
         packed = use_packing(trunk.model, device)
     with torch.inference_mode():
         feats_BSD = run_target(trunk, ids_BS, lengths_B, device, packed)
+        scales = None
+        if feature_dtype == FP8_NAME:
+            feats_BSD, scales_BS = encode_fp8(feats_BSD)
+            scales, _ = to_host_async(scales_BS)  # same side stream, queued before the features' event
         host, done = to_host_async(feats_BSD)
-    return PendingBatch(job_id, host, done, ids_BS, mask_BS, lengths_B)
+    return PendingBatch(job_id, host, done, ids_BS, mask_BS, lengths_B, scales)
 
 
 def pack_hidden(job_id: int, feats_BSD: torch.Tensor, ids_BS: np.ndarray, mask_BS: np.ndarray,
-                lengths_B: np.ndarray) -> HiddenBatch:
-    """Features to numpy: bf16 as its raw uint16 bits (numpy has no bf16), others as they are."""
+                lengths_B: np.ndarray, scales_BS: torch.Tensor | None = None) -> HiddenBatch:
+    """Features to numpy: bf16 as its raw uint16 bits (numpy has no bf16), FP8 as uint8 codes with their
+    per-token scales, others as they are."""
     feats = feats_BSD.detach().cpu().contiguous()
+    if scales_BS is not None:
+        return HiddenBatch(job_id=job_id, hidden_BSD=feats.numpy(), hidden_dtype=FP8_NAME, input_ids_BS=ids_BS,
+                           loss_mask_BS=mask_BS, lengths_B=lengths_B,
+                           hidden_scale_BS=scales_BS.detach().cpu().float().contiguous().numpy())
     if feats.dtype == torch.bfloat16:
         hidden, dtype = feats.view(torch.int16).numpy().view(np.uint16), "bfloat16"
     elif feats.dtype == torch.float16:
@@ -152,13 +164,13 @@ def pack_hidden(job_id: int, feats_BSD: torch.Tensor, ids_BS: np.ndarray, mask_B
 
 
 def job_hidden_batch(target, seqs: list[tuple[np.ndarray, np.ndarray]], job_id: int, layer_ids: list[int],
-                     device: torch.device, packed: bool | None = None) -> HiddenBatch:
+                     device: torch.device, packed: bool | None = None, feature_dtype: str = "bfloat16") -> HiddenBatch:
     """One target job, synchronously: `target` is a `TargetTrunk` or an HF causal LM (wrapped for the call)."""
     from app.model.target_trunk import TargetTrunk
 
     trunk = target if isinstance(target, TargetTrunk) else TargetTrunk(target, layer_ids)
     try:
-        return start_job(trunk, seqs, job_id, device, packed).result()
+        return start_job(trunk, seqs, job_id, device, packed, feature_dtype).result()
     finally:
         if trunk is not target:
             trunk.remove()

@@ -47,7 +47,7 @@ class TrainBatch:
         return cls(
             input_ids_BS=_to_torch(hb.input_ids_BS, device, torch.long),
             loss_mask_BS=_to_torch(hb.loss_mask_BS, device, torch.float32),
-            hidden_BSD=_hidden_to_torch(hb.hidden_BSD, hb.hidden_dtype, device, dtype),
+            hidden_BSD=_hidden_to_torch(hb.hidden_BSD, hb.hidden_dtype, device, dtype, hb.hidden_scale_BS),
             lengths_B=_to_torch(hb.lengths_B, device, torch.long),
             input_ids_host=np.asarray(hb.input_ids_BS), loss_mask_host=np.asarray(hb.loss_mask_BS),
             lengths_host=np.asarray(hb.lengths_B),
@@ -71,7 +71,11 @@ def _to_torch(a: np.ndarray, device, dtype) -> torch.Tensor:
     return _copy_to(_readonly_view(np.asarray(a)), device, dtype)
 
 
-def _hidden_to_torch(a: np.ndarray, hidden_dtype: str, device, dtype) -> torch.Tensor:
+def _hidden_to_torch(a: np.ndarray, hidden_dtype: str, device, dtype, scales: np.ndarray | None = None) -> torch.Tensor:
+    if hidden_dtype == "float8_e4m3":  # codes and per-token scales, decoded on `device` (a fresh tensor)
+        from app.model.feature_codec import decode_numpy
+
+        return decode_numpy(np.asarray(a), np.asarray(scales), dtype, device)
     if hidden_dtype == "bfloat16":
         t = _readonly_view(a.view(np.int16)).view(torch.bfloat16)
     else:

@@ -58,8 +58,10 @@ class RunPlan:
 def bytes_per_token(cfg: Config, info: TargetInfo, layer_ids: list[int], on_gpu: bool) -> int:
     """Object-store bytes per padded token: layers x hidden x (2 for bf16/fp16, 4 for fp32 on CPU) + int64
     id + uint8 mask. A job adds 8 bytes per sequence (`EpochJobs.payload_bytes`)."""
-    width = 4 if (not on_gpu or cfg.model.dtype == "float32") else 2
-    return len(layer_ids) * info.hidden_size * width + 9
+    from app.model.feature_codec import payload_width
+
+    width, per_token = payload_width(cfg.model.feature_dtype, 4 if (not on_gpu or cfg.model.dtype == "float32") else 2)
+    return len(layer_ids) * info.hidden_size * width + per_token + 9  # FP8: 1 byte + a float32 scale per token
 
 
 def device_known(cfg: Config) -> bool | None:

@@ -38,11 +38,16 @@ class PayloadStager:
         from app.model.loss import TrainBatch
 
         host = self.stage_host(hb)
+        scales = hb.hidden_scale_BS
         with torch.cuda.stream(self._stream):  # copies and conversions alike, all before the event
             dev = host.to(self.device, non_blocking=True)
-            if hb.hidden_dtype == "bfloat16":
-                dev = dev.view(torch.bfloat16)
-            hidden = dev.to(self.dtype)
+            if hb.hidden_dtype == "float8_e4m3":  # codes cast back with their per-token scales, on the device
+                from app.model.feature_codec import decode_fp8
+
+                hidden = decode_fp8(dev, torch.from_numpy(np.array(scales)).to(self.device, non_blocking=True),
+                                    self.dtype)
+            else:
+                hidden = (dev.view(torch.bfloat16) if hb.hidden_dtype == "bfloat16" else dev).to(self.dtype)
             ids, mask, lengths = (torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)
                                   for a in (hb.input_ids_BS, hb.loss_mask_BS, hb.lengths_B))
             ids, mask, lengths = ids.long(), mask.float(), lengths.long()
