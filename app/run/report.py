@@ -16,7 +16,7 @@ from app.run.timeline import report_rows
 
 FILE_NAME = "report.html"
 # Section ids, in page order: what a reader (and the test) finds in every report.
-PLOTS = ("loss", "tau", "acceptance", "q_hsb", "target_busy", "drafter_busy", "data_wait")
+PLOTS = ("loss", "tau", "acceptance", "acceptance_steps", "q_hsb", "target_busy", "drafter_busy", "data_wait")
 # Per-rank shares are smoothed over this many steps: one step's wait is noise.
 SMOOTH_STEPS = 5
 
@@ -47,13 +47,14 @@ def render(rows: list[dict], summary: dict, title: str = "run") -> str:
         "loss": ("Loss and accuracy over steps", _plot_loss(rows)),
         "tau": ("Acceptance length (tau) over steps, best marked", _plot_tau(rows, summary)),
         "acceptance": ("Per-position acceptance of the last evaluation", _plot_acceptance(rows, summary)),
+        "acceptance_steps": ("Per-position acceptance over steps (each evaluation)", _plot_acceptance_steps(rows)),
         "q_hsb": ("Buffered items per length bucket (q_hsb) over time", _plot_q_hsb(rows, t0, events, starts)),
         "target_busy": ("Per-target busy share over time", _plot_target_busy(rows, t0, events, starts)),
         "drafter_busy": ("Per-drafter busy share over time", _plot_drafter(rows, t0, events, starts, "busy")),
         "data_wait": ("Drafters' data-wait share over time", _plot_drafter(rows, t0, events, starts, "wait")),
     }
     assert tuple(sections) == PLOTS
-    body = [f"<h1>dflash-ray run: {html.escape(title)}</h1>", _summary_table(summary)]
+    body = [f"<h1>dflash-ray run: {html.escape(title)}</h1>", _summary_table(summary), _serving_table(summary)]
     for key, (heading, png) in sections.items():
         body.append(f'<section id="plot-{key}"><h2>{html.escape(heading)}</h2>'
                     f'<img alt="{key}" src="data:image/png;base64,{png}"></section>')
@@ -162,6 +163,24 @@ def _plot_acceptance(rows, summary) -> str:
     return _png(fig)
 
 
+def _plot_acceptance_steps(rows) -> str:
+    """One line per draft position: the share of verify steps accepting it, at each evaluation's step."""
+    fig, ax = _figure()
+    evals = sorted((r for r in rows if r["k"] == "eval" and r.get("per_pos_accept")), key=lambda r: r["step"])
+    if not evals:
+        _empty(ax, "no acceptance-length evaluation in this run")
+        return _png(fig)
+    xs = [r["step"] for r in evals]
+    for k in range(max(len(r["per_pos_accept"]) for r in evals)):
+        ys = [r["per_pos_accept"][k] if k < len(r["per_pos_accept"]) else float("nan") for r in evals]
+        ax.plot(xs, ys, "o-", ms=3, lw=1, label=f"position {k + 1}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("share of verify steps accepting it")
+    ax.set_ylim(0, 1.05)
+    _legend_outside(ax)
+    return _png(fig)
+
+
 def _pools(rows, t0):
     # Target ids are JSON object keys in the file (strings); normalise in case rows come from memory.
     return [(r["t"] - t0, {**r, "forward_s_by_target": {str(k): v for k, v in r["forward_s_by_target"].items()}})
@@ -252,6 +271,46 @@ def _summary_table(summary: dict) -> str:
     if advice:
         cells.append(f"<tr><th>split advice</th><td>{html.escape(advice)}</td></tr>")
     return '<section id="summary"><h2>Summary</h2><table>' + "".join(cells) + "</table></section>" if cells else ""
+
+
+def _serving_table(summary: dict) -> str:
+    """How to serve the drafter (the run's launch lines) and the decode speedup its tau buys."""
+    lines, est = summary.get("serve") or {}, summary.get("serving_estimate")
+    if not lines and not est:
+        return ""
+    cells = [f"<tr><th>{html.escape(engine)}</th><td><code>{html.escape(line)}</code></td></tr>"
+             for engine, line in lines.items()]
+    if est:
+        cells.append(f"<tr><th>expected decode speedup</th><td>{est['speedup']:.2f}x = {est['tau']:.3g} / "
+                     f"(1 + 1 / {est['ratio']:.3g}) ({html.escape(est['formula'])}; tau = tokens per target forward "
+                     f"measured at the end of the run; ratio = verify/draft cost, from "
+                     f"{html.escape(est['ratio_basis'])}; assumes {html.escape(est['assumes'])})</td></tr>")
+    return '<section id="serving"><h2>Serving</h2><table>' + "".join(cells) + "</table></section>"
+
+
+def fetch_run_files(location: str) -> Path:
+    """A run folder for the report: `location` itself when local; for a URI its local cache, with the
+    remote timeline.jsonl (the longer copy wins, app/run/timeline.py adopt_remote) and summary.json in it."""
+    from app.run.timeline import adopt_remote
+    from app.storage import is_uri, local_cache_dir, open_storage
+
+    if not is_uri(location):
+        return Path(location)
+    local, store = local_cache_dir(location), open_storage(location)
+    adopt_remote(store, local)  # streamed, the longer copy wins
+    summary = store.read_file("summary.json")
+    if summary is not None:
+        (local / "summary.json").write_bytes(summary)
+    return local
+
+
+def publish_report(location: str, page: Path) -> str:
+    """Where the report of `location` now is: uploaded beside the run's files for a URI, else `page`."""
+    from app.storage import is_uri, open_storage
+
+    if not is_uri(location):
+        return str(page)
+    return open_storage(location).upload_file(FILE_NAME, page)
 
 
 def _events_table(events, starts) -> str:
