@@ -236,3 +236,63 @@ def test_a_long_timeline_is_read_in_bounded_memory(tmp_path: Path) -> None:
     assert 25 <= len(pools) <= 50
     assert [r["k"] for r in rows if r["k"] not in ("step", "pool")] == ["run", *["eval"] * 4, "event"]
     assert [r.get("t") for r in rows] == sorted(r.get("t") for r in rows)  # file order kept
+
+
+# ---- (c) the object-store check counts eval offers and the dataset ----------------------------------------
+
+def test_the_object_store_check_counts_eval_offers_and_the_dataset() -> None:
+    """(c) the check compared the pool's payload bound alone with the object store: a pool that fit
+    with 0.5 GiB to spare passed although the dataset (put once for the targets) and three float32
+    copies of the drafter's weights (live evaluations) sit in the same store and spill it. Now they
+    count, and the one line names them."""
+    from app.config.errors import ConfigError
+    from app.config.checks import check_object_store
+    from app.config.schema import Config, PoolConfig, TopologyConfig, TrainConfig
+    from app.pool.budget import EVAL_COPIES, eval_offer_bytes
+
+    gib = 2**30
+    cfg = Config(pool=PoolConfig(capacity=24, capacity_bytes=15 * gib + gib // 2, min_ready=1),
+                 topology=TopologyConfig(num_drafters=3), train=TrainConfig(grad_accum=4))
+    check_object_store(cfg, gib // 2, 16 * gib)  # the pool alone: 15.5 of 16 GiB
+    check_object_store(cfg, gib // 2, 16 * gib, dataset_bytes=gib // 4)
+    weights = gib // 2
+    assert eval_offer_bytes(weights, evaluating=False) == 0
+    with pytest.raises(ConfigError) as e:
+        check_object_store(cfg, gib // 2, 16 * gib, dataset_bytes=gib // 4,
+                           eval_bytes=eval_offer_bytes(weights, evaluating=True))
+    msg = str(e.value)
+    assert EVAL_COPIES == 3 and "\n" not in msg
+    assert "15.5 GiB of hidden states" in msg and "0.2 GiB of the dataset" in msg and "1.5 GiB of eval offers" in msg
+
+
+def test_the_eval_offer_size_is_the_drafter_s_float32_state_dict(tmp_path: Path) -> None:
+    """(c) the eval offers are counted at the size rank 0 really puts: its float32 state dict
+    (counted on the meta device, so the check costs no memory), and the dataset at its arrays' bytes."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from app.config.schema import DrafterConfig
+    from app.model.arch import DrafterArch
+    from app.model.build import drafter_state_bytes
+    from app.model.drafter import DFlashDrafter
+    from app.model.live_eval import weights_to_numpy
+    from app.pool.budget import EVAL_COPIES
+    from app.run.plan import object_store_extras
+    from tests.toy import tiny_qwen3_config
+
+    config = tiny_qwen3_config()
+    config.save_pretrained(tmp_path)
+    dcfg = DrafterConfig(num_layers=1, block_size=4)
+    arch = DrafterArch.from_target(config, __import__("dataclasses").replace(dcfg, mask_token_id=7), [0, 2])
+    real = sum(a.nbytes for a in weights_to_numpy(DFlashDrafter(arch)).values())
+    assert drafter_state_bytes(str(tmp_path), dcfg, [0, 2], 7) == real
+
+    data = SimpleNamespace(tokens=np.zeros(1000, np.int32), loss_mask=np.zeros(1000, np.uint8),
+                           offsets=np.zeros(11, np.int64))
+    plan = SimpleNamespace(dataset=data, jobs=SimpleNamespace(nbytes=lambda: 500), eval_prompts=[[1, 2]],
+                           model_dir=str(tmp_path), layer_ids=[0, 2], mask_token_id=7,
+                           cfg=SimpleNamespace(drafter=dcfg, eval=SimpleNamespace(every_steps=100)))
+    assert object_store_extras(plan) == (4000 + 1000 + 88 + 500, EVAL_COPIES * real)
+    plan.cfg.eval.every_steps = 0
+    assert object_store_extras(plan) == (5588, 0)

@@ -33,3 +33,18 @@ def build_or_load_drafter(model_dir: str, drafter_dir: str | None, drafter_cfg: 
             torch.manual_seed(seed)  # every replica builds the same initial weights
             drafter = DFlashDrafter(arch)
     return drafter.to(device=device, dtype=param_dtype or dtype), head, arch
+
+
+def drafter_state_bytes(model_dir: str, drafter_cfg: DrafterConfig, layer_ids: list[int], mask_token_id: int) -> int:
+    """Bytes of the drafter's float32 state dict (what rank 0 puts in the object store for each live
+    evaluation, app/model/live_eval.py `weights_to_numpy`), counted on the meta device: no memory used."""
+    from transformers import AutoConfig
+
+    from app.model.arch import DrafterArch
+    from app.model.drafter import DFlashDrafter
+
+    arch = DrafterArch.from_target(
+        AutoConfig.from_pretrained(model_dir), replace(drafter_cfg, mask_token_id=mask_token_id), list(layer_ids))
+    with torch.device("meta"):
+        drafter = DFlashDrafter(arch)
+    return 4 * sum(t.numel() for t in drafter.state_dict().values())

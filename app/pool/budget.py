@@ -8,13 +8,21 @@
   max(JobSpec.est_bytes, largest payload seen in its bucket); the reservation is replaced by the
   real ItemMeta.nbytes when the job lands. The cap holds as long as estimates are upper bounds; a
   payload larger than its reservation is counted in `overshoot`.
+
+The cluster's object store holds more than the pool's payloads: `StoreNeed` adds the dataset and
+schedule and the live evaluations' weight offers, which the check before a run compares with the store
+(app/config/checks.py `check_object_store`).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from app.messages import JobSpec
 
 
 class Budget:
+    """The pool's capacity accounting in items and bytes (buffered, leased, reserved for jobs in flight)."""
+
     def __init__(self, capacity_items: int, capacity_bytes: int, num_buckets: int) -> None:
         self.capacity_items = capacity_items
         self.capacity_bytes = capacity_bytes
@@ -68,3 +76,37 @@ class Budget:
         """An acked, released or lost lease frees its bytes."""
         self.leased -= nbytes
         assert self.leased >= 0
+
+
+# ---- the whole object store, not just the pool ---------------------------------------------------------
+
+# Live evaluation copies of rank 0's weights at once: the pool's newest offer, the one taken and waiting
+# for a target (app/run/evaluation.py EvalSchedule.pending) and the one being evaluated (.running).
+EVAL_COPIES = 3
+
+
+@dataclass(frozen=True)
+class StoreNeed:
+    """The most a run holds in the object store at once, by part: the pool's payloads (its byte budget,
+    or the items bound when smaller), the dataset and the schedule the supervisor puts once (every target
+    reads them from there), and the live evaluations' weight offers (float32 state dicts)."""
+
+    payloads: int
+    dataset: int = 0
+    eval_offers: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.payloads + self.dataset + self.eval_offers
+
+    def parts(self) -> str:
+        """The parts that are not zero, for the one-line refusal."""
+        gib = 2**30
+        named = [(self.dataset, "the dataset and schedule"),
+                 (self.eval_offers, f"eval offers ({EVAL_COPIES} copies of the drafter's float32 weights)")]
+        return "".join(f" + {n / gib:.1f} GiB of {what}" for n, what in named if n)
+
+
+def eval_offer_bytes(weight_bytes: int, evaluating: bool) -> int:
+    """Object-store bytes of live evaluation offers: none when the run does not evaluate."""
+    return EVAL_COPIES * weight_bytes if evaluating else 0

@@ -33,7 +33,11 @@ def run(cfg: Config) -> int:
         plan = make_plan(cfg)  # before ray.init: a mistake in the config or the data never waits for the cluster
         use_gpu = connect(cfg)
         plan.use_device(use_gpu)
-        check_object_store(cfg, plan.jobs.max_payload_bytes(), _object_store_bytes())
+        from app.run.plan import object_store_extras  # the dataset and eval offers share the store with the pool
+
+        store = _object_store_bytes()
+        extras = object_store_extras(plan) if store else (0, 0)  # Ray did not say: nothing to compare with
+        check_object_store(cfg, plan.jobs.max_payload_bytes(), store, *extras)
     except UserError as exc:  # ConfigError, DataError, LeaseHeld
         print(f"{exc.kind} error: {redact(str(exc))}", file=sys.stderr)
         if lease is not None:

@@ -155,3 +155,21 @@ def run_name(cfg: Config) -> str:
     root = cfg.checkpoint.dir
     where = redact(root).rstrip("/") if is_uri(root) else str(Path(root).resolve())
     return f"{root_name(cfg.checkpoint.dir)}-{hashlib.sha256(where.encode()).hexdigest()[:6]}"
+
+
+def object_store_extras(plan: RunPlan) -> tuple[int, int]:
+    """(dataset bytes, eval-offer bytes): what the run puts in the object store besides the pool's
+    payloads. The tokenized dataset and every epoch's schedule are put once and read by every target;
+    a run that evaluates during training (`eval.every_steps` > 0 and held-out prompts) holds up to
+    `EVAL_COPIES` float32 copies of the drafter's weights (app/pool/budget.py)."""
+    from app.pool.budget import eval_offer_bytes
+
+    data = plan.dataset
+    dataset = int(data.tokens.nbytes + data.loss_mask.nbytes + data.offsets.nbytes) + int(plan.jobs.nbytes())
+    evaluating = plan.cfg.eval.every_steps > 0 and bool(plan.eval_prompts)
+    weights = 0
+    if evaluating:
+        from app.model.build import drafter_state_bytes
+
+        weights = drafter_state_bytes(plan.model_dir, plan.cfg.drafter, plan.layer_ids, plan.mask_token_id)
+    return dataset, eval_offer_bytes(weights, evaluating)
