@@ -112,3 +112,15 @@ def test_model_feature_dtype_refuses_other_values():
     assert ModelConfig(target="tiny", feature_dtype="float8_e4m3").feature_dtype == "float8_e4m3"
     with pytest.raises(ValueError, match="model.feature_dtype"):
         ModelConfig(target="tiny", feature_dtype="fp8")
+
+
+def test_fp8_chunked_codec_equals_one_chunk(monkeypatch):
+    """The codec works a chunk of tokens at a time (bounded temporaries); chunks change nothing."""
+    import app.model.feature_codec as codec
+
+    x = features(B=2, S=10, D=24)
+    whole = codec.encode_fp8(x)
+    monkeypatch.setattr(codec, "CHUNK_ELEMENTS", 50)  # two tokens per chunk, the last one short
+    chunked = codec.encode_fp8(x)
+    assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
+    assert torch.equal(codec.decode_fp8(*chunked, torch.bfloat16), codec.decode_fp8(*whole, torch.bfloat16))

@@ -50,7 +50,7 @@ class FixedTrunk:
 class TransportProducer:
     """TargetActor-shaped: `forward(job) -> (ItemMeta, HiddenBatch)` through the target's own payload code."""
 
-    def __init__(self, num_seqs: int, seq_len: int, width: int, device: str) -> None:
+    def __init__(self, num_seqs: int, seq_len: int, width: int, device: str, feature_dtype: str = "bfloat16") -> None:
         import torch
 
         from app.devices import pick_device
@@ -62,6 +62,7 @@ class TransportProducer:
         rng = np.random.default_rng(0)
         self.seqs = [(rng.integers(0, 1000, seq_len), np.ones(seq_len, np.uint8)) for _ in range(num_seqs)]
         self.marks: dict[int, tuple[float, float]] = {}
+        self.feature_dtype = feature_dtype
 
     def ready(self) -> bool:
         return True
@@ -72,7 +73,8 @@ class TransportProducer:
         from app.messages import ItemMeta
 
         t0 = time.perf_counter()
-        batch = start_job(self.trunk, self.seqs, job.job_id, self.device, packed=False).result()
+        batch = start_job(self.trunk, self.seqs, job.job_id, self.device, packed=False,
+                          feature_dtype=self.feature_dtype).result()
         t1 = time.perf_counter()
         self.marks[job.job_id] = (t0, t1)
         meta = ItemMeta(job_id=job.job_id, bucket=job.bucket, num_seqs=len(self.seqs),
@@ -116,7 +118,8 @@ class TransportConsumer:
             else:
                 self.stager.stage_host(hb)
             marks["staged"] = time.perf_counter()
-            return hb.hidden_BSD.nbytes
+            scales = hb.hidden_scale_BS
+            return hb.hidden_BSD.nbytes + (0 if scales is None else scales.nbytes)
 
         pulled, nbytes = fetch_next(pool, 0, generation, self.acks, stage,
                                     on_pulled=lambda: marks.__setitem__("pulled", time.perf_counter()))
@@ -142,16 +145,16 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def run_size(ray, label: str, num_seqs: int, seq_len: int, width: int, repeats: int, device: str,
-             verbose: bool = False) -> dict:
+             verbose: bool = False, feature_dtype: str = "bfloat16") -> dict:
     from actors.hs_pool import HSPoolActor, pool_max_concurrency
     from app.config.schema import PoolConfig
     from app.messages import JobSpec
 
-    nbytes = num_seqs * seq_len * width * 2
+    bf16_bytes = num_seqs * seq_len * width * 2  # the features in bf16, whatever travels
     opts = {"num_gpus": 1} if device == "cuda" else {}
-    prod = ray.remote(TransportProducer).options(**opts).remote(num_seqs, seq_len, width, device)
+    prod = ray.remote(TransportProducer).options(**opts).remote(num_seqs, seq_len, width, device, feature_dtype)
     cons = ray.remote(TransportConsumer).options(**opts).remote(device)
-    cfg = PoolConfig(capacity=2, min_ready=1, jobs_in_flight_per_target=1, capacity_bytes=8 * nbytes + 2**20,
+    cfg = PoolConfig(capacity=2, min_ready=1, jobs_in_flight_per_target=1, capacity_bytes=8 * bf16_bytes + 2**20,
                      metrics_every_s=60.0)
     pool = ray.remote(HSPoolActor).options(max_concurrency=pool_max_concurrency(1, 1)).remote(
         cfg, 1, f"bench-transport-{label}", None, 1, 1)
@@ -160,13 +163,14 @@ def run_size(ray, label: str, num_seqs: int, seq_len: int, width: int, repeats: 
     generation = ray.get(pool.generation.remote(0))
     rows = []
     for i in range(repeats + 1):  # the first is a warm-up: actor imports, first staging buffer
-        job = JobSpec(i, 0, i, 0, tuple(range(num_seqs)), num_seqs * seq_len, nbytes + 2**16)
+        job = JobSpec(i, 0, i, 0, tuple(range(num_seqs)), num_seqs * seq_len, bf16_bytes + 2**16)
         taken = cons.take_one.remote(pool, generation)  # waits in its pull, as a drafter does
         ray.get(pool.add_jobs.remote([job]))
         rows.append(ray.get(taken))
     marks = ray.get(prod.take_marks.remote())
     for actor in (pool, prod, cons):
         ray.kill(actor)
+    nbytes = rows[-1]["nbytes"]  # what travelled: features (+ FP8 scales)
     parts: dict[str, list[float]] = {"e2e": [], "produce_seal": [], "fetch": [], "staging": []}
     for r in rows[1:]:
         t0, _ = marks[r["job_id"]]
@@ -180,7 +184,8 @@ def run_size(ray, label: str, num_seqs: int, seq_len: int, width: int, repeats: 
                        for a, b, c in zip(parts["produce_seal"], parts["fetch"], parts["staging"])))
     mc = memcpy_seconds(nbytes, max(3, repeats))
     gbps = [nbytes / s / 1e9 for s in parts["e2e"]]
-    out = {"label": label, "nbytes": nbytes, "median_gbps": percentile(gbps, 50),
+    out = {"label": label, "nbytes": nbytes, "feature_dtype": feature_dtype,
+           "features_gbps": bf16_bytes / float(np.median(parts["e2e"])) / 1e9, "median_gbps": percentile(gbps, 50),
            "p99_gbps": percentile(gbps, 1),  # the p99 of the time is the 1st percentile of the rate
            "memcpy_gbps": nbytes / float(np.median(mc)) / 1e9,
            **{f"{k}_ms": 1e3 * float(np.median(v)) for k, v in parts.items()},
@@ -198,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu | cuda (a GPU each for producer and consumer)")
     ap.add_argument("--prefault", choices=("on", "off"), default="on",
                     help="pre-fault the object store at start (Ray's preallocate_plasma_memory)")
+    ap.add_argument("--fp8", default="640MiB,4MiB",
+                    help="sizes also run with model.feature_dtype=float8_e4m3 (comma list; '' for none)")
     ap.add_argument("--verbose", action="store_true", help="print every job's split")
     args = ap.parse_args(argv)
     import ray
@@ -217,20 +224,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"payload path, one job at a time, {repeats} timed jobs per size after one warm-up; object store "
           f"{store / 2**20:.0f} MiB, pre-fault {args.prefault}; device {args.device}; pid {os.getpid()}")
     results = []
-    for label, (b, s) in sizes.items():
-        r = run_size(ray, label, b, s, width, repeats, args.device, args.verbose)
+    runs = [(label, "bfloat16") for label in sizes]
+    runs += [(label, "float8_e4m3") for label in args.fp8.split(",") if label in sizes]
+    for label, feature_dtype in runs:
+        b, s = sizes[label]
+        r = run_size(ray, label, b, s, width, repeats, args.device, args.verbose, feature_dtype)
         results.append(r)
-        print(f"{label}: {r['nbytes'] / 1e6:.0f} MB  e2e median {r['median_gbps']:.2f} GB/s  p99 {r['p99_gbps']:.2f} GB/s "
-              f"(p99 {r['p99_e2e_ms']:.0f} ms)  memcpy {r['memcpy_gbps']:.2f} GB/s  ratio {r['ratio']:.3f}  "
-              f"split ms: produce+seal {r['produce_seal_ms']:.1f} fetch {r['fetch_ms']:.1f} "
-              f"staging {r['staging_ms']:.1f}")
+        print(f"{label} {feature_dtype}: {r['nbytes'] / 1e6:.0f} MB in transit  e2e median {r['median_gbps']:.2f} GB/s  "
+              f"p99 {r['p99_gbps']:.2f} GB/s (p99 {r['p99_e2e_ms']:.0f} ms)  memcpy {r['memcpy_gbps']:.2f} GB/s  "
+              f"ratio {r['ratio']:.3f}  features (bf16 bytes) {r['features_gbps']:.2f} GB/s  "
+              f"split ms: produce+seal {r['produce_seal_ms']:.1f} fetch {r['fetch_ms']:.1f} staging {r['staging_ms']:.1f}")
     ray.shutdown()
     fields = []
     for r in results:
-        k = r["label"].lower()
+        k = ("fp8_" if r["feature_dtype"] == "float8_e4m3" else "") + r["label"].lower()
         fields += [f"{k}_median_gbps={r['median_gbps']:.2f}", f"{k}_p99_gbps={r['p99_gbps']:.2f}",
                    f"{k}_ratio={r['ratio']:.3f}", f"{k}_memcpy_gbps={r['memcpy_gbps']:.2f}",
                    f"{k}_seal_ms={r['produce_seal_ms']:.0f}", f"{k}_fetch_ms={r['fetch_ms']:.1f}",
                    f"{k}_staging_ms={r['staging_ms']:.0f}"]
+        if r["feature_dtype"] == "float8_e4m3":
+            fields += [f"{k}_mb={r['nbytes'] / 1e6:.0f}", f"{k}_features_gbps={r['features_gbps']:.2f}"]
     print("RESULT prefault=" + args.prefault + " " + " ".join(fields))
     return 0
