@@ -169,7 +169,8 @@ def _write_timeline(folder: Path, steps: int, ranks: int = 3, pool_every: int = 
         for step in range(1, steps + 1):
             for rank in range(ranks):
                 row = {"k": "step", "t": step * 0.2, "rank": rank, "step": step, "epoch": 0, "loss": 5.0 / step,
-                       "correct": 0.5, "tokens": 4096, "accept_len": 2.0, "topk_acc": -1, "compute_s": 0.15,
+                       "correct": 0.5, "tokens": 4096, "accept_len": 2.0, "compute_s": 0.15,
+                       "topk_acc": 0.8 if rank == 0 and step % 1000 == 7 else -1,  # a sampling step
                        "data_wait_s": 0.05 * (rank + 1), "lr": 1e-4, "grad_norm": 1.0}
                 if rank == 0:
                     row["per_pos_acc"] = [0.9, 0.7, 0.5]
@@ -226,12 +227,14 @@ def test_a_long_timeline_is_read_in_bounded_memory(tmp_path: Path) -> None:
     steps = [r for r in rows if r["k"] == "step"]
     by_rank = {rank: [r for r in steps if r["rank"] == rank] for rank in range(3)}
     assert all(25 <= len(mine) <= 50 for mine in by_rank.values())  # 150 over 3 ranks, evenly thinned
-    gaps = {b["step"] - a["step"] for a, b in zip(by_rank[0], by_rank[0][1:])}
+    series = [r for r in by_rank[0] if r["compute_s"] > 0]  # without the sampling steps kept beside it
+    gaps = {b["step"] - a["step"] for a, b in zip(series, series[1:])}
     assert len(gaps) == 1  # evenly spaced
     # each kept row stands for `gap` steps: its summed compute and wait give rank 2's true share (0.15 / 0.3)
     gap = next(iter({b["step"] - a["step"] for a, b in zip(by_rank[2], by_rank[2][1:])}))
     assert all(abs(r["compute_s"] - 0.15 * gap) < 1e-6 for r in by_rank[2][:-1])
     assert all(abs(r["compute_s"] / (r["compute_s"] + r["data_wait_s"]) - 0.5) < 1e-9 for r in by_rank[2])
+    assert [r["step"] for r in steps if r["topk_acc"] >= 0] == [7, 1007, 2007, 3007]  # none thinned away
     pools = [r for r in rows if r["k"] == "pool"]
     assert 25 <= len(pools) <= 50
     assert [r["k"] for r in rows if r["k"] not in ("step", "pool")] == ["run", *["eval"] * 4, "event"]

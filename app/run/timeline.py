@@ -181,10 +181,11 @@ class Thinned:
 def report_rows(run_dir: str | Path, step_rows: int = REPORT_STEP_ROWS, pool_rows: int = REPORT_POOL_ROWS,
                 min_rank_rows: int = MIN_RANK_ROWS) -> list[dict]:
     """The rows the report draws, read as a stream, in file order: every row but `step` and `pool`
-    (runs, events, evaluations: few), step rows thinned per rank to `step_rows` over all ranks, pool
-    snapshots to `pool_rows`. Below those caps this is `read_timeline` exactly."""
+    (runs, events, evaluations: few), step rows thinned per rank to `step_rows` over all ranks (plus up
+    to `pool_rows` of rank 0's top-5 sampling steps), pool snapshots to `pool_rows`. Below those caps
+    this is `read_timeline` exactly."""
     ranks: dict[int, Thinned] = {}
-    pools = Thinned(pool_rows)
+    pools, sampled = Thinned(pool_rows), Thinned(pool_rows)
     other: list[tuple[int, dict]] = []
     for index, row in enumerate(iter_timeline(run_dir)):
         kind = row.get("k")
@@ -194,11 +195,18 @@ def report_rows(run_dir: str | Path, step_rows: int = REPORT_STEP_ROWS, pool_row
                 ranks[rank] = Thinned(step_rows, _SUMMED)
                 for series in ranks.values():  # one more rank: each gets a smaller share
                     series.shrink(max(min_rank_rows, step_rows // len(ranks)))
+            if rank == 0 and row.get("topk_acc", -1) >= 0:
+                # Sampling steps (top-5 accuracy) are a series of their own: thinning every step could
+                # keep none of them. Their time is counted in the step series; here it adds nothing.
+                sampled.add(index, {**row, **dict.fromkeys(_SUMMED, 0.0)})
             ranks[rank].add(index, row)
         elif kind == "pool":
             pools.add(index, row)
         else:
             other.append((index, row))
-    merged = sorted([*other, *pools.rows, *(r for series in ranks.values() for r in series.rows)],
-                    key=lambda pair: pair[0])
-    return [row for _, row in merged]
+    kept = dict(sampled.rows)
+    kept.update(pools.rows)
+    kept.update(other)
+    for series in ranks.values():  # a sampling step kept in its rank's series too: that copy (with its sums) wins
+        kept.update(series.rows)
+    return [kept[i] for i in sorted(kept)]
