@@ -172,8 +172,10 @@ class _RankOps:
         import ray
 
         from app.model.live_eval import weights_to_numpy
+        from app.training.retry import transient_object_errors, with_retries
 
-        self.a.pool.offer_eval.remote(eff.step, [ray.put(weights_to_numpy(self.a.trainer.drafter))])
+        weights = weights_to_numpy(self.a.trainer.drafter)
+        self.a.pool.offer_eval.remote(eff.step, [with_retries(lambda: ray.put(weights), transient_object_errors())])
 
 
 def fetch_next(pool, rank: int, generation: int, acks: list[int], stage, on_pulled=None):
@@ -183,6 +185,9 @@ def fetch_next(pool, rank: int, generation: int, acks: list[int], stage, on_pull
     import ray
     from ray.exceptions import ObjectLostError
 
+    from app.training.retry import transient_object_errors, with_retries
+
+    transient = transient_object_errors()  # a full store, a timed-out fetch: tried again before giving up the job
     while True:
         pulled = ray.get(pool.pull.remote(rank, generation, acks))
         acks = []
@@ -191,7 +196,7 @@ def fetch_next(pool, rank: int, generation: int, acks: list[int], stage, on_pull
         if on_pulled is not None:
             on_pulled()
         try:  # CUDA: the stager copies it to the GPU (pinned, side stream), in this thread
-            return pulled, stage(ray.get(pulled.payload_ref))
+            return pulled, stage(with_retries(lambda: ray.get(pulled.payload_ref), transient))
         except ObjectLostError:  # the node holding it died: recompute that job, pull another
             ray.get(pool.payload_lost.remote(rank, pulled.meta.job_id, generation))
 

@@ -94,6 +94,12 @@ class TargetActor:
 
         from app.model.live_eval import background_priority, evaluate_drafter, export_best
 
+        if isinstance(weights, list):  # rank 0's weights as a ref (app/run/final_tau.py ask_tau): fetched here,
+            import ray  # so a full store or a timed-out fetch is tried again instead of failing the evaluation
+
+            from app.training.retry import transient_object_errors, with_retries
+
+            weights = with_retries(lambda: ray.get(weights[0]), transient_object_errors())
         # The pool pauses this target's jobs (the ones it held finish first); on CPU the evaluation
         # yields the cores to training.
         with self.compute_lock, background_priority(self.device):

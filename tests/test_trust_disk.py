@@ -299,3 +299,69 @@ def test_the_eval_offer_size_is_the_drafter_s_float32_state_dict(tmp_path: Path)
     assert object_store_extras(plan) == (4000 + 1000 + 88 + 500, EVAL_COPIES * real)
     plan.cfg.eval.every_steps = 0
     assert object_store_extras(plan) == (5588, 0)
+
+
+# ---- (d) transient object-store errors are retried --------------------------------------------------------
+
+def test_transient_object_store_errors_are_retried_with_backoff() -> None:
+    """(d) a full store, a timed-out fetch or a failed raylet call failed the payload fetch or the eval
+    offer at once (a job recomputed as lost, a drafter death, an evaluation skipped). Now they are tried
+    again with growing waits; a lost object and any other error are raised at once, and so is the last
+    transient one when the attempts are spent."""
+    from ray.exceptions import ObjectFetchTimedOutError, ObjectLostError, ObjectStoreFullError, RpcError
+
+    from app.training.retry import Backoff, transient_object_errors, with_retries
+
+    transient = transient_object_errors()
+    ref = "ab" * 14
+    failures = [ObjectStoreFullError("object store full"), ObjectFetchTimedOutError(ref, None, ""), RpcError("gone")]
+    slept, told = [], []
+
+    def flaky():
+        if failures:
+            raise failures.pop(0)
+        return "payload"
+
+    assert with_retries(flaky, transient, sleep=slept.append, on_retry=lambda n, e, w: told.append((n, type(e)))) \
+        == "payload"
+    assert slept == [0.5, 1.0, 2.0]
+    assert told == [(1, ObjectStoreFullError), (2, ObjectFetchTimedOutError), (3, RpcError)]
+
+    calls, slept = [], []
+
+    def always_full():
+        calls.append(1)
+        raise ObjectStoreFullError("object store full")
+
+    with pytest.raises(ObjectStoreFullError):
+        with_retries(always_full, transient, Backoff(attempts=6, first_s=0.5, factor=2.0, max_s=4.0), sleep=slept.append)
+    assert len(calls) == 6 and slept == [0.5, 1.0, 2.0, 4.0, 4.0]
+
+    for permanent in (ObjectLostError(ref, None, ""), ValueError("a bug")):
+        calls, slept = [], []
+
+        def broken(err=permanent):
+            calls.append(1)
+            raise err
+
+        with pytest.raises(type(permanent)):
+            with_retries(broken, transient, sleep=slept.append)
+        assert len(calls) == 1 and slept == []
+
+
+def test_an_evaluation_s_weights_reach_the_target_as_a_ref_it_fetches_itself() -> None:
+    """(d) Ray resolved rank 0's weight ref before the target's `evaluate_weights` ran, where no retry
+    could reach a transient fetch error. The ref now travels inside a list (the target fetches it with
+    retries); folders, state dicts and None pass as they were."""
+    from types import SimpleNamespace
+
+    import ray
+
+    from app.run.final_tau import ask_tau
+
+    sent = []
+    handle = SimpleNamespace(evaluate_weights=SimpleNamespace(remote=lambda *a: sent.append(a[1])))
+    ref = ray.ObjectRef(b"\x01" * 28)
+    for weights in (ref, "/runs/x/drafter", {"w": 1}, None):
+        ask_tau(handle, 10, weights, spec=None)
+    assert sent == [[ref], "/runs/x/drafter", {"w": 1}, None]

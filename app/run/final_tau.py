@@ -27,8 +27,13 @@ class TauResult:
 
 def ask_tau(handle: Any, step: int, weights: Any, spec: EvalSpec, best_dir: str | None = None,
             beat_tau: float = float("inf")) -> Any:
-    """Start one tau measurement on a target (weights: None for a fresh drafter, a folder, or a state dict)."""
-    return handle.evaluate_weights.remote(step, weights, spec, best_dir, beat_tau)
+    """Start one tau measurement on a target (weights: None for a fresh drafter, a folder, a state dict, or
+    an object ref to one). A ref travels inside a list, so the target fetches it itself, with retries:
+    Ray resolving it before the call would fail the evaluation on the first transient fetch error."""
+    from ray import ObjectRef
+
+    return handle.evaluate_weights.remote(step, [weights] if isinstance(weights, ObjectRef) else weights, spec,
+                                          best_dir, beat_tau)
 
 
 class FinalTau:
