@@ -22,6 +22,7 @@ TINY_TARGET = "tiny"
 # Token ids the tiny tokenizer reserves before its words (special tokens and role words);
 # app/tiny/build.py asserts its vocabulary agrees.
 TINY_RESERVED_TOKENS = 9
+TINY_CORPORA = ("markov", "python")  # what the tiny target learns and generates its data from (app/tiny/)
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class TinyConfig:
     """Settings of the built-in tiny target (used when model.target == "tiny")."""
 
     cache_dir: str = ".cache/tiny"  # where the tiny target and its data are built once
+    corpus: str = "markov"  # markov (a word cycle: fast, easy) | python (this interpreter's stdlib, BPE)
     hidden_size: int = 64
     num_layers: int = 6
     num_heads: int = 4
@@ -62,6 +64,9 @@ class TinyConfig:
     lm_lr: float = 1.0e-2  # target training peak learning rate
 
     def __post_init__(self) -> None:
+        one_of("tiny.corpus", self.corpus, TINY_CORPORA)
+        if self.corpus == "python" and self.vocab_size < 300:  # 256 byte tokens + 6 specials + merges
+            fail("tiny.vocab_size", self.vocab_size, "is too small for tiny.corpus=python's byte-level BPE; use at least 300")
         words = self.vocab_size - TINY_RESERVED_TOKENS
         if words < 16:
             fail("tiny.vocab_size", self.vocab_size, "is too small; use at least 64")

@@ -23,32 +23,14 @@ from pathlib import Path
 import numpy as np
 
 from app.config.schema import TINY_RESERVED_TOKENS, TINY_TARGET, Config, TinyConfig
+# The special tokens and the chat template are shared with the python corpus (app/tiny/python_corpus.py).
+from app.tiny.chat import BOS, CHATML_TEMPLATE, IM_END, IM_START, MASK, PAD, ROLE_WORDS, SPECIAL_TOKENS, UNK
 
 # Bump when the builder changes what it writes, so old caches are not reused.
 BUILD_VERSION = 3  # 3: the target is trained on a Markov chain before it generates the data
 # Weight init std of the random target. HF's 0.02 makes a tiny model's greedy output collapse into
 # one repeated token; 0.3 makes it near-random. 0.1 gives context-dependent, partly repetitive text.
 INIT_STD = 0.1
-
-PAD, IM_START, IM_END, MASK, UNK, BOS = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|mask|>",
-    "<unk>",
-    "<|bos|>",
-)
-SPECIAL_TOKENS = [PAD, IM_START, IM_END, MASK, UNK, BOS]
-ROLE_WORDS = ["system", "user", "assistant"]
-
-# ChatML, as Qwen uses it (no generation markers: the loss mask comes from prefix rendering).
-CHATML_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
-
 
 @dataclass(frozen=True)
 class TinyArtifacts:
@@ -74,6 +56,12 @@ class ResolvedTarget:
 def settings_hash(tiny: TinyConfig) -> str:
     """Cache key: every setting that shapes the build (not where it is cached)."""
     settings = {k: v for k, v in asdict(tiny).items() if k != "cache_dir"}
+    if tiny.corpus == "markov":
+        del settings["corpus"]  # the key came later: markov builds keep the cache key they had
+    else:  # the corpus is this interpreter's stdlib: another Python (or another stdlib) builds anew
+        from app.tiny.python_corpus import corpus_digest
+
+        settings["_corpus_digest"] = corpus_digest()
     settings["_build_version"] = BUILD_VERSION
     settings["_init_std"] = INIT_STD
     blob = json.dumps(settings, sort_keys=True).encode()
@@ -221,22 +209,32 @@ def _build(tiny: TinyConfig, root: Path) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        tokenizer = build_tokenizer(tiny.vocab_size)
-        model = build_model(tiny, tokenizer)
-        if tiny.lm_steps:
-            from app.tiny.train import markov_chain, train_on_chain
+        if tiny.corpus == "python":
+            from app.tiny.python_corpus import build_python
 
-            chain = markov_chain(tiny, tiny.vocab_size - word_offset())
-            losses = train_on_chain(model, tokenizer, chain, tiny, word_offset())
-            (root / "lm_losses.json").write_text(json.dumps([round(x, 4) for x in losses]) + "\n")
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
-        model.generation_config.eos_token_id = tokenizer.eos_token_id
-        model.save_pretrained(root / "model")
-        tokenizer.save_pretrained(root / "model")
-        _write_data(tiny, root, model, tokenizer)
+            build_python(tiny, root, build_model, response_lengths)
+        else:
+            _build_markov(tiny, root)
     finally:
         torch.set_num_threads(threads)
     (root / "settings.json").write_text(json.dumps(asdict(tiny), sort_keys=True, indent=1) + "\n")
+
+
+def _build_markov(tiny: TinyConfig, root: Path) -> None:
+    """The markov corpus: a word tokenizer, the target taught the chain, its greedy text as data."""
+    tokenizer = build_tokenizer(tiny.vocab_size)
+    model = build_model(tiny, tokenizer)
+    if tiny.lm_steps:
+        from app.tiny.train import markov_chain, train_on_chain
+
+        chain = markov_chain(tiny, tiny.vocab_size - word_offset())
+        losses = train_on_chain(model, tokenizer, chain, tiny, word_offset())
+        (root / "lm_losses.json").write_text(json.dumps([round(x, 4) for x in losses]) + "\n")
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    _write_data(tiny, root, model, tokenizer)
 
 
 def _write_data(tiny: TinyConfig, root: Path, model, tokenizer) -> None:
