@@ -96,6 +96,10 @@ class HSPoolActor:
         self._ensure_started()
         self._control.add_target(target_id, handle)
 
+    async def remove_target(self, target_id: int) -> list[int]:
+        """A re-split retires this target: see PoolControl.remove_target."""
+        return self._control.remove_target(target_id)
+
     async def pause_target(self, target_id: int) -> None:
         """Issue no training jobs to this target (it evaluates); the ones it holds finish."""
         self._control.pause(target_id)
@@ -193,6 +197,10 @@ class HSPoolActor:
     async def request_stop(self) -> None:
         """The driver got SIGTERM: drafter rank 0 sees this and the group checkpoints and returns."""
         self._control.request_stop()
+
+    async def clear_stop(self) -> None:
+        """After a re-split's checkpoint: the rebuilt group trains on."""
+        self._control.clear_stop()
 
     async def stop_requested(self) -> bool:
         return self._control.stop_requested

@@ -148,3 +148,29 @@ def test_advisor_measures_afresh_after_a_resplit():
                   "forward_s_by_target": {**{t: 7.0 for t in range(5)}, 5: 2.0},
                   "done_by_target": {**{t: 9 for t in range(5)}, 5: 4}})
     assert adv.rates()[0] == pytest.approx(200.0)
+
+
+def test_pool_removes_a_retired_target_requeues_its_jobs_and_ignores_its_late_answers():
+    from app.config.schema import PoolConfig
+    from app.messages import ItemMeta, JobSpec
+    from app.pool.control import PoolControl
+    from app.pool.hs_pool import HSPool
+
+    pool = HSPool(PoolConfig(capacity=20, min_ready=1, jobs_in_flight_per_target=2), 1)
+    pool.add_jobs(JobSpec(job_id=i, epoch=0, index=i, bucket=0, seq_indices=(i,), padded_tokens=64, est_bytes=100)
+                  for i in range(6))
+    c = PoolControl(pool)
+    a, b = object(), object()
+    c.add_target(0, a)
+    c.add_target(1, b)
+    held = [c.next_job(0, a).job_id, c.next_job(0, a).job_id]
+    assert sorted(c.remove_target(0)) == sorted(held)  # back to the front of the queue
+    assert c.next_job(0, a) is None and c.stats().targets == [1]
+    assert [c.next_job(1, b).job_id, c.next_job(1, b).job_id] == held  # the next target gets them first
+    # The retired target's late answer is stale (dropped), its death no failure.
+    assert not pool.job_done(0, ItemMeta(held[0], 0, 1, 50, 40, 100, 0, 0.01), object())
+    c.target_died(0, a, held[1], "RayActorError", "killed by the re-split")
+    assert c.failures == [] and c.remove_target(0) == []
+    c.request_stop()
+    c.clear_stop()
+    assert not c.stop_requested

@@ -85,6 +85,17 @@ class PoolControl:
         first = (_lines(error) or [""])[0][:300]
         self.failures.append(TargetFailure(target_id, job_id, f"{error_type}: {first}"))
 
+    def remove_target(self, target_id: int) -> list[int]:
+        """The target leaves the run (a re-split gives its bundle to the drafters): no more jobs for it,
+        the ones it still holds go back to the front of the queue, and a late answer or failure of it
+        is ignored like a replaced incarnation's. Returns the re-queued job ids."""
+        if self._targets.pop(target_id, None) is None:
+            return []
+        self._paused.discard(target_id)
+        ids = self.pool.target_lost(target_id)
+        self.pool.notify()
+        return ids
+
     def pause(self, target_id: int) -> None:
         """Issue no training jobs to this target (it evaluates); the ones it holds finish."""
         self._paused.add(target_id)
@@ -109,6 +120,10 @@ class PoolControl:
 
     def request_stop(self) -> None:
         self.stop_requested = True
+
+    def clear_stop(self) -> None:
+        """The stop was a re-split's checkpoint, not the run's end: the rebuilt group trains on."""
+        self.stop_requested = False
 
     # ---- step records and reports ---------------------------------------------------------
 

@@ -170,7 +170,7 @@ class DrafterGroup:
                           f"{requeued} jobs re-issued ({action.attempt}/{action.budget})")
         self.log(f"{action.reason}; rebuilding the drafter group from {ckpt or 'scratch'}; {requeued} jobs "
                  f"re-issued ({action.attempt}/{action.budget})")
-        bundles = [self.topo.plan.drafter_bundle(r) for r in range(self.topo.plan.num_drafters)]
+        bundles = list(self.topo.drafter_bundles)  # a re-split may have moved bundles between roles
         missing = self.bundles.wait(bundles)
         placed = [b for b in bundles if b not in missing]
         if missing and placed:  # a lost node took GPUs nobody can replace: go on with fewer ranks

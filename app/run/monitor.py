@@ -82,6 +82,7 @@ class RunMonitor:
         # with add_records, add_pool and note. `advisor` (a SplitAdvisor) also puts its advice on the line.
         self.listeners: list = []
         self.advisor = None
+        self.rebalancer = None  # a Rebalancer (app/run/rebalance.py): its word goes on the line; `off` hides the advice
         self.tau_history: list[tuple[int, float]] = []  # (step, tau) of the evaluations during the run
         self.tau_best: tuple[int, float] | None = None
 
@@ -146,6 +147,12 @@ class RunMonitor:
         for listener in self.listeners:
             listener.note(event)
 
+    def resplit_event(self, kind: str, **row) -> None:
+        """A re-split asked for, refused, done or measured: to the listeners that record it (the timeline)."""
+        for listener in self.listeners:
+            if hasattr(listener, "resplit"):
+                listener.resplit(kind, **row)
+
     def add_tau(self, step: int, tau: float) -> bool:
         """An acceptance length measured during the run; True when it beats every earlier one."""
         self.tau_history.append((step, tau))
@@ -172,7 +179,9 @@ class RunMonitor:
             "acked": stats.acked if stats else 0, "total_jobs": stats.total_jobs if stats else 0,
             "bottleneck": bottleneck(self.data_wait_share(), stats.buffered if stats else 0,
                                      stats.capacity_items if stats else 0),
-            "advice": advice.text() if (advice := self.advisor and self.advisor.advice()) else "",
+            "advice": advice.text() if (advice := self.advisor and self.advisor.advice())
+            and (self.rebalancer is None or self.rebalancer.shows_advice) else "",
+            "rebalance": self.rebalancer.status() if self.rebalancer is not None else "",
             # A resumed run may know its best drafter (drafter-best/) before any evaluation of this start.
             **({"tau": (self.tau_history or [self.tau_best])[-1][1], "tau_best": self.tau_best[1]}
                if self.tau_best else {}),
@@ -182,6 +191,7 @@ class RunMonitor:
         v = self.values()
         faults = f" | faults={len(self.events)} last: {self.events[-1]}" if self.events else ""
         advice = f" ({v['advice']})" if v["advice"] else ""
+        advice += f" | {v['rebalance']}" if v["rebalance"] else ""
         tau = f" tau {v['tau']:.2f} (best {self.tau_best[1]:.2f} @{self.tau_best[0]})" if self.tau_best else ""
         return (
             f"step {v['step']} ep {v['epoch']} jobs {v['acked']}/{v['total_jobs']} | loss {v['loss']:.3f} "

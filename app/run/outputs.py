@@ -53,7 +53,8 @@ class RunOutputs:
         if self.evals is not None:
             self.evals.finish(final_step, export_dir)
         out = self.evals.summary() if self.evals is not None else {}
-        return {**out, "split_advice": self.monitor.split_advice()}
+        rebalance = self.monitor.rebalancer.summary() if self.monitor.rebalancer is not None else {}
+        return {**out, "split_advice": self.monitor.split_advice(), **rebalance}
 
     def close(self) -> None:
         """Close the timeline and write report.html (a report that cannot be drawn is a warning, not a failure)."""

@@ -19,7 +19,8 @@ RETRIES = 5  # for idempotent calls only
 BACKOFF_S = 0.5  # the first pause; doubled per retry (0.5 + 1 + 2 + 4 + 8 = 15.5 s at most)
 
 # Calls that change nothing when they run twice: a retry after an unknown outcome is safe.
-IDEMPOTENT = frozenset({"stats", "request_stop", "finish_adding", "pause_target", "resume_target", "set_ranks"})
+IDEMPOTENT = frozenset({"stats", "request_stop", "finish_adding", "pause_target", "resume_target", "set_ranks",
+                        "clear_stop", "remove_target"})
 
 
 class PoolDied(RunFailed):
@@ -68,6 +69,12 @@ class PoolClient:
 
     def request_stop(self) -> None:
         return self._call("request_stop")
+
+    def clear_stop(self) -> None:
+        return self._call("clear_stop")
+
+    def remove_target(self, target_id: int) -> list[int]:
+        return self._call("remove_target", target_id)
 
     def take_eval(self) -> tuple[int, Any] | None:
         return self._call("take_eval")

@@ -213,6 +213,14 @@ class SupervisionPolicy:
     def alive(self) -> list[int]:
         return [t for t, s in self.targets.items() if s.state is TargetState.ALIVE]
 
+    def add_target(self, tid: int) -> None:
+        """A re-split gave the targets a new slot: it is starting, with a fresh restart budget."""
+        self.targets[tid] = _Target(TargetState.STARTING)
+
+    def retire_target(self, tid: int) -> None:
+        """A re-split gave this target's bundle to the drafters: never restarted, late reports ignored."""
+        self.targets[tid].state = TargetState.GIVEN_UP
+
     def restarts(self) -> dict[str, int]:
         return {"target": sum(s.restarts for s in self.targets.values()), "drafter_group": self.group_rebuilds,
                 "pool": self.pool_restarts}

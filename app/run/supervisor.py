@@ -33,6 +33,7 @@ from app.run.final_tau import FinalTau, TauResult
 from app.run.monitor import RunMonitor
 from app.run.plan import RunPlan
 from app.run.pool_client import PoolClient, PoolDied
+from app.run.resplit import Resplitter
 from app.run.supervision import (Fail, GiveUpTarget, KillStalledTarget, PoolFailed, RebuildDrafters, RecreatePool,
                                   RequestStop, RestartTarget, StopSignal, SupervisionPolicy, TargetFailed,
                                   TargetStarted, TargetState, Tick)
@@ -73,6 +74,7 @@ class Supervisor:
         self.pool: PoolClient | None = None
         self.fleet: Targets | None = None
         self.group: DrafterGroup | None = None
+        self.resplit = Resplitter(self, log)  # topology.rebalance=auto: re-splits at a step boundary
 
     @property
     def targets(self) -> dict[int, Any]:
@@ -137,6 +139,9 @@ class Supervisor:
         self.monitor.add_pool(stats)
         if results is not None:
             self._drain_records()  # the last step's reports may land after the results
+            if self.resplit.wants(results):  # the group stopped for a re-split, not for the end
+                self._feed(self.resplit.carry_out())
+                return False
             self._finish(results)
             return True
         self._feed(failed)
@@ -147,6 +152,7 @@ class Supervisor:
             self._feed(TargetFailed(failure.target_id, str(failure)))
         self._feed_all(self.fleet.watch_idle(stats.oldest_in_flight_age_s))
         self._feed(self._tick(stats))
+        self.resplit.observe()
         self._status()
         return False
 
@@ -159,7 +165,7 @@ class Supervisor:
         self._fill_pool(ledger)
         self.seen_failures = 0  # the new pool's failure list starts empty
         self._hand_over_targets()
-        if self.policy.stop_deadline is not None:
+        if self.policy.stop_deadline is not None or self.resplit.stopping is not None:
             self.pool.request_stop()  # the dead pool's stop flag went with it
         self.monitor.note(f"pool died -> recreated from {ckpt.name if ckpt else 'scratch'} "
                           f"({action.attempt}/{action.budget})")

@@ -69,8 +69,23 @@ class Targets:
         """Kill what is left of target `tid` and start a new one in its bundle (its answer comes via poll_starts)."""
         self.kill(tid, forget=True)
         self.pool.report_restart("target")
-        self.wait_bundles([self.topo.plan.target_bundle(tid)], RESTART_BUNDLE_WAIT_S)  # the loop blocks
+        self.wait_bundles([self.topo.target_bundle(tid)], RESTART_BUNDLE_WAIT_S)  # the loop blocks
         self._launch(tid)
+
+    def add(self, tid: int) -> None:
+        """A new target slot (a re-split gave the targets a bundle): start it; its answer comes via poll_starts."""
+        self._launch(tid)
+
+    def retire(self, tid: int) -> None:
+        """Target `tid` leaves the run (a re-split gives its bundle to the drafters): the pool already
+        took it off (`remove_target`, its jobs re-queued); kill it and forget it, pings included."""
+        self.kill(tid, forget=True)
+        pending = self.starting.pop(tid, None)
+        if pending is not None:
+            import ray
+
+            ray.kill(pending.handle, no_restart=True)
+        self.liveness.pop(tid, None)
 
     def kill(self, tid: int, forget: bool) -> None:
         """Kill target `tid`; `forget` drops its handle (given up, or about to be replaced)."""

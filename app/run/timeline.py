@@ -8,7 +8,9 @@ Every row has `k` (its kind) and `t` (wall-clock seconds, so a resumed run conti
   `tau_step`, so each step row says what tau the weights had last shown);
 - `pool`: a pool snapshot, at most every `pool_every_s` (q_hsb, jobs by state, per-target counters);
 - `event`: a fault and what was done about it;
-- `eval`: an acceptance-length measurement during the run (step, tau, per-position acceptance).
+- `eval`: an acceptance-length measurement during the run (step, tau, per-position acceptance);
+- `resplit`, `resplit_refused`, `resplit_done`, `resplit_measured`: an automatic re-split of targets and
+  drafters (app/run/resplit.py), from its decision to its measured gain.
 
 A listener of the RunMonitor (`add_records`, `add_pool`, `note`); lines are flushed at once, so a killed
 driver leaves a readable file (a torn last line is skipped on reading).
@@ -65,6 +67,11 @@ class Timeline:
 
     def note(self, event: str) -> None:
         self._write("event", text=event)
+
+    def resplit(self, kind: str, **row) -> None:
+        """A re-split row: `resplit` (asked for: old/new split, rates, estimated gain), `resplit_refused`,
+        `resplit_done` (the checkpoint it resumed from, the moves) or `resplit_measured` (gain measured)."""
+        self._write(kind, **row)
 
     def evaluation(self, step: int, tau: float, per_pos_accept: list[float], **extra) -> None:
         self._write("eval", step=step, tau=tau, per_pos_accept=list(per_pos_accept), **extra)

@@ -53,12 +53,20 @@ class Topology:
         from app.run.placement import wait_placement
 
         self.cfg, self.plan, self.run_name = cfg, plan, run_name
+        # Which bundle each actor sits in: targets first, then drafters, until a re-split moves a
+        # bundle to the other role (app/run/rebalance.py): the placement group itself never changes.
+        self.target_bundles: dict[int, int] = {i: plan.target_bundle(i) for i in range(plan.num_targets)}
+        self.drafter_bundles: list[int] = [plan.drafter_bundle(r) for r in range(plan.num_drafters)]
         self.pg = placement_group(plan.bundles, strategy=cfg.topology.strategy, name=f"dflash-{run_name}")
         try:
             wait_placement(self.pg, plan.bundles)  # past its timeout: one line (ConfigError), exit 2
         except ConfigError:
             remove_placement_group(self.pg)  # a pending group would keep its claim on the cluster
             raise
+
+    def target_bundle(self, target_id: int) -> int:
+        """The bundle target slot `target_id` sits in."""
+        return self.target_bundles[target_id]
 
     def _strategy(self, bundle: int) -> Any:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -108,11 +116,11 @@ class Topology:
 
         from actors.target import TargetActor, target_concurrency
 
-        topo, bundle = self.cfg.topology, self.plan.bundles[self.plan.target_bundle(i)]
+        topo, bundle = self.cfg.topology, self.plan.bundles[self.target_bundle(i)]
         concurrency = target_concurrency(topo.device, self.plan.use_gpu, self.cfg.pool.jobs_in_flight_per_target)
         return ray.remote(TargetActor).options(
             num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0, max_concurrency=concurrency,
-            scheduling_strategy=self._strategy(self.plan.target_bundle(i)),
+            scheduling_strategy=self._strategy(self.target_bundle(i)),
         ).remote(i, model_dir, layer_ids, self.cfg.model, topo.device if self.plan.use_gpu else "cpu",
                  bundle["CPU"], dataset_ref, faults, self.cfg.checkpoint.dir)
 
@@ -124,7 +132,7 @@ class Topology:
         from actors.drafter import DrafterActor
 
         if bundles is None:
-            bundles = [self.plan.drafter_bundle(r) for r in range(self.plan.num_drafters)]
+            bundles = list(self.drafter_bundles)
         actors = []
         for rank, index in enumerate(bundles):
             bundle = self.plan.bundles[index]
