@@ -19,6 +19,7 @@ BENCHES = {
     "chaos": ("app.bench.chaos", "a run of the given config under outside faults: kills, SIGTERM, pool loss; counts every job"),
     "transport": ("app.bench.transport", "one job's features target -> pool -> drafter staging at 64/160/640 MiB vs memcpy"),
     "gpu": ("app.bench.gpu", "one CUDA GPU: target prefill and drafter step tok/s, MFU, copy overlap, peak memory"),
+    "rebalance": ("app.bench.rebalance", "topology.rebalance auto vs off on a 2:1 injected imbalance: tokens/s over the second half"),
 }
 
 
