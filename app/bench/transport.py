@@ -32,6 +32,7 @@ import numpy as np
 # 5 target layers x 4096 hidden x 2 bytes per token: the default shapes (conf/default.yaml).
 DEFAULT_WIDTH = 5 * 4096
 SIZES_TOKENS = {"64MiB": (1, 1638), "160MiB": (1, 4096), "640MiB": (4, 4096)}  # (sequences, tokens each)
+WARMUP = 2  # jobs per size before the timed ones: a drafter pays its two staging buffers' page faults once per run
 QUICK_SIZES = {"1MiB": (1, 128), "4MiB": (2, 256)}  # at width 4096
 
 
@@ -64,8 +65,10 @@ class TransportProducer:
         self.marks: dict[int, tuple[float, float]] = {}
         self.feature_dtype = feature_dtype
 
-    def ready(self) -> bool:
-        return True
+    def ready(self, populate: bool = False) -> int:
+        from app.training.transfer import populate_object_store
+
+        return populate_object_store() if populate else 0
 
     def forward(self, job):
         from actors.target import batch_nbytes
@@ -100,8 +103,10 @@ class TransportConsumer:
         self.stager = PayloadStager(self.device, torch.bfloat16)
         self.acks: list[int] = []
 
-    def ready(self) -> bool:
-        return True
+    def ready(self, populate: bool = False) -> int:
+        from app.training.transfer import populate_object_store
+
+        return populate_object_store() if populate else 0
 
     def take_one(self, pool, generation: int) -> dict:
         """Pull one item and stage it; returns its job id, bytes and the times (perf_counter, one clock
@@ -145,7 +150,7 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def run_size(ray, label: str, num_seqs: int, seq_len: int, width: int, repeats: int, device: str,
-             verbose: bool = False, feature_dtype: str = "bfloat16") -> dict:
+             verbose: bool = False, feature_dtype: str = "bfloat16", populate: bool = False) -> dict:
     from actors.hs_pool import HSPoolActor, pool_max_concurrency
     from app.config.schema import PoolConfig
     from app.messages import JobSpec
@@ -158,11 +163,11 @@ def run_size(ray, label: str, num_seqs: int, seq_len: int, width: int, repeats: 
                      metrics_every_s=60.0)
     pool = ray.remote(HSPoolActor).options(max_concurrency=pool_max_concurrency(1, 1)).remote(
         cfg, 1, f"bench-transport-{label}", None, 1, 1)
-    ray.get([prod.ready.remote(), cons.ready.remote(), pool.ledger.remote()])
+    ray.get([prod.ready.remote(populate), cons.ready.remote(populate), pool.ledger.remote()])
     ray.get(pool.add_target.remote(0, prod))
     generation = ray.get(pool.generation.remote(0))
     rows = []
-    for i in range(repeats + 1):  # the first is a warm-up: actor imports, first staging buffer
+    for i in range(repeats + WARMUP):  # warm-ups: actor imports, and the stager's two buffers' first use
         job = JobSpec(i, 0, i, 0, tuple(range(num_seqs)), num_seqs * seq_len, bf16_bytes + 2**16)
         taken = cons.take_one.remote(pool, generation)  # waits in its pull, as a drafter does
         ray.get(pool.add_jobs.remote([job]))
@@ -172,7 +177,7 @@ def run_size(ray, label: str, num_seqs: int, seq_len: int, width: int, repeats: 
         ray.kill(actor)
     nbytes = rows[-1]["nbytes"]  # what travelled: features (+ FP8 scales)
     parts: dict[str, list[float]] = {"e2e": [], "produce_seal": [], "fetch": [], "staging": []}
-    for r in rows[1:]:
+    for r in rows[WARMUP:]:
         t0, _ = marks[r["job_id"]]
         parts["e2e"].append(r["staged"] - t0)
         parts["produce_seal"].append(r["pulled"] - t0)
@@ -198,11 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m app.bench transport", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small payloads, few repeats (the tests)")
-    ap.add_argument("--repeats", type=int, default=12, help="timed jobs per size (after one warm-up)")
+    ap.add_argument("--repeats", type=int, default=12, help="timed jobs per size (after the warm-ups)")
     ap.add_argument("--sizes", default="", help="comma list of size labels (default: all)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda (a GPU each for producer and consumer)")
     ap.add_argument("--prefault", choices=("on", "off"), default="on",
                     help="pre-fault the object store at start (Ray's preallocate_plasma_memory)")
+    ap.add_argument("--populate", choices=("on", "off"), default="on",
+                    help="producer and consumer fault their own mapping of the store in at start "
+                         "(app/training/transfer.py populate_object_store)")
     ap.add_argument("--fp8", default="640MiB,4MiB",
                     help="sizes also run with model.feature_dtype=float8_e4m3 (comma list; '' for none)")
     ap.add_argument("--verbose", action="store_true", help="print every job's split")
@@ -221,14 +229,15 @@ def main(argv: list[str] | None = None) -> int:
     system = {"preallocate_plasma_memory": args.prefault == "on"}
     start_own_cluster(num_cpus=4, object_store_memory=store, _system_config=system,
                       **({"num_gpus": 2} if args.device == "cuda" else {}))
-    print(f"payload path, one job at a time, {repeats} timed jobs per size after one warm-up; object store "
-          f"{store / 2**20:.0f} MiB, pre-fault {args.prefault}; device {args.device}; pid {os.getpid()}")
+    print(f"payload path, one job at a time, {repeats} timed jobs per size after {WARMUP} warm-ups; object store "
+          f"{store / 2**20:.0f} MiB, pre-fault {args.prefault}, populate {args.populate}; device {args.device}; pid {os.getpid()}")
     results = []
     runs = [(label, "bfloat16") for label in sizes]
     runs += [(label, "float8_e4m3") for label in args.fp8.split(",") if label in sizes]
     for label, feature_dtype in runs:
         b, s = sizes[label]
-        r = run_size(ray, label, b, s, width, repeats, args.device, args.verbose, feature_dtype)
+        r = run_size(ray, label, b, s, width, repeats, args.device, args.verbose, feature_dtype,
+                     args.populate == "on")
         results.append(r)
         print(f"{label} {feature_dtype}: {r['nbytes'] / 1e6:.0f} MB in transit  e2e median {r['median_gbps']:.2f} GB/s  "
               f"p99 {r['p99_gbps']:.2f} GB/s (p99 {r['p99_e2e_ms']:.0f} ms)  memcpy {r['memcpy_gbps']:.2f} GB/s  "
@@ -244,5 +253,5 @@ def main(argv: list[str] | None = None) -> int:
                    f"{k}_staging_ms={r['staging_ms']:.0f}"]
         if r["feature_dtype"] == "float8_e4m3":
             fields += [f"{k}_mb={r['nbytes'] / 1e6:.0f}", f"{k}_features_gbps={r['features_gbps']:.2f}"]
-    print("RESULT prefault=" + args.prefault + " " + " ".join(fields))
+    print(f"RESULT prefault={args.prefault} populate={args.populate} " + " ".join(fields))
     return 0

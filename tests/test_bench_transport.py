@@ -1,0 +1,27 @@
+"""bench transport runs the real payload path end to end (its own cluster, in a subprocess) and its RESULT
+line carries every size's numbers, FP8 at half the bytes in transit."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_bench_transport_quick_result_line():
+    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
+    env.pop("RAY_ADDRESS", None)
+    out = subprocess.run([sys.executable, "-m", "app.bench", "transport", "--quick", "--sizes", "4MiB", "--fp8", "4MiB",
+                          "--prefault", "off"], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(result) == 1, out.stdout
+    fields = dict(kv.split("=") for kv in result[0].split()[1:])
+    for key in ("4mib_median_gbps", "4mib_p99_gbps", "4mib_ratio", "4mib_memcpy_gbps", "4mib_seal_ms",
+                "4mib_fetch_ms", "4mib_staging_ms", "fp8_4mib_median_gbps", "fp8_4mib_features_gbps"):
+        assert float(fields[key]) >= 0, key
+    assert float(fields["4mib_p99_gbps"]) <= float(fields["4mib_median_gbps"])
+    assert fields["fp8_4mib_mb"] == "2"  # 4 MiB of bf16 features travel as 2 MiB of codes (+ scales)
