@@ -112,3 +112,19 @@ def test_speculators_config_from_the_export_config(run):
     assert "dflash_ray_arch" not in spec["transformer_layer_config"]
     assert spec["transformer_layer_config"]["is_causal"] is False
     assert spec["draft_vocab_size"] == hf["vocab_size"] and spec["target_hidden_size"] == hf["hidden_size"]
+
+
+def test_uri_run_gets_its_speculators_folder_uploaded(run, tmp_path):
+    """A URI checkpoint.dir (file:// here, the same UriStorage path as s3://): the folder is uploaded beside drafter/."""
+    from pathlib import Path
+
+    from app.storage import open_storage
+
+    _, target, export, _, _ = run
+    root = (tmp_path / "bucket").as_uri()
+    location = open_storage(root).upload_dir(Path(export), "drafter", last="config.json")
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(dir=root), drafter=SimpleNamespace(block_size=BLOCK))
+    summary = serving_outputs(cfg, target, location, tau=2.0, log=lambda _: None)
+    spec = json.loads((tmp_path / "bucket" / "drafter-speculators" / "config.json").read_text())
+    assert spec["eagle_aux_hidden_state_layer_ids"] == [1, 3]
+    assert json.loads(shlex.split(summary["serve"]["vllm"])[-1])["model"] == location
