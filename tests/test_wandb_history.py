@@ -61,6 +61,7 @@ def test_offline_file_has_one_row_per_step_and_the_events(tmp_path: Path, monkey
         logger.log(monitor.values())  # the status line: its numbers ride on the next step row
         if i == 2:
             monitor.add_tau(2, 2.25)
+            monitor.add_tau(3, 2.0)  # two land before the logger's next look: each row has the best up to it
             monitor.note("target 1 died -> job re-queued")
             logger.resplit("resplit", old=[5, 3], new=[2, 6], gain=0.4)  # what RunMonitor.resplit_event relays
     logger.finish({"tau_trained": 2.5})
@@ -75,8 +76,9 @@ def test_offline_file_has_one_row_per_step_and_the_events(tmp_path: Path, monkey
         assert set(STEP_KEYS) | {"acc_pos1", "acc_pos2", "acc_pos3"} <= set(row), row
         assert row["tokens"] == 201 and row["ranks"] == 2
     assert steps[-1]["lr"] == pytest.approx(6e-3) and steps[-1]["grad_norm"] == pytest.approx(8.0)
-    assert "status/train_tok_s" in steps[-1]
+    assert "status/train_tok_s" in steps[-1] and "status/loss" not in steps[-1]  # run-level numbers only
+    evals = [(r["eval_step"], r["tau"], r["tau_best"]) for r in history if r.get("event") == "eval"]
+    assert evals == [(2, 2.25, 2.25), (3, 2.0, 2.25)]
     events = {r["event"]: r for r in history if "event" in r}
-    assert events["eval"]["tau"] == 2.25 and events["eval"]["eval_step"] == 2
     assert events["fault"]["event_text"] == "target 1 died -> job re-queued" and events["fault"]["faults_total"] == 1
     assert events["resplit"]["resplit/gain"] == 0.4

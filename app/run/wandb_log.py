@@ -22,6 +22,8 @@ from app.storage import redact
 
 # Keys of every step row (the per-position acceptance adds acc_pos1..acc_pos{B-1}).
 STEP_KEYS = ("step", "epoch", "loss", "accuracy", "accept_len", "lr", "grad_norm", "tokens", "data_wait", "ranks")
+# The status line's run-level numbers a step row carries under `status/` (the rest is in the row itself).
+STATUS_KEYS = ("target_tok_s", "train_tok_s", "data_wait", "buffered", "acked", "total_jobs", "tau", "tau_best")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -75,7 +77,7 @@ class WandbLogger:
         self.monitor, self.resumed_step = monitor, resumed_step
         self.rows = StepRows()
         self.status: dict[str, float] = {}
-        self._taus_seen = 0
+        self._taus_seen, self._best = 0, float("-inf")
         self.faults = 0
         if cfg.wandb_mode == "disabled":
             return
@@ -119,8 +121,8 @@ class WandbLogger:
 
     def log(self, values: dict[str, Any]) -> None:
         """The status-line values: kept, written with the next step row under `status/`."""
-        self.status = {f"status/{k}": v for k, v in values.items()
-                       if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+        self.status = {f"status/{k}": values[k] for k in STATUS_KEYS
+                       if isinstance(values.get(k), (int, float)) and not isinstance(values.get(k), bool)}
         self._taus()
 
     def finish(self, summary: dict[str, Any]) -> None:
@@ -137,10 +139,9 @@ class WandbLogger:
             return
         history = self.monitor.tau_history
         for step, tau in history[self._taus_seen:]:
+            self._best = max(self._best, tau)  # the best up to this evaluation, earlier starts included
             if step > self.resumed_step or self.resumed_step == 0:
-                best = self.monitor.tau_best
-                self._write({"event": "eval", "eval_step": step, "tau": tau,
-                             **({"tau_best": best[1]} if best else {})})
+                self._write({"event": "eval", "eval_step": step, "tau": tau, "tau_best": self._best})
         self._taus_seen = len(history)
 
     def _write(self, row: dict[str, Any]) -> None:
