@@ -20,6 +20,7 @@ BENCHES = {
     "transport": ("app.bench.transport", "one job's features target -> pool -> drafter staging at 64/160/640 MiB vs memcpy"),
     "gpu": ("app.bench.gpu", "one CUDA GPU: target prefill and drafter step tok/s, MFU, copy overlap, peak memory"),
     "rebalance": ("app.bench.rebalance", "topology.rebalance auto vs off on a 2:1 injected imbalance: tokens/s over the second half"),
+    "quality": ("app.bench.quality", "tau per tiny corpus over 3 seeds beside n-gram and untrained drafters, copy shares"),
 }
 
 

@@ -1,0 +1,181 @@
+"""`python -m app.bench quality [--seeds 0,1,2] [--corpora markov,python] [key=value ...]`: what tau means.
+
+For each tiny corpus (`tiny.corpus`: markov, python) the bench builds (or reuses) the tiny target and
+trains the DFlash drafter at one fixed budget (conf/tiny.yaml: 6 epochs) once per seed, in one
+process: the same plan, schedule, trainer and step size (num_drafters x grad_accum jobs per optimizer
+step, summed as the all-reduce sums them) as the Ray run, without the pool's timing-dependent dealing,
+so a seed gives one tau. Every tau comes from `app.model.live_eval.measure_spec` (the run's own tau
+path) on the held-out prompts, except the n-gram reference's, which replays its guesses against the
+target's greedy output (`app.tiny.references.tau_on_greedy`, the same count for a lossless decoder).
+
+Beside the trained drafter, on the same target and prompts:
+- untrained: a fresh drafter with the seed's init (what training adds);
+- ngram: longest-suffix lookup over the training responses (what a table gets without learning);
+- copy shares: generated tokens whose trigram is in the prompt (copy_share) or in the prompt or earlier
+  output (repeat_share): high shares mean a copier scores high here.
+
+RESULT per corpus: tau mean, spread (max - min) and std over the seeds, each seed's tau, tau per
+draft position (mean over seeds), the references, and whether the drafter beats the n-gram table.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository root (app/bench/quality.py)
+# The python corpus's target needs more training than the markov chain's 200 steps to write more than
+# one repeated token (LM loss 3.95 at 200 x 8, 2.37 at 1200 x 16); command-line overrides still win.
+CORPUS_OVERRIDES = {"markov": [], "python": ["tiny.lm_steps=1200", "tiny.lm_batch_size=16"]}
+
+
+def corpus_config(corpus: str, seed: int, run_dir: Path, overrides: list[str] = ()):
+    """conf/tiny.yaml for `corpus`, with the drafter's seeds (init, anchors, schedule) set to `seed`."""
+    from app.config.load import load_config
+
+    return load_config(ROOT / "conf/tiny.yaml", [f"tiny.corpus={corpus}", *CORPUS_OVERRIDES[corpus], f"train.seed={seed}",
+                                                 f"data.seed={seed}", f"pool.seed={seed}", f"checkpoint.dir={run_dir}",
+                                                 *overrides])
+
+
+@dataclass
+class Trained:
+    """One in-process training run: its plan, the frozen target, the trained drafter, and its step losses."""
+
+    plan: Any  # app.run.plan.RunPlan
+    target: Any  # the HF causal LM
+    drafter: Any
+    head: Any
+    arch: Any
+    losses: list[float] = field(default_factory=list)
+
+    def tau(self, cfg) -> tuple[float, list[float]]:
+        return drafter_tau(self.plan, cfg, self.target, self.drafter, self.head, self.arch)
+
+
+def train_in_process(cfg, log=lambda s: None) -> Trained:
+    """The run's training in one process, each optimizer step over the jobs the group's step takes."""
+    from transformers import AutoModelForCausalLM
+
+    from app.data.batching import job_hidden_batch
+    from app.model.build import build_or_load_drafter
+    from app.model.loss import TrainBatch
+    from app.run.plan import plan_run
+    from app.training.trainer import DrafterTrainer
+
+    cpu = torch.device("cpu")
+    plan = plan_run(cfg, on_gpu=False, log=log, progress=False)
+    target = AutoModelForCausalLM.from_pretrained(plan.model_dir, dtype=torch.float32).eval()
+    drafter, head, arch = build_or_load_drafter(plan.model_dir, None, cfg.drafter, plan.layer_ids, plan.mask_token_id,
+                                                cpu, torch.float32, cfg.train.seed)
+    trainer = DrafterTrainer(drafter, head, cfg.drafter, cfg.train, plan.total_steps, cpu, total_jobs=len(plan.jobs))
+    per_step = cfg.topology.num_drafters * cfg.train.grad_accum
+    jobs, losses = list(plan.jobs), []
+    for start in range(0, len(jobs), per_step):
+        for job in jobs[start:start + per_step]:
+            seqs = [plan.dataset.sequence(i) for i in job.seq_indices]
+            with torch.no_grad():
+                hb = job_hidden_batch(target, seqs, job.job_id, plan.layer_ids, cpu)
+            trainer.micro_step(TrainBatch.from_hidden_batch(hb, "cpu", torch.float32), job.job_id)
+        losses.append(trainer.finish_step().loss)
+    return Trained(plan, target, drafter.eval(), head, arch, losses)
+
+
+def spec_for(plan, cfg):
+    from app.model.live_eval import EvalSpec, stop_token
+
+    return EvalSpec(prompts=plan.eval_prompts, drafter=cfg.drafter, eval=cfg.eval, mask_token_id=plan.mask_token_id,
+                    seed=cfg.train.seed, eos_token_id=stop_token(plan.info.eos_token_ids))
+
+
+def drafter_tau(plan, cfg, target, drafter, head, arch) -> tuple[float, list[float]]:
+    """(tau, per-position acceptance) of a drafter on the held-out prompts, by the run's tau path."""
+    from app.model.live_eval import measure_spec, per_position_acceptance
+
+    res = measure_spec(target, drafter, head, arch, spec_for(plan, cfg))
+    if not res.lossless:
+        raise RuntimeError("speculative output differs from greedy on an fp32 CPU target: an acceptance bug")
+    return float(res.tau), per_position_acceptance(res.accepted_per_forward, arch.block_size)
+
+
+def references(plan, cfg, target) -> dict:
+    """The n-gram reference's tau and the copy shares of the target's greedy output (seed-independent)."""
+    from app.model.spec_decode import greedy_reference
+    from app.tiny.references import NgramDrafter, copy_shares, tau_on_greedy
+
+    spec = spec_for(plan, cfg)
+    ngram = NgramDrafter([plan.dataset.sequence(i) for i in range(len(plan.dataset))])
+    forwards = tokens = total = from_prompt = from_context = 0
+    for prompt in spec.prompts[: cfg.eval.num_prompts]:
+        with torch.no_grad():
+            greedy = greedy_reference(target, prompt, cfg.eval.max_new_tokens, spec.eos_token_id)
+        per = tau_on_greedy(ngram, prompt, greedy, cfg.drafter.block_size, cfg.eval.max_new_tokens)
+        forwards, tokens = forwards + len(per), tokens + sum(per)
+        n, p, c = copy_shares(prompt, greedy)
+        total, from_prompt, from_context = total + n, from_prompt + p, from_context + c
+    return {"ngram_tau": tokens / max(forwards, 1), "copy_share": from_prompt / max(total, 1),
+            "repeat_share": from_context / max(total, 1)}
+
+
+def measure_corpus(corpus: str, seeds: list[int], work: Path, overrides: list[str] = (), log=print) -> dict:
+    """Everything RESULT prints for one corpus."""
+    from app.model.build import build_or_load_drafter
+
+    taus, untrained, positions, last_losses, refs = [], [], [], [], None
+    for seed in seeds:
+        cfg = corpus_config(corpus, seed, work / f"{corpus}-{seed}", overrides)
+        run = train_in_process(cfg)
+        tau, per_pos = run.tau(cfg)
+        plan = run.plan
+        fresh, fhead, farch = build_or_load_drafter(plan.model_dir, None, cfg.drafter, plan.layer_ids,
+                                                   plan.mask_token_id, torch.device("cpu"), torch.float32, seed)
+        untrained.append(drafter_tau(plan, cfg, run.target, fresh.eval(), fhead, farch)[0])
+        taus.append(tau)
+        positions.append(per_pos)
+        last_losses.append(run.losses[-1])
+        if refs is None:
+            refs = references(plan, cfg, run.target)
+        log(f"quality {corpus} seed {seed}: tau {tau:.3f} untrained {untrained[-1]:.3f} ngram {refs['ngram_tau']:.3f} "
+            f"loss {run.losses[0]:.3f} -> {run.losses[-1]:.3f} over {len(run.losses)} steps")
+    mean = statistics.fmean(taus)
+    return {"tau_mean": mean, "tau_spread": max(taus) - min(taus),
+            "tau_std": statistics.stdev(taus) if len(taus) > 1 else 0.0, "tau_seeds": taus,
+            "tau_pos": [statistics.fmean(p[k] for p in positions) for k in range(len(positions[0]))],
+            "untrained_tau": statistics.fmean(untrained), "loss_last": statistics.fmean(last_losses), **refs, "beats_ngram": mean > refs["ngram_tau"]}
+
+
+def result_line(results: dict[str, dict]) -> str:
+    parts = []
+    for corpus, r in results.items():
+        parts += [f"{corpus}_tau_mean={r['tau_mean']:.3f}", f"{corpus}_tau_spread={r['tau_spread']:.3f}",
+                  f"{corpus}_tau_std={r['tau_std']:.3f}",
+                  f"{corpus}_tau_seeds={'/'.join(f'{t:.3f}' for t in r['tau_seeds'])}",
+                  f"{corpus}_tau_pos={'/'.join(f'{p:.2f}' for p in r['tau_pos'])}",
+                  f"{corpus}_ngram_tau={r['ngram_tau']:.3f}", f"{corpus}_untrained_tau={r['untrained_tau']:.3f}",
+                  f"{corpus}_loss_last={r['loss_last']:.3f}", f"{corpus}_copy_share={r['copy_share']:.3f}", f"{corpus}_repeat_share={r['repeat_share']:.3f}",
+                  f"{corpus}_beats_ngram={r['beats_ngram']}"]
+    return "RESULT " + " ".join(parts)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m app.bench quality", description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", default="0,1,2", help="drafter seeds (train, data, pool), comma-separated")
+    ap.add_argument("--corpora", default="markov,python", help="tiny corpora, comma-separated")
+    ap.add_argument("overrides", nargs="*", help="key=value config overrides for every run (e.g. train.epochs=6)")
+    args = ap.parse_args(argv)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    torch.set_num_threads(1)  # tiny shapes; on a shared 2-core box more threads run slower
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="bench-quality-") as tmp:
+        for corpus in args.corpora.split(","):
+            results[corpus] = measure_corpus(corpus, seeds, Path(tmp), args.overrides)
+    print(result_line(results))
+    if "python" in results and not results["python"]["beats_ngram"]:
+        print("WARNING: the DFlash drafter does not beat the n-gram reference on the python corpus")
+        return 1
+    return 0
