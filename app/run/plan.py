@@ -165,7 +165,7 @@ def object_store_extras(plan: RunPlan) -> tuple[int, int]:
     from app.pool.budget import eval_offer_bytes
 
     data = plan.dataset
-    dataset = int(data.tokens.nbytes + data.loss_mask.nbytes + data.offsets.nbytes) + int(plan.jobs.nbytes())
+    dataset = int(data.tokens.nbytes + data.loss_mask.nbytes + data.offsets.nbytes) + int(plan.jobs.nbytes)
     evaluating = plan.cfg.eval.every_steps > 0 and bool(plan.eval_prompts)
     weights = 0
     if evaluating:
