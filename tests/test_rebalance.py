@@ -174,3 +174,17 @@ def test_pool_removes_a_retired_target_requeues_its_jobs_and_ignores_its_late_an
     c.request_stop()
     c.clear_stop()
     assert not c.stop_requested
+
+
+def test_simulated_shifting_balance_auto_ends_within_10pct_of_the_best_fixed_split():
+    """The real pool, step loop, advisor and trigger on a virtual clock (app/bench/resplit_sim.py): long
+    sequences first (targets short), short later (drafters short). No fixed split suits both halves."""
+    from app.bench.resplit_sim import compare, shifting_setup
+
+    r = compare(shifting_setup(jobs=1200))
+    assert r["auto_s"] <= 1.10 * r["best_fixed_s"], r
+    assert 1 <= len(r["resplits"]) <= 2, r["resplits"]
+    assert r["resplits"][0][1] == (5, 3) and r["resplits"][0][2][1] > 3  # toward the drafters, once short jobs come
+    assert (r["trained_once"], r["trained_twice"], r["never_trained"]) == (1200, 0, 0)
+    # 5/3 throughout (where auto starts) is slower than auto: the re-split paid.
+    assert r["fixed_s"]["5/3"] > r["auto_s"]

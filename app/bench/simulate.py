@@ -43,6 +43,7 @@ class SimSetup:
     seed: int = 0
     rows: Sequence[float] = ()  # mean query rows of a job per bucket: jobs carry their cost (JobSpec.cost)
     # and the pool deals for it; () = costs unknown to the pool. A job's time scales with its rows.
+    order: Sequence[int] = ()  # the bucket of each job in schedule order; () = the pipeline's interleaving of mix
 
 
 @dataclass
@@ -101,7 +102,7 @@ class _Sim:
         self.rng = random.Random(s.seed)
         self.pool = HSPool(s.pool, len(s.mix), pull_policy=policy, clock=lambda: self.now,
                            ranks=s.ranks, accum=s.accum)
-        self.schedule = schedule_of(s.mix, s.jobs)
+        self.schedule = list(s.order) if s.order else schedule_of(s.mix, s.jobs)
         jit = [self._jit() for _ in self.schedule]
         self.jobs = [JobSpec(i, 0, i, b, (i,), 64, 1, round(s.rows[b] * jit[i]) if s.rows else 0)
                      for i, b in enumerate(self.schedule)]
@@ -110,9 +111,17 @@ class _Sim:
         self.cost = {j.job_id: (job_cost(j) if job_cost else s.drafter_cost[j.bucket]) * jit[j.job_id] for j in self.jobs}
         self.events: list = []
         self.seq = itertools.count()
-        self.target_free = [0.0] * s.targets
+        self.target_free = {t: 0.0 for t in range(s.targets)}  # the live targets (a re-split changes them)
         self.waiting_pulls: list[int] = []  # ranks whose pull is at the pool, in arrival order
+        self.generation = 0  # of the drafter group: messages of an earlier group are dropped
         self.ranks = [_SimRank(self, r) for r in range(s.ranks)]
+        self.stop = False  # rank 0 reads it: the group checkpoints and returns (a re-split's stop)
+        self.trained: set[int] = set()  # job ids of completed steps: the ledger a checkpoint would hold
+        # Hooks for app/bench/resplit_sim.py: each rank's step (rank, job ids, compute s), each landed
+        # job, and the group's end (True: a new group was started, go on).
+        self.on_step: Callable[[int, tuple, float], None] | None = None
+        self.on_land: Callable[[], None] | None = None
+        self.on_end: Callable[[], bool] | None = None
         self.arrivals: dict[str, dict[int, object]] = {}  # collective -> rank -> its value, until all came
         self.optimizer_steps = 0
         self.spans: list[tuple[int, str, float, float]] = []  # (rank, kind, start, end)
@@ -131,7 +140,11 @@ class _Sim:
         self.dispatch()
         for rank in self.ranks:
             rank.runner.resume()
-        while self.events and not all(r.runner.done for r in self.ranks):
+        while True:
+            if all(r.runner.done for r in self.ranks) and not (self.on_end and self.on_end()):
+                break
+            if not self.events:
+                break
             self.now, _, fn, args = heapq.heappop(self.events)
             fn(*args)
             self.serve()
@@ -148,14 +161,17 @@ class _Sim:
     # ---- targets ---------------------------------------------------------------------------
 
     def dispatch(self) -> None:
-        for t in range(self.s.targets):
+        for t in list(self.target_free):
             while (job := self.pool.next_job(t)) is not None:
                 start = max(self.now, self.target_free[t])
-                self.target_free[t] = start + self.s.target_cost[job.bucket] * self._jit()
-                self.at(self.target_free[t], self.land, t, job)
+                cost = self.s.target_cost[job.bucket] * self._jit()
+                self.target_free[t] = start + cost
+                self.at(self.target_free[t], self.land, t, job, cost)
 
-    def land(self, t: int, job: JobSpec) -> None:
-        self.pool.job_done(t, ItemMeta(job.job_id, job.bucket, 1, 64, 64, 1, t, 0.0), None)
+    def land(self, t: int, job: JobSpec, cost: float = 0.0) -> None:
+        self.pool.job_done(t, ItemMeta(job.job_id, job.bucket, 1, 64, 64, 1, t, cost), None)  # stale: dropped
+        if self.on_land:
+            self.on_land()
         if self.pool.producing_finished and not self.t_produced:
             self.t_produced = self.now
         self._track()
@@ -167,7 +183,9 @@ class _Sim:
 
     # ---- pulls and acks --------------------------------------------------------------------
 
-    def pull_arrives(self, rank: int, acks: list[int]) -> None:
+    def pull_arrives(self, rank: int, acks: list[int], generation: int = 0) -> None:
+        if generation != self.generation:
+            return  # sent by a group that is gone (its acks are in the ledger the new group resumed from)
         if acks:
             self.pool.ack(rank, acks)
         self.waiting_pulls.append(rank)
@@ -192,9 +210,9 @@ class _Sim:
         """The reduce or the all-gather: once every rank arrived, all resume now with the result."""
         came = self.arrivals.setdefault(kind, {})
         came[rank] = value
-        if len(came) < self.s.ranks:
+        if len(came) < len(self.ranks):
             return
-        values = [came[r] for r in range(self.s.ranks)]
+        values = [came[r] for r in range(len(self.ranks))]
         del self.arrivals[kind]
         result = values
         if kind == "reduce":
@@ -205,7 +223,10 @@ class _Sim:
 
     def step_done(self, rank: int, done: StepDone) -> None:
         self.pool.record_step(done.step, done.job_ids)  # each rank reports its own jobs, as the actor does
+        if self.on_step:
+            self.on_step(rank, done.job_ids, sum(self.cost[j] for j in done.job_ids))
         if rank == 0:
+            self.trained.update(j for ids in done.gathered for j in ids)
             self.steps.append(bucket_counts((self.jobs[j].bucket for ids in done.gathered for j in ids),
                                             len(self.s.mix)))
             self.step_costs.append([sum(self.cost[j] for j in ids) for ids in done.gathered])
@@ -215,14 +236,19 @@ class _SimRank(QuietHooks):
     """One rank's loop operations on the virtual clock: the blocking ones answer LATER and resume the
     rank's loop from the event heap."""
 
-    def __init__(self, sim: _Sim, rank: int) -> None:
-        self.sim, self.rank = sim, rank
-        self.runner = Runner(RankLoop(LoopConfig(rank, sim.s.ranks, sim.s.accum)), self)
+    def __init__(self, sim: "_Sim", rank: int, world_size: int | None = None, start_step: int = 0) -> None:
+        self.sim, self.rank, self.generation = sim, rank, sim.generation
+        world = sim.s.ranks if world_size is None else world_size
+        self.runner = Runner(RankLoop(LoopConfig(rank, world, sim.s.accum, start_step=start_step)), self)
         self.answer = None  # a delivered pull answer the loop has not awaited yet
         self.wait_from: float | None = None  # the loop awaits since then
 
     def start_pull(self, eff: StartPull) -> None:
-        self.sim.at(self.sim.now + self.sim.s.latency / 2, self.sim.pull_arrives, self.rank, list(eff.acks))
+        self.sim.at(self.sim.now + self.sim.s.latency / 2, self.sim.pull_arrives, self.rank, list(eff.acks),
+                    self.generation)
+
+    def read_stop(self, _) -> bool:
+        return self.sim.stop
 
     def pull_answered(self, _: PullAnswered) -> bool:
         return self.answer is not None

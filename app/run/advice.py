@@ -97,10 +97,14 @@ class SplitAdvisor:
     """
 
     def __init__(self, num_targets: int, num_drafters: int, gpus_per_target: float = 1.0,
-                 gpus_per_drafter: float = 1.0, hold_s: float = 20.0, clock=time.monotonic) -> None:
+                 gpus_per_drafter: float = 1.0, hold_s: float = 20.0, clock=time.monotonic,
+                 half_life_s: float | None = None) -> None:
+        """`half_life_s`: None measures since the start (or the last re-split); a number weighs the
+        samples by recency (halved every `half_life_s`), so a balance that shifts mid-run shows."""
         self.num_targets, self.num_drafters = num_targets, num_drafters
         self.gpus_per_target, self.gpus_per_drafter = gpus_per_target, gpus_per_drafter
-        self.hold_s, self.clock = hold_s, clock
+        self.hold_s, self.clock, self.half_life_s = hold_s, clock, half_life_s
+        self._decayed_at = clock()
         self.rank_steps: dict[int, int] = {}
         self.rank_tokens: dict[int, int] = {}
         self.rank_compute_s: dict[int, float] = {}
@@ -122,6 +126,7 @@ class SplitAdvisor:
 
     def add_records(self, records) -> None:
         """StepRecords (or dicts with rank, tokens, compute_s)."""
+        self._decay()
         for rec in records:
             rank, tokens, compute_s = _get(rec, "rank"), _get(rec, "tokens"), _get(rec, "compute_s")
             seen = self.rank_steps.get(rank, 0)
@@ -133,12 +138,37 @@ class SplitAdvisor:
 
     def add_pool(self, stats) -> None:
         """A PoolStats (or its dict): cumulative tokens, forward seconds and jobs per target."""
-        for key in ("tokens_by_target", "forward_s_by_target", "done_by_target"):
-            self._raw[key] = {int(k): v for k, v in dict(_get(stats, key)).items()}
-        since = {key: {t: v - self._since(key, t, v) for t, v in raw.items()} for key, raw in self._raw.items()}
+        self._decay()
+        prev = self._raw
+        self._raw = {key: {int(k): v for k, v in dict(_get(stats, key)).items()}
+                     for key in ("tokens_by_target", "forward_s_by_target", "done_by_target")}
+        if self.half_life_s is None:
+            since = {key: {t: v - self._since(key, t, v) for t, v in raw.items()} for key, raw in self._raw.items()}
+        else:  # the decayed sums plus what each target did since the last snapshot
+            held = {"tokens_by_target": self.target_tokens, "forward_s_by_target": self.target_forward_s}
+            since = {key: {t: held.get(key, {}).get(t, 0) + v - self._prev(prev, key, t, v) for t, v in raw.items()}
+                     for key, raw in self._raw.items()}
+            since["done_by_target"] = {t: v - self._since("done_by_target", t, v)
+                                       for t, v in self._raw["done_by_target"].items()}
         self.target_tokens, self.target_forward_s = since["tokens_by_target"], since["forward_s_by_target"]
         self.target_jobs = since["done_by_target"]
         self._track()
+
+    def _prev(self, prev: dict, key: str, tid: int, value: float) -> float:
+        last = prev.get(key, {}).get(tid, 0)
+        return last if value >= last else 0
+
+    def _decay(self) -> None:
+        """Recency weights (half_life_s): every sum the rates are made of shrinks with time."""
+        now = self.clock()
+        if self.half_life_s is None or now <= self._decayed_at:
+            self._decayed_at = max(self._decayed_at, now)
+            return
+        f = 0.5 ** ((now - self._decayed_at) / self.half_life_s)
+        self._decayed_at = now
+        for sums in (self.rank_tokens, self.rank_compute_s, self.target_tokens, self.target_forward_s):
+            for k in sums:
+                sums[k] *= f
 
     def _since(self, key: str, tid: int, value: float) -> float:
         base = self._base.get(key, {}).get(tid, 0)
@@ -163,6 +193,11 @@ class SplitAdvisor:
         t = [self.target_tokens[i] / s for i, s in self.target_forward_s.items()
              if s > 0 and self.target_tokens.get(i, 0) > 0]
         d = [self.rank_tokens[r] / s for r, s in self.rank_compute_s.items() if s > 0 and self.rank_tokens.get(r)]
+        if self.half_life_s is not None and t:
+            # Recency-weighted: a target that sat idle lately (the pool was full) keeps an old rate;
+            # the pooled ratio weighs each target by its recent forward time instead.
+            busy = [i for i, s in self.target_forward_s.items() if s > 0]
+            t = [sum(self.target_tokens.get(i, 0) for i in busy) / sum(self.target_forward_s[i] for i in busy)]
         # Median: one restarted or half-idle actor does not drag the estimate.
         return (statistics.median(t) if t else 0.0), (statistics.median(d) if d else 0.0)
 

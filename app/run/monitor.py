@@ -150,8 +150,8 @@ class RunMonitor:
     def resplit_event(self, kind: str, **row) -> None:
         """A re-split asked for, refused, done or measured: to the listeners that record it (the timeline)."""
         for listener in self.listeners:
-            if hasattr(listener, "resplit"):
-                listener.resplit(kind, **row)
+            if hasattr(listener, "resplit_row"):
+                listener.resplit_row(kind, **row)
 
     def add_tau(self, step: int, tau: float) -> bool:
         """An acceptance length measured during the run; True when it beats every earlier one."""

@@ -68,7 +68,7 @@ class Timeline:
     def note(self, event: str) -> None:
         self._write("event", text=event)
 
-    def resplit(self, kind: str, **row) -> None:
+    def resplit_row(self, kind: str, **row) -> None:
         """A re-split row: `resplit` (asked for: old/new split, rates, estimated gain), `resplit_refused`,
         `resplit_done` (the checkpoint it resumed from, the moves) or `resplit_measured` (gain measured)."""
         self._write(kind, **row)
