@@ -13,14 +13,17 @@ from tests.e2e_helpers import run_in_process, summary, trained_counts
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-# Six epochs (204 jobs) so the advice has samples and the new split has a long second half.
-RUN = ["train.epochs=6", "eval.every_steps=0", "checkpoint.every_steps=20", "topology.rebalance=auto",
+# Two epochs (68 jobs): the advice has its samples after ~20 jobs, the new split a long second half.
+# The delays dominate the tiny model's compute (~0.3-0.6 s a micro-batch, ~0.2 s a forward on this loaded
+# CPU), and make one side over 7x slower per actor, so the advised split is an end (7/1 or 1/7) whatever
+# the load: after it there is nothing left to move, whichever way the rates drift.
+RUN = ["train.epochs=2", "eval.every_steps=0", "checkpoint.every_steps=20", "topology.rebalance=auto",
        "topology.rebalance_hold_s=3"]
 
 
 @pytest.mark.parametrize("short, delays", [
-    ("targets", ["faults.target_delay_s=0.6", "faults.drafter_delay_s=0.06"]),
-    ("drafters", ["faults.target_delay_s=0.06", "faults.drafter_delay_s=0.6"]),
+    ("targets", ["faults.target_delay_s=5.0"]),
+    ("drafters", ["faults.drafter_delay_s=2.5"]),
 ])
 def test_auto_resplit_moves_gpus_to_the_short_side_once_and_trains_each_job_once(
         ray_cluster, tmp_path: Path, short: str, delays: list[str]) -> None:

@@ -9,11 +9,11 @@ the second half of each run's training (first to last step row of its timeline),
 if any, has been carried out. Jobs trained are counted from the step log (`trained_twice`,
 `never_trained`), not from the ledger, for both runs.
 
-The imbalance, measured on this project's 2-core CPU box: a tiny forward takes ~0.2 s and a drafter
-micro-batch ~0.33 s under load; with 0.3 s added to each, a target makes ~1.4k tok/s and a drafter
-rank trains ~1.1k, so 5 targets supply about twice what 3 drafters take (2:1). The advisor then names
-4/4 (+33% estimated). `--side targets` adds 1.2 s to each forward instead (targets ~500 tok/s: 3
-drafters take about twice what 5 targets supply) and the advisor names 7/1.
+The imbalance, on this project's 2-core CPU box under load: a tiny forward takes ~0.2 s and a drafter
+micro-batch ~0.4 s. With 0.8 s added to each, a target makes a job per ~1.0 s and a drafter rank
+trains one per ~1.2 s: 5 targets supply 5 jobs/s, 3 drafters take 2.5 (2:1); the advisor names 4/4
+(+33% estimated, the best whole split). `--side targets`: 2.0 s per forward and 0.25 s per micro-batch,
+5 targets supply ~2.3 jobs/s, 3 drafters take ~4.6 (1:2); the advisor names 6/2 or 7/1.
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ COMMON = ["train.epochs=6", "eval.num_prompts=2", "eval.max_new_tokens=16", "eva
           "logging.status_every_s=5", "logging.step_log=true", "checkpoint.every_steps=20",
           "topology.rebalance_hold_s=3"]
 SIDES = {  # the short side's delay is the one that makes the 2:1 imbalance
-    "drafters": ["faults.target_delay_s=0.3", "faults.drafter_delay_s=0.3"],
-    "targets": ["faults.target_delay_s=1.2"],
+    "drafters": ["faults.target_delay_s=0.8", "faults.drafter_delay_s=0.8"],
+    "targets": ["faults.target_delay_s=2.0", "faults.drafter_delay_s=0.25"],
 }
 
 
@@ -95,6 +95,11 @@ def main(argv: list[str]) -> int:
         repeats, rest = int(rest[i + 1]), rest[:i] + rest[i + 2:]
     if side not in SIDES:
         raise ValueError(f"--side {side!r}: choose targets or drafters (the side made short by 2:1)")
+    import os
+
+    from app.ray_cluster import start_own_cluster
+
+    start_own_cluster(num_cpus=max(os.cpu_count() or 1, 8))  # never another cluster on the machine; both runs share it
     results: dict[str, list[dict]] = {"off": [], "auto": []}
     for r in range(repeats):
         for mode in (("off", "auto") if r % 2 == 0 else ("auto", "off")):

@@ -118,13 +118,16 @@ class Resplitter:
             sup.fleet.add(tid)
         split = (len(topo.target_bundles), len(topo.drafter_bundles))
         sup.monitor.advisor.resplit(*split)
-        self.trigger.done(*split, now=sup.clock(), tokens=sup.monitor.train_tokens)
-        self.stopping = None
         sup.monitor.resplit_event("resplit_done", number=rs.number, old=[old_t, old_d], new=list(split),
                                   checkpoint=ckpt.name if ckpt else None, requeued=requeued, moved=moved)
         self.log(f"re-split {old_t}/{old_d} -> {split[0]}/{split[1]} from {ckpt.name if ckpt else 'scratch'}: "
                  f"{'; '.join(moved)}; {requeued} leased jobs re-issued")
-        return group.start(str(ckpt) if ckpt else None, rebuilding=True, bundles=list(topo.drafter_bundles))
+        started = group.start(str(ckpt) if ckpt else None, rebuilding=True, bundles=list(topo.drafter_bundles))
+        # The measured window starts once the new group trains: the rebuild's own time is its cost,
+        # paid once, not the new split's rate (the run's tokens/s in summary.json include it).
+        self.trigger.done(*split, now=sup.clock(), tokens=sup.monitor.train_tokens)
+        self.stopping = None
+        return started
 
     def _measured(self, m: ResplitMeasured) -> None:
         self.sup.monitor.resplit_event("resplit_measured", **m.to_dict())
