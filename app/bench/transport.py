@@ -208,9 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu | cuda (a GPU each for producer and consumer)")
     ap.add_argument("--prefault", choices=("on", "off"), default="on",
                     help="pre-fault the object store at start (Ray's preallocate_plasma_memory)")
-    ap.add_argument("--populate", choices=("on", "off"), default="on",
+    ap.add_argument("--populate", choices=("on", "off", "both"), default="both",
                     help="producer and consumer fault their own mapping of the store in at start "
-                         "(app/training/transfer.py populate_object_store)")
+                         "(app/training/transfer.py populate_object_store); both = each size without (base_*) "
+                         "then with, fresh actors each, side by side in this run")
     ap.add_argument("--fp8", default="640MiB,4MiB",
                     help="sizes also run with model.feature_dtype=float8_e4m3 (comma list; '' for none)")
     ap.add_argument("--verbose", action="store_true", help="print every job's split")
@@ -232,14 +233,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"payload path, one job at a time, {repeats} timed jobs per size after {WARMUP} warm-ups; object store "
           f"{store / 2**20:.0f} MiB, pre-fault {args.prefault}, populate {args.populate}; device {args.device}; pid {os.getpid()}")
     results = []
-    runs = [(label, "bfloat16") for label in sizes]
-    runs += [(label, "float8_e4m3") for label in args.fp8.split(",") if label in sizes]
-    for label, feature_dtype in runs:
+    pops = {"off": [False], "on": [True], "both": [False, True]}[args.populate]
+    runs = [(label, "bfloat16", pop) for label in sizes for pop in pops]
+    runs += [(label, "float8_e4m3", pops[-1]) for label in args.fp8.split(",") if label in sizes]
+    base: dict[str, dict] = {}
+    for label, feature_dtype, pop in runs:
         b, s = sizes[label]
-        r = run_size(ray, label, b, s, width, repeats, args.device, args.verbose, feature_dtype,
-                     args.populate == "on")
-        results.append(r)
-        print(f"{label} {feature_dtype}: {r['nbytes'] / 1e6:.0f} MB in transit  e2e median {r['median_gbps']:.2f} GB/s  "
+        r = run_size(ray, label, b, s, width, repeats, args.device, args.verbose, feature_dtype, pop)
+        if args.populate == "both" and not pop:
+            base[label] = r
+        else:
+            results.append(r)
+        print(f"{label} {feature_dtype} populate {'on' if pop else 'off'}: {r['nbytes'] / 1e6:.0f} MB in transit  e2e median {r['median_gbps']:.2f} GB/s  "
               f"p99 {r['p99_gbps']:.2f} GB/s (p99 {r['p99_e2e_ms']:.0f} ms)  memcpy {r['memcpy_gbps']:.2f} GB/s  "
               f"ratio {r['ratio']:.3f}  features (bf16 bytes) {r['features_gbps']:.2f} GB/s  "
               f"split ms: produce+seal {r['produce_seal_ms']:.1f} fetch {r['fetch_ms']:.1f} staging {r['staging_ms']:.1f}")
@@ -253,5 +258,10 @@ def main(argv: list[str] | None = None) -> int:
                    f"{k}_staging_ms={r['staging_ms']:.0f}"]
         if r["feature_dtype"] == "float8_e4m3":
             fields += [f"{k}_mb={r['nbytes'] / 1e6:.0f}", f"{k}_features_gbps={r['features_gbps']:.2f}"]
+        elif r["label"] in base:  # the same size without populate, measured just before in this run
+            b0 = base[r["label"]]
+            fields += [f"base_{k}_median_gbps={b0['median_gbps']:.2f}", f"base_{k}_p99_gbps={b0['p99_gbps']:.2f}",
+                       f"base_{k}_ratio={b0['ratio']:.3f}", f"{k}_p99_over_median={r['p99_e2e_ms'] / r['e2e_ms']:.2f}",
+                       f"base_{k}_p99_over_median={b0['p99_e2e_ms'] / b0['e2e_ms']:.2f}"]
     print(f"RESULT prefault={args.prefault} populate={args.populate} " + " ".join(fields))
     return 0
