@@ -1,5 +1,5 @@
 """bench transport runs the real payload path end to end (its own cluster, in a subprocess) and its RESULT
-line carries every size's numbers, FP8 at half the bytes in transit."""
+line carries every size's numbers, FP8 at half the bytes in transit; the store pre-fault's choice of mappings."""
 from __future__ import annotations
 
 import os
@@ -25,3 +25,14 @@ def test_bench_transport_quick_result_line():
         assert float(fields[key]) >= 0, key
     assert float(fields["4mib_p99_gbps"]) <= float(fields["4mib_median_gbps"])
     assert fields["fp8_4mib_mb"] == "2"  # 4 MiB of bf16 features travel as 2 MiB of codes (+ scales)
+
+
+def test_populate_object_store_touches_only_shared_memory_plasma_mappings(tmp_path):
+    """The store pre-fault reads /proc/self/maps: no plasma mapping (or a disk-backed one) -> nothing done."""
+    from app.training.transfer import populate_object_store
+
+    maps = tmp_path / "maps"
+    maps.write_text("7f0000000000-7f0000001000 rw-s 00000000 00:1b 1 /tmp/ray/plasma_fallback (deleted)\n"
+                    "7f0000002000-7f0000003000 r-xp 00000000 00:1b 2 /usr/lib/libc.so.6\n")
+    assert populate_object_store(str(maps)) == 0
+    assert populate_object_store(str(tmp_path / "missing")) == 0

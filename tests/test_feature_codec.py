@@ -124,3 +124,4 @@ def test_fp8_chunked_codec_equals_one_chunk(monkeypatch):
     chunked = codec.encode_fp8(x)
     assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
     assert torch.equal(codec.decode_fp8(*chunked, torch.bfloat16), codec.decode_fp8(*whole, torch.bfloat16))
+

@@ -108,7 +108,8 @@ def populate_object_store(maps_path: str = "/proc/self/maps") -> int:
 
     try:
         with open(maps_path) as f:
-            ranges = [line.split()[0] for line in f if "plasma" in line and "rw-s" in line]
+            # Shared memory only: populating a disk-backed fallback mapping for write would dirty its pages.
+            ranges = [line.split()[0] for line in f if "/dev/shm/plasma" in line and "rw-s" in line]
     except OSError:
         return 0
     if not ranges:
