@@ -36,3 +36,23 @@ def test_populate_object_store_touches_only_shared_memory_plasma_mappings(tmp_pa
                     "7f0000002000-7f0000003000 r-xp 00000000 00:1b 2 /usr/lib/libc.so.6\n")
     assert populate_object_store(str(maps)) == 0
     assert populate_object_store(str(tmp_path / "missing")) == 0
+
+
+def test_populate_object_store_faults_in_a_shared_memory_plasma_mapping():
+    """A /dev/shm mapping named as Ray names its store is populated whole, and its contents are kept."""
+    import mmap
+    import tempfile
+    from pathlib import Path
+
+    from app.training.transfer import populate_object_store
+
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm")
+    with tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="plasma") as f:
+        f.truncate(1 << 20)
+        with mmap.mmap(f.fileno(), 1 << 20, mmap.MAP_SHARED) as m:
+            m[:5] = b"hello"
+            done = populate_object_store()
+            if done == 0:
+                pytest.skip("madvise(MADV_POPULATE_WRITE) unsupported (Linux < 5.14)")
+            assert done >= 1 << 20 and m[:5] == b"hello" and m[6] == 0
