@@ -14,7 +14,7 @@ import dataclasses
 from collections import Counter
 from collections.abc import Sequence
 
-from app.bench.simulate import SimSetup, _Sim, _SimRank
+from app.bench.simulate import SimSetup, Simulation, SimRank
 from app.run.advice import SplitAdvisor
 from app.run.rebalance import Rebalancer
 
@@ -32,7 +32,7 @@ def shifting_setup(jobs: int = 1200, targets: int = 5, ranks: int = 3, seed: int
 
 def run_fixed(setup: SimSetup, targets: int, ranks: int) -> float:
     """The virtual seconds the whole schedule takes on one split."""
-    sim = _Sim(dataclasses.replace(setup, targets=targets, ranks=ranks), None, None)
+    sim = Simulation(dataclasses.replace(setup, targets=targets, ranks=ranks), None, None)
     sim.run()
     return sim.now
 
@@ -40,7 +40,7 @@ def run_fixed(setup: SimSetup, targets: int, ranks: int) -> float:
 class _Auto:
     """The supervisor's re-split, on the simulation: the advisor and the trigger fed its steps and pool."""
 
-    def __init__(self, sim: _Sim, hold_s: float, min_gain: float, max_rebalances: int, cost_s: float,
+    def __init__(self, sim: Simulation, hold_s: float, min_gain: float, max_rebalances: int, cost_s: float,
                  half_life_s: float | None) -> None:
         self.sim, self.cost_s = sim, cost_s
         t, d = len(sim.target_free), len(sim.ranks)
@@ -84,7 +84,7 @@ class _Auto:
         sim.generation += 1
         sim.waiting_pulls.clear()
         step = max((r.runner.outcome.steps for r in sim.ranks), default=0)
-        sim.ranks = [_SimRank(sim, r, new_d, step) for r in range(new_d)]
+        sim.ranks = [SimRank(sim, r, new_d, step) for r in range(new_d)]
         sim.stop, self.pending = False, None
         self.splits.append((sim.now, rs.old, rs.new))
         self.advisor.resplit(new_t, new_d)
@@ -99,7 +99,7 @@ def run_auto(setup: SimSetup, hold_s: float = 20.0, min_gain: float = 0.15, max_
              cost_s: float = 10.0, half_life_s: float | None = 10.0) -> tuple[float, list, Counter]:
     """(virtual seconds, re-splits as (time, old, new), times each job was trained) with rebalance=auto.
     A stop's last step is kept (the checkpoint holds it), so no job should be trained twice."""
-    sim = _Sim(setup, None, None)
+    sim = Simulation(setup, None, None)
     auto = _Auto(sim, hold_s, min_gain, max_rebalances, cost_s, half_life_s)
     sim.run()
     return sim.now, auto.splits, auto.trained

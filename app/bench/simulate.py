@@ -93,10 +93,12 @@ def schedule_of(mix: Sequence[int], jobs: int) -> list[int]:
 def simulate(setup: SimSetup, policy: str | PullPolicy | None = None,
              job_cost: Callable[[JobSpec], float] | None = None) -> SimResult:
     """Run the whole schedule through the pool; `job_cost` (default: by bucket) is a job's drafter cost."""
-    return _Sim(setup, policy, job_cost).run()
+    return Simulation(setup, policy, job_cost).run()
 
 
-class _Sim:
+class Simulation:
+    """The event heap, the pool, the targets and the ranks of one simulated run (see the module docstring)."""
+
     def __init__(self, s: SimSetup, policy, job_cost) -> None:
         self.s, self.now = s, 0.0
         self.rng = random.Random(s.seed)
@@ -114,7 +116,7 @@ class _Sim:
         self.target_free = {t: 0.0 for t in range(s.targets)}  # the live targets (a re-split changes them)
         self.waiting_pulls: list[int] = []  # ranks whose pull is at the pool, in arrival order
         self.generation = 0  # of the drafter group: messages of an earlier group are dropped
-        self.ranks = [_SimRank(self, r) for r in range(s.ranks)]
+        self.ranks = [SimRank(self, r) for r in range(s.ranks)]
         self.stop = False  # rank 0 reads it: the group checkpoints and returns (a re-split's stop)
         self.trained: set[int] = set()  # job ids of completed steps: the ledger a checkpoint would hold
         # Hooks for app/bench/resplit_sim.py: each rank's step (rank, job ids, compute s), each landed
@@ -232,11 +234,11 @@ class _Sim:
             self.step_costs.append([sum(self.cost[j] for j in ids) for ids in done.gathered])
 
 
-class _SimRank(QuietHooks):
+class SimRank(QuietHooks):
     """One rank's loop operations on the virtual clock: the blocking ones answer LATER and resume the
     rank's loop from the event heap."""
 
-    def __init__(self, sim: "_Sim", rank: int, world_size: int | None = None, start_step: int = 0) -> None:
+    def __init__(self, sim: "Simulation", rank: int, world_size: int | None = None, start_step: int = 0) -> None:
         self.sim, self.rank, self.generation = sim, rank, sim.generation
         world = sim.s.ranks if world_size is None else world_size
         self.runner = Runner(RankLoop(LoopConfig(rank, world, sim.s.accum, start_step=start_step)), self)
