@@ -29,60 +29,74 @@ def private_tmp(tmp_path: Path, monkeypatch) -> Path:
     return cache_root()
 
 
+@pytest.fixture(scope="module")
+def s3():
+    pytest.importorskip("moto", reason="moto[server] is a dev dependency (pip install -e .[dev])")
+    from tests.s3_server import start_s3_server, use_test_credentials
+
+    use_test_credentials()
+    server, s3 = start_s3_server()
+    yield s3
+    server.stop()
+
+
 def _copies(root: Path, name: str) -> int:
     return sum(1 for _ in root.rglob(name))
 
 
 # ---- (a) temp disk ------------------------------------------------------------------------------------
 
-def _tiny_drafter(seed: int):
+def _tiny_drafter(seed: int, layers: int = 1):
     from app.model.drafter import DFlashDrafter
     from tests.toy import tiny_arch, tiny_qwen3_config
 
     torch.manual_seed(seed)
-    arch = tiny_arch(tiny_qwen3_config(), num_layers=1, block_size=4, target_layer_ids=(0, 2), mask_token_id=7)
+    arch = tiny_arch(tiny_qwen3_config(), num_layers=layers, block_size=4, target_layer_ids=(0, 2), mask_token_id=7)
     return DFlashDrafter(arch).eval(), arch
 
 
-def _upload_export(tmp_path: Path, uri: str, seed: int) -> dict:
+def _upload_export(tmp_path: Path, uri: str, seed: int, layers: int = 1) -> dict:
     """Export a drafter and upload it to `<uri>/drafter` as the driver does (in place, config.json last)."""
     from app.model.export import export_drafter
     from app.storage import open_storage
 
-    drafter, arch = _tiny_drafter(seed)
+    drafter, arch = _tiny_drafter(seed, layers)
     local = export_drafter(drafter, arch, tmp_path / f"export-{seed}")
     open_storage(uri).upload_dir(local, "drafter", last="config.json")
     return {k: v.clone() for k, v in drafter.state_dict().items()}
 
 
-def test_loading_a_uri_export_again_reuses_its_one_copy(tmp_path: Path, private_tmp: Path) -> None:
+def test_loading_a_uri_export_again_reuses_its_one_copy(s3, tmp_path: Path, private_tmp: Path) -> None:
     """(a) `load_drafter` on a URI copied the whole export into a fresh folder on every call, never
     removed (three loads: three copies). Now one copy, reused while the remote files are unchanged and
-    replaced when the export is rewritten (the weights loaded are the new ones, still one copy)."""
+    replaced when the export is rewritten (the weights loaded are the new ones, still one copy). The copy
+    is checked against the remote listing (keys, sizes, mtimes); S3 keeps mtimes in whole seconds, so the
+    rewrite here is one of another size, as a same-size one within the same second would look unchanged."""
     from app.model.export import load_drafter
+    from app.storage import open_storage
 
-    uri = f"file://{tmp_path / 'bucket' / 'run'}"
+    uri = s3.uri("export-reuse")
     first = _upload_export(tmp_path, uri, seed=1)
     for _ in range(3):
-        drafter, _ = load_drafter(f"{uri}/drafter")
+        drafter, _ = load_drafter(open_storage(uri).location("drafter"))
     assert _copies(private_tmp, "model.safetensors") == 1
     assert all(torch.equal(drafter.state_dict()[k], v) for k, v in first.items())
 
-    second = _upload_export(tmp_path, uri, seed=2)
-    drafter, _ = load_drafter(f"{uri}/drafter")
-    assert any(not torch.equal(second[k], first[k]) for k in first)
+    second = _upload_export(tmp_path, uri, seed=2, layers=2)
+    drafter, _ = load_drafter(open_storage(uri).location("drafter"))
+    assert len(second) > len(first)
     assert all(torch.equal(drafter.state_dict()[k], v) for k, v in second.items())
     assert _copies(private_tmp, "model.safetensors") == 1
 
 
-def test_only_the_newest_checkpoint_versions_stay_cached(tmp_path: Path, private_tmp: Path) -> None:
+def test_only_the_newest_checkpoint_versions_stay_cached(s3, private_tmp: Path) -> None:
     """(a) every checkpoint version a node loaded stayed in its cache (five resumes: five copies of the
     weights and optimizer). Now at most KEEP_VERSIONS per run root, the newest loaded ones, and a
     checkpoint loaded twice is downloaded once."""
     from app.local_cache import KEEP_VERSIONS
     from app.training.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 
-    uri = f"file://{tmp_path / 'bucket' / 'run'}"
+    uri = s3.uri("versions")
     for step in range(1, 6):
         save_checkpoint(uri, TrainState(step=step, epoch=0, ledger=[step], drafter={"w": torch.full((4,), step)}),
                         keep=10)
