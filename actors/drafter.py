@@ -325,8 +325,6 @@ class DrafterActor:
 
     def export(self) -> str:
         """Rank 0: the drafter as an HF folder at `<checkpoint.dir>/drafter` (uploaded when a URI)."""
-        import tempfile
-
         from app.model.export import export_drafter, export_dtype, publish_export
         from app.storage import is_uri, open_storage
 
@@ -336,9 +334,10 @@ class DrafterActor:
                 export_drafter(self.trainer.drafter, self.arch, tmp, dtype=dtype)
 
             return str(publish_export(os.path.join(root, "drafter"), write))
-        with tempfile.TemporaryDirectory() as tmp:
+        store = open_storage(root)
+        with store.scratch("drafter") as tmp:  # in this user's cache root, where a SIGKILL's leftover is cleaned
             export_drafter(self.trainer.drafter, self.arch, tmp, dtype=dtype)
-            return open_storage(root).upload_dir(Path(tmp), "drafter", last="config.json")
+            return store.upload_dir(tmp, "drafter", last="config.json")
 
     def weights_checksum(self) -> float:
         with torch.no_grad():

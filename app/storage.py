@@ -25,6 +25,8 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -114,6 +116,16 @@ class Storage:
     def publish(self, staged: Path, name: str) -> str:
         """Make the staged folder the entry `name`, atomically; returns its location. Consumes `staged`."""
         raise NotImplementedError
+
+    @contextmanager
+    def scratch(self, name: str) -> Iterator[Path]:
+        """A staging folder (`stage`) for files of `name` that are uploaded, not published (the export),
+        removed on exit; where a SIGKILL leaves it, the next process's start removes it (app/local_cache.py)."""
+        tmp = self.stage(name)
+        try:
+            yield tmp
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def entries(self, prefix: str) -> list[Entry]:
         """Published entries whose name starts with `prefix` (unordered)."""

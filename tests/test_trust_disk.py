@@ -110,18 +110,20 @@ def test_only_the_newest_checkpoint_versions_stay_cached(s3, private_tmp: Path) 
 
 def test_a_sigkilled_stager_s_folder_is_removed_on_the_next_start(tmp_path: Path, private_tmp: Path) -> None:
     """(a) a process killed mid-save (SIGKILL: no finally runs) left its staging folder in the cache
-    forever. The next process that stages or downloads removes it; a live process's staging, a planted
-    symlink's target and other folders stay."""
+    forever (the export's upload folder too, in /tmp). The next process that stages or downloads removes
+    them; a live process's staging, a planted symlink's target and other folders stay."""
     from app import local_cache
 
     uri = f"file://{tmp_path / 'bucket' / 'run'}"
-    code = ("import os, signal, sys; from app.storage import open_storage; "
-            f"p = open_storage({uri!r}).stage('ckpt-00000007'); (p / 'drafter.safetensors').write_bytes(b'x' * 1000); "
-            "print(p, flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+    code = ("import os, signal; from app.storage import open_storage\n"
+            f"store = open_storage({uri!r})\n"
+            "p = store.stage('ckpt-00000007'); (p / 'drafter.safetensors').write_bytes(b'x' * 1000); print(p)\n"
+            "with store.scratch('drafter') as q:  # the export's folder before its upload\n"
+            "    (q / 'model.safetensors').write_bytes(b'x' * 1000); print(q, flush=True); os.kill(os.getpid(), 9)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=os.environ)
     assert out.returncode == -9, out.stderr
-    dead = Path(out.stdout.strip())
-    assert dead.parent == private_tmp and dead.is_dir()  # what the kill left behind
+    left = [Path(line) for line in out.stdout.split()]
+    assert len(left) == 2 and all(p.parent == private_tmp and p.is_dir() for p in left)  # what the kill left behind
 
     mine = local_cache.owned_tmp("stage-ckpt-00000008-", private_tmp)  # this (live) process's staging
     outside = tmp_path / "precious"
@@ -130,7 +132,7 @@ def test_a_sigkilled_stager_s_folder_is_removed_on_the_next_start(tmp_path: Path
     (private_tmp / f"stage-x-1@{__import__('socket').gethostname()}-abcdefgh").symlink_to(outside)
     (private_tmp / "run-0123456789ab").mkdir()  # a run's own cache folder
     removed = local_cache.clean_stale(private_tmp)
-    assert dead.name in removed and not dead.exists()
+    assert all(p.name in removed and not p.exists() for p in left)
     assert mine.is_dir() and (outside / "keep.txt").read_text() == "keep"
     assert (private_tmp / "run-0123456789ab").is_dir()
     assert not any(p.is_symlink() for p in private_tmp.iterdir())

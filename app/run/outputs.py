@@ -114,7 +114,6 @@ def _write_speculators(root: str, export_dir: str, model_dir: str) -> str:
     """The speculators-format folder `<root>/drafter-speculators`, published as the export is (atomic
     locally, config.json last on a URI)."""
     import os
-    import tempfile
 
     from app.model.export import publish_export
     from app.model.serving import SPECULATORS_DIR, write_speculators
@@ -124,6 +123,7 @@ def _write_speculators(root: str, export_dir: str, model_dir: str) -> str:
         return str(publish_export(os.path.join(root, SPECULATORS_DIR),
                                   lambda tmp: write_speculators(export_dir, tmp, model_dir)))
     local = fetch_dir(export_dir, cache=False)
-    with tempfile.TemporaryDirectory() as tmp:
+    store = open_storage(root)
+    with store.scratch(SPECULATORS_DIR) as tmp:  # in this user's cache root: a SIGKILL's leftover is cleaned
         write_speculators(local, tmp, model_dir)
-        return open_storage(root).upload_dir(Path(tmp), SPECULATORS_DIR, last="config.json")
+        return store.upload_dir(tmp, SPECULATORS_DIR, last="config.json")
