@@ -188,3 +188,11 @@ def test_simulated_shifting_balance_auto_ends_within_10pct_of_the_best_fixed_spl
     assert (r["trained_once"], r["trained_twice"], r["never_trained"]) == (1200, 0, 0)
     # 5/3 throughout (where auto starts) is slower than auto: the re-split paid.
     assert r["fixed_s"]["5/3"] > r["auto_s"]
+
+
+def test_report_marks_each_resplit_on_the_time_axis_and_in_the_events_table():
+    from app.run.report import render
+
+    rows = [{"k": "run", "t": 0.0, "num_targets": 5, "num_drafters": 3},
+            {"k": "resplit_done", "t": 5.0, "old": [5, 3], "new": [7, 1]}]
+    assert "re-split 5/3 -&gt; 7/1 targets/drafters" in render(rows, {})

@@ -42,6 +42,8 @@ def render(rows: list[dict], summary: dict, title: str = "run") -> str:
     matplotlib.use("Agg")  # no display on a cluster node; must precede pyplot
     t0 = min((r["t"] for r in rows), default=0.0)
     events = [(r["t"] - t0, r["text"]) for r in rows if r["k"] == "event"]
+    events += [(r["t"] - t0, f"re-split {r['old'][0]}/{r['old'][1]} -> {r['new'][0]}/{r['new'][1]} targets/drafters")
+               for r in rows if r["k"] == "resplit_done"]  # topology.rebalance=auto (app/run/resplit.py)
     starts = [r["t"] - t0 for r in rows if r["k"] == "run"][1:]  # resumes: the first start is t=0
     sections = {
         "loss": ("Loss and accuracy over steps", _plot_loss(rows)),
@@ -95,7 +97,7 @@ def _legend_outside(ax) -> None:
 def _time_marks(ax, events, starts) -> None:
     """Faults (red) and driver restarts/resumes (gray) on a time axis."""
     for i, (t, _) in enumerate(events):
-        ax.axvline(t, color="red", lw=1, ls="--", label="fault / restart" if i == 0 else None)
+        ax.axvline(t, color="red", lw=1, ls="--", label="fault / restart / re-split" if i == 0 else None)
     for i, t in enumerate(starts):
         ax.axvline(t, color="gray", lw=1, ls=":", label="driver resumed" if i == 0 else None)
 
