@@ -42,6 +42,7 @@ def test_bpe_tokenizer_keeps_the_tiny_special_ids_and_round_trips(corpus):
     assert train_tokenizer(corpus[0][:40], 400).backend_tokenizer.to_str() == tok.backend_tokenizer.to_str()
 
 
+@pytest.mark.slow  # a whole (small) build: BPE training, 5 target steps, generation (~10-30 s on 2 cores)
 def test_python_corpus_build_loads_and_its_data_are_greedy_continuations(tmp_path, corpus):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
