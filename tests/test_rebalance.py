@@ -196,3 +196,17 @@ def test_report_marks_each_resplit_on_the_time_axis_and_in_the_events_table():
     rows = [{"k": "run", "t": 0.0, "num_targets": 5, "num_drafters": 3},
             {"k": "resplit_done", "t": 5.0, "old": [5, 3], "new": [7, 1]}]
     assert "re-split 5/3 -&gt; 7/1 targets/drafters" in render(rows, {})
+
+
+def test_advice_of_a_finished_run_starts_from_its_last_split():
+    from app.run.advice import advise_from_timeline
+
+    rows = [{"k": "run", "num_targets": 5, "num_drafters": 3}]
+    rows += [{"k": "step", "rank": r, "tokens": 100, "compute_s": 1.0} for _ in range(8) for r in range(3)]
+    rows.append({"k": "resplit_done", "old": [5, 3], "new": [7, 1]})
+    rows += [{"k": "step", "rank": 0, "tokens": 800, "compute_s": 1.0} for _ in range(8)]
+    rows.append({"k": "pool", "tokens_by_target": {str(t): 500 for t in range(7)},
+                 "forward_s_by_target": {str(t): 5.0 for t in range(7)}, "done_by_target": {str(t): 5 for t in range(7)}})
+    est = advise_from_timeline(rows)
+    assert (est.current_targets, est.current_drafters) == (7, 1)
+    assert est.drafter_tok_s == 800.0  # only the new group's steps

@@ -265,5 +265,7 @@ def advise_from_timeline(rows: list[dict]) -> SplitAdvice | None:
             last_pool = row
         elif row.get("k") == "step":
             advisor.add_records([row])
+        elif row.get("k") == "resplit_done":  # the run changed its split: the drafter ranks count afresh
+            advisor.resplit(*row["new"])
     advisor.add_pool(totals)
     return advisor.estimate(stable=advisor.enough_samples())
