@@ -291,7 +291,8 @@ def test_the_eval_offer_size_is_the_drafter_s_float32_state_dict(tmp_path: Path)
 
     import numpy as np
 
-    from app.config.schema import DrafterConfig
+    from app.config.schema import DataConfig, DrafterConfig
+    from app.data.schedule import ScheduledJobs, epoch_jobs
     from app.model.arch import DrafterArch
     from app.model.build import drafter_state_bytes
     from app.model.drafter import DFlashDrafter
@@ -309,12 +310,14 @@ def test_the_eval_offer_size_is_the_drafter_s_float32_state_dict(tmp_path: Path)
 
     data = SimpleNamespace(tokens=np.zeros(1000, np.int32), loss_mask=np.zeros(1000, np.uint8),
                            offsets=np.zeros(11, np.int64))
-    plan = SimpleNamespace(dataset=data, jobs=SimpleNamespace(nbytes=lambda: 500), eval_prompts=[[1, 2]],
+    jobs = ScheduledJobs([epoch_jobs(np.array([50, 60, 70]), DataConfig(), 0)])  # the real schedule type
+    plan = SimpleNamespace(dataset=data, jobs=jobs, eval_prompts=[[1, 2]],
                            model_dir=str(tmp_path), layer_ids=[0, 2], mask_token_id=7,
                            cfg=SimpleNamespace(drafter=dcfg, eval=SimpleNamespace(every_steps=100)))
-    assert object_store_extras(plan) == (4000 + 1000 + 88 + 500, EVAL_COPIES * real)
+    assert jobs.nbytes > 0
+    assert object_store_extras(plan) == (4000 + 1000 + 88 + jobs.nbytes, EVAL_COPIES * real)
     plan.cfg.eval.every_steps = 0
-    assert object_store_extras(plan) == (5588, 0)
+    assert object_store_extras(plan) == (5088 + jobs.nbytes, 0)
 
 
 # ---- (d) transient object-store errors are retried --------------------------------------------------------
