@@ -210,3 +210,10 @@ def test_advice_of_a_finished_run_starts_from_its_last_split():
     est = advise_from_timeline(rows)
     assert (est.current_targets, est.current_drafters) == (7, 1)
     assert est.drafter_tok_s == 800.0  # only the new group's steps
+
+
+def test_a_bare_off_is_off_although_yaml_reads_it_as_a_boolean():
+    from app.config.load import load_config
+
+    cfg = load_config("conf/tiny.yaml", ["topology.rebalance=off"])
+    assert cfg.topology.rebalance == "off"

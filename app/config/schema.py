@@ -119,6 +119,8 @@ class TopologyConfig:
             at_least(key, value, 0, "a reservation cannot be negative")
         one_of("topology.device", self.device, ("auto", "cuda", "cpu"))
         one_of("topology.strategy", self.strategy, ("PACK", "SPREAD"))
+        if str(self.rebalance).lower() == "false":  # YAML 1.1 reads a bare `off` as a boolean (False)
+            object.__setattr__(self, "rebalance", "off")
         one_of("topology.rebalance", self.rebalance, ("off", "advise", "auto"))
         finite("topology.rebalance_hold_s", self.rebalance_hold_s, "give seconds, e.g. 20")
         at_least("topology.rebalance_hold_s", self.rebalance_hold_s, 0, "a hold time cannot be negative")
