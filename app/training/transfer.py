@@ -69,7 +69,10 @@ class PayloadStager:
             warnings.simplefilter("ignore", UserWarning)
             src = torch.from_numpy(hidden_np)
         host = buf[: hidden_np.nbytes].view(src.dtype).view(src.shape)
-        host.copy_(src)  # pageable (object store) -> pinned, on this thread
+        # pageable (object store) -> pinned, on this thread. numpy's copy, not torch's copy_: measured on the
+        # same 640 MiB, warm, one thread, np.copyto ran at 10.5 GB/s and Tensor.copy_ at 7.0 (int16; uint16 at
+        # 0.85), and a second thread did not pay (python -m app.bench transport times this step as staging).
+        np.copyto(host.numpy(), hidden_np)
         return host
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
