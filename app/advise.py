@@ -12,17 +12,21 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     from app.run.advice import advise_from_timeline
-    from app.run.timeline import FILE_NAME, read_timeline
+    from app.run.timeline import FILE_NAME, iter_timeline
 
     p = argparse.ArgumentParser(prog="python -m app.advise", description=__doc__.splitlines()[0])
     p.add_argument("run_dir", help="the run's checkpoint.dir")
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
-    rows = read_timeline(args.run_dir)
-    if not rows:
+    # Two streamed passes (the last start's header, then the rows it needs): a long run's timeline is
+    # GiBs of step rows, never held in memory at once.
+    header = None
+    for header in iter_timeline(args.run_dir, kinds=("run",)):
+        pass
+    if header is None:
         print(f"error: no {FILE_NAME} in {args.run_dir}; give the checkpoint.dir of a run started by this "
               "version of python -m app.train", file=sys.stderr)
         return 2
-    advice = advise_from_timeline(rows)
+    advice = advise_from_timeline(iter_timeline(args.run_dir, kinds=("run", "pool", "step", "resplit_done")), header)
     if advice is None:
         print(f"error: {args.run_dir}/{FILE_NAME} has no step records and target counters yet; let the run "
               "train a few steps", file=sys.stderr)

@@ -128,6 +128,12 @@ def test_resumed_run_adds_each_starts_target_counters(tmp_path):
     # 7/1 gives 1000 tok/s, 4/4 gives 4000.
     assert advice.target_tok_s == pytest.approx(1000.0) and advice.drafter_tok_s == pytest.approx(1000.0)
     assert (advice.targets, advice.drafters) == (4, 4) and advice.gain == pytest.approx(3.0)
+    # app.advise streams the file (a generator read once, the last header passed in): the same advice.
+    from app.run.timeline import iter_timeline
+
+    *_, header = iter_timeline(tmp_path, kinds=("run",))
+    streamed = advise_from_timeline(iter_timeline(tmp_path, kinds=("run", "pool", "step", "resplit_done")), header)
+    assert streamed == advice
 
 
 def test_cli_without_a_timeline_exits_2(tmp_path, capsys):

@@ -18,8 +18,10 @@ split has not changed for `hold_s` seconds of updates.
 """
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 # A split change has a cost (a restart); below this gain the advice is to keep the split.
@@ -242,20 +244,24 @@ def _get(obj, name: str):
     return obj[name] if isinstance(obj, dict) else getattr(obj, name)
 
 
-def advise_from_timeline(rows: list[dict]) -> SplitAdvice | None:
+def advise_from_timeline(rows: Iterable[dict], header: dict | None = None) -> SplitAdvice | None:
     """The advice for a finished run from its timeline rows (see app/run/timeline.py).
 
     A run that was resumed has one `run` header per start; each start has a fresh pool, so target
     counters add up over starts (the last pool snapshot of each), step records over all of them.
+    `rows` may be a stream read once (a long run's file) when `header`, the last `run` row, is given;
+    without it `rows` must be a list, searched backwards for that header.
     """
-    header = next((r for r in reversed(rows) if r.get("k") == "run"), None)
+    if header is None:
+        rows = list(rows)
+        header = next((r for r in reversed(rows) if r.get("k") == "run"), None)
     if header is None:
         return None
     advisor = SplitAdvisor(header["num_targets"], header["num_drafters"], header.get("gpus_per_target", 1.0),
                            header.get("gpus_per_drafter", 1.0))
     totals: dict[str, dict[int, float]] = {"tokens_by_target": {}, "forward_s_by_target": {}, "done_by_target": {}}
     last_pool: dict | None = None
-    for row in rows + [{"k": "run"}]:  # a sentinel header flushes the last start's pool counters
+    for row in itertools.chain(rows, [{"k": "run"}]):  # a sentinel header flushes the last start's pool counters
         if row.get("k") == "run" and last_pool is not None:
             for key, acc in totals.items():
                 for tid, v in last_pool[key].items():
