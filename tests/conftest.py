@@ -37,6 +37,18 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def s3():
+    """A loopback S3 server (moto) per test module, with test credentials in the environment: its client."""
+    pytest.importorskip("moto", reason="moto[server] is a dev dependency (pip install -e .[dev])")
+    from tests.s3_server import start_s3_server, use_test_credentials
+
+    use_test_credentials()
+    server, client = start_s3_server()
+    yield client
+    server.stop()
+
+
 def _free_port() -> int:
     import socket
 

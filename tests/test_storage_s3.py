@@ -17,16 +17,6 @@ from app.storage import MARKER, open_storage, root_name
 pytest.importorskip("moto", reason="moto[server] is a dev dependency (pip install -e .[dev])")
 
 
-@pytest.fixture(scope="module")
-def s3():
-    from tests.s3_server import start_s3_server, use_test_credentials
-
-    use_test_credentials()
-    server, s3 = start_s3_server()
-    yield s3
-    server.stop()
-
-
 def _state(step: int, ledger: list[int] | None = None) -> TrainState:
     return TrainState(step=step, epoch=1, ledger=ledger if ledger is not None else [5, 3, step],
                       drafter={"w": torch.full((2, 2), float(step))}, optimizer={"lr": 0.1},

@@ -29,17 +29,6 @@ def private_tmp(tmp_path: Path, monkeypatch) -> Path:
     return cache_root()
 
 
-@pytest.fixture(scope="module")
-def s3():
-    pytest.importorskip("moto", reason="moto[server] is a dev dependency (pip install -e .[dev])")
-    from tests.s3_server import start_s3_server, use_test_credentials
-
-    use_test_credentials()
-    server, s3 = start_s3_server()
-    yield s3
-    server.stop()
-
-
 def _copies(root: Path, name: str) -> int:
     return sum(1 for _ in root.rglob(name))
 

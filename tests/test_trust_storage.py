@@ -15,17 +15,6 @@ from pyarrow.fs import FileSelector
 from app.storage import MARKER, fetch_dir, open_storage, safe_destination
 
 
-@pytest.fixture(scope="module")
-def s3():
-    pytest.importorskip("moto", reason="moto[server] is a dev dependency (pip install -e .[dev])")
-    from tests.s3_server import start_s3_server, use_test_credentials
-
-    use_test_credentials()
-    server, s3 = start_s3_server()
-    yield s3
-    server.stop()
-
-
 # ---- item 11: path traversal from the bucket ------------------------------------------------------
 
 def _put(fs, path: str, data: bytes) -> None:
