@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from app.bench.simulate import SimSetup, simulate
-from app.config.checks import check_object_store
+from app.pool.budget import check_object_store
 from app.config.errors import ConfigError
 from app.config.schema import Config, PoolConfig, TopologyConfig, TrainConfig
 from app.data import costs

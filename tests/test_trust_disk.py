@@ -254,7 +254,7 @@ def test_the_object_store_check_counts_eval_offers_and_the_dataset() -> None:
     copies of the drafter's weights (live evaluations) sit in the same store and spill it. Now they
     count, and the one line names them."""
     from app.config.errors import ConfigError
-    from app.config.checks import check_object_store
+    from app.pool.budget import check_object_store
     from app.config.schema import Config, PoolConfig, TopologyConfig, TrainConfig
     from app.pool.budget import EVAL_COPIES, eval_offer_bytes
 

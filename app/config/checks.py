@@ -218,29 +218,6 @@ def leased_jobs(cfg: Config) -> int:
     return cfg.topology.num_drafters * (cfg.train.grad_accum + 1)
 
 
-def check_object_store(cfg: Config, job_bytes: int, object_store_bytes: float, dataset_bytes: int = 0,
-                       eval_bytes: int = 0) -> None:
-    """What the run holds in the object store must fit it, or Ray spills hidden states to disk and
-    throughput collapses. `pool.capacity_bytes` covers buffered, in-flight and leased payloads
-    (app/pool/budget.py); `pool.capacity` counts buffered and in-flight items only, and each drafter
-    leases at most grad_accum + 1 (its step plus one prefetched) on top, so the most the pool can hold
-    is the smaller of the two bounds. On top: the dataset and schedule (`dataset_bytes`, put once) and
-    the live evaluations' weight offers (`eval_bytes`, app/pool/budget.py `eval_offer_bytes`)."""
-    from app.pool.budget import StoreNeed
-
-    leased_items = leased_jobs(cfg)
-    need = StoreNeed(min(cfg.pool.capacity_bytes, (cfg.pool.capacity + leased_items) * job_bytes),
-                     dataset_bytes, eval_bytes)
-    if object_store_bytes and need.total > object_store_bytes:
-        gib = 2**30
-        raise ConfigError(
-            f"pool.capacity_bytes={cfg.pool.capacity_bytes} lets the pool hold {need.payloads / gib:.1f} GiB of hidden "
-            f"states (pool.capacity={cfg.pool.capacity} + {leased_items} leased jobs of up to {job_bytes / gib:.2f} GiB)"
-            f"{need.parts()} but the cluster's object store holds {object_store_bytes / gib:.1f} GiB and would spill; "
-            "lower pool.capacity_bytes or pool.capacity, or start Ray with a larger --object-store-memory"
-        )
-
-
 def check_step_fits(cfg: Config, job_bytes: int) -> None:
     """One global step must fit the byte budget: every drafter leases grad_accum jobs plus one
     prefetched, all counted in pool.capacity_bytes until acked. Less, and drafters hold part of a

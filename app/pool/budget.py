@@ -10,13 +10,16 @@
   payload larger than its reservation is counted in `overshoot`.
 
 The cluster's object store holds more than the pool's payloads: `StoreNeed` adds the dataset and
-schedule and the live evaluations' weight offers, which the check before a run compares with the store
-(app/config/checks.py `check_object_store`).
+schedule and the live evaluations' weight offers, which `check_object_store` compares with the store
+before a run starts.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from app.config.checks import leased_jobs
+from app.config.errors import ConfigError
+from app.config.schema import Config
 from app.messages import JobSpec
 
 
@@ -110,3 +113,24 @@ class StoreNeed:
 def eval_offer_bytes(weight_bytes: int, evaluating: bool) -> int:
     """Object-store bytes of live evaluation offers: none when the run does not evaluate."""
     return EVAL_COPIES * weight_bytes if evaluating else 0
+
+
+def check_object_store(cfg: Config, job_bytes: int, object_store_bytes: float, dataset_bytes: int = 0,
+                       eval_bytes: int = 0) -> None:
+    """What the run holds in the object store must fit it, or Ray spills hidden states to disk and
+    throughput collapses. `pool.capacity_bytes` covers buffered, in-flight and leased payloads
+    (Budget above); `pool.capacity` counts buffered and in-flight items only, and each drafter
+    leases at most grad_accum + 1 (its step plus one prefetched) on top, so the most the pool can hold
+    is the smaller of the two bounds. On top: the dataset and schedule (`dataset_bytes`, put once) and
+    the live evaluations' weight offers (`eval_bytes`, `eval_offer_bytes`)."""
+    leased_items = leased_jobs(cfg)
+    need = StoreNeed(min(cfg.pool.capacity_bytes, (cfg.pool.capacity + leased_items) * job_bytes),
+                     dataset_bytes, eval_bytes)
+    if object_store_bytes and need.total > object_store_bytes:
+        gib = 2**30
+        raise ConfigError(
+            f"pool.capacity_bytes={cfg.pool.capacity_bytes} lets the pool hold {need.payloads / gib:.1f} GiB of hidden "
+            f"states (pool.capacity={cfg.pool.capacity} + {leased_items} leased jobs of up to {job_bytes / gib:.2f} GiB)"
+            f"{need.parts()} but the cluster's object store holds {object_store_bytes / gib:.1f} GiB and would spill; "
+            "lower pool.capacity_bytes or pool.capacity, or start Ray with a larger --object-store-memory"
+        )

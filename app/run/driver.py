@@ -10,8 +10,9 @@ import time
 from pathlib import Path
 
 from app.config.schema import Config
-from app.config.checks import check_object_store, check_resources
+from app.config.checks import check_resources
 from app.config.errors import UserError
+from app.pool.budget import check_object_store
 from app.run.monitor import RunMonitor
 from app.ray_cluster import init_ray
 from app.storage import redact
