@@ -140,36 +140,10 @@ def lm_conversations(rng, streams, tiny, tokenizer, count: int) -> list[tuple[li
 
 
 def train_target(model, tokenizer, streams, tiny) -> list[float]:
-    """`tiny.lm_steps` AdamW steps of next-token loss on code conversations (same schedule as markov)."""
-    import torch
-    import torch.nn.functional as F
+    """`tiny.lm_steps` AdamW steps of next-token loss on code conversations (the markov schedule)."""
+    from app.tiny.train import train_lm
 
-    from app.tiny.train import IGNORE
-
-    rng = np.random.default_rng([tiny.seed, 3])
-    torch.manual_seed(tiny.seed + 1)
-    opt = torch.optim.AdamW(model.parameters(), lr=tiny.lm_lr, weight_decay=0.0)
-    warm = max(1, tiny.lm_steps // 10)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min((s + 1) / warm, max(0.05, (tiny.lm_steps - s) / max(1, tiny.lm_steps - warm))))
-    pad, losses = tokenizer.pad_token_id, []
-    model.train()
-    for _ in range(tiny.lm_steps):
-        convs = lm_conversations(rng, streams, tiny, tokenizer, tiny.lm_batch_size)
-        width = max(len(x) for x, _ in convs)
-        inp = torch.tensor([x + [pad] * (width - len(x)) for x, _ in convs])
-        lab = torch.tensor([y + [IGNORE] * (width - len(y)) for _, y in convs])
-        logits = model(input_ids=inp).logits
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), lab[:, 1:].reshape(-1),
-                               ignore_index=IGNORE)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(float(loss.detach()))
-    model.eval()
-    return losses
+    return train_lm(model, tokenizer, tiny, lambda rng: lm_conversations(rng, streams, tiny, tokenizer, tiny.lm_batch_size))
 
 
 def prompt_texts(rng, streams, tokenizer, count: int, length: int) -> list[str]:

@@ -18,6 +18,7 @@ Everything is seeded from `tiny.seed`; the chain can be rebuilt from the setting
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -87,15 +88,24 @@ def conversation_ids(
 
 def train_on_chain(model, tokenizer, chain: MarkovChain, tiny: TinyConfig, word_offset: int) -> list[float]:
     """Train `model` in place for `tiny.lm_steps` AdamW steps on chain conversations; return the losses."""
-    import torch
-    import torch.nn.functional as F
-
     ids = {
         "im_start": tokenizer.convert_tokens_to_ids("<|im_start|>"),
         "im_end": tokenizer.convert_tokens_to_ids("<|im_end|>"),
         "user": tokenizer.convert_tokens_to_ids("user"),
         "assistant": tokenizer.convert_tokens_to_ids("assistant"),
     }
+    return train_lm(model, tokenizer, tiny,
+                    lambda rng: [conversation_ids(rng, chain, tiny, ids, word_offset) for _ in range(tiny.lm_batch_size)])
+
+
+def train_lm(model, tokenizer, tiny: TinyConfig, batch: Callable[[np.random.Generator], list[tuple[list[int], list[int]]]]
+             ) -> list[float]:
+    """`tiny.lm_steps` AdamW steps of next-token loss on `batch(rng)`'s (input ids, labels) conversations,
+    labels IGNORE where there is no loss; `model` is trained in place; returns the losses. Every corpus
+    (markov, python) trains its target with this one schedule."""
+    import torch
+    import torch.nn.functional as F
+
     rng = np.random.default_rng([tiny.seed, 3])
     torch.manual_seed(tiny.seed + 1)
     opt = torch.optim.AdamW(model.parameters(), lr=tiny.lm_lr, weight_decay=0.0)
@@ -108,7 +118,7 @@ def train_on_chain(model, tokenizer, chain: MarkovChain, tiny: TinyConfig, word_
     losses = []
     model.train()
     for _ in range(tiny.lm_steps):
-        convs = [conversation_ids(rng, chain, tiny, ids, word_offset) for _ in range(tiny.lm_batch_size)]
+        convs = batch(rng)
         width = max(len(x) for x, _ in convs)
         # Right padding: causal attention never lets a real token see the pads behind it.
         inp = torch.tensor([x + [pad] * (width - len(x)) for x, _ in convs])
