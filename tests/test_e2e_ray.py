@@ -12,8 +12,10 @@ from tests.e2e_helpers import run_in_process, sigterm_and_wait, start_driver, su
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
-def test_tiny_run_trains_every_job_exactly_once(ray_cluster, tmp_path: Path, capsys) -> None:
-    assert run_in_process(tmp_path, "train.epochs=6") == 0  # the tiny default: tau is meaningful there
+def test_tiny_run_trains_every_job_exactly_once(ray_cluster, tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    # the tiny default: tau is meaningful there; wandb offline, whose file is read back below (issue 25)
+    assert run_in_process(tmp_path, "train.epochs=6", "logging.wandb_mode=offline") == 0
     s = summary(tmp_path)
     out = capsys.readouterr().out
     assert s["jobs_acked"] == s["jobs_scheduled"] > 0
@@ -25,6 +27,20 @@ def test_tiny_run_trains_every_job_exactly_once(ray_cluster, tmp_path: Path, cap
     assert trained_counts(tmp_path) == {"trained_once": s["jobs_scheduled"], "trained_twice": 0, "never_trained": 0}
     config = json.loads((tmp_path / "drafter" / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"]
+    _assert_one_wandb_row_per_step(tmp_path, s["steps"])
+
+
+def _assert_one_wandb_row_per_step(run_dir: Path, steps: int) -> None:
+    """The run's offline wandb file, read back: one history row per optimizer step with the listed keys."""
+    import wandb
+
+    from app.run.wandb_log import STEP_KEYS, read_history
+
+    wandb.teardown()  # the service writes the run file after finish() returns: wait for it to end
+    (run_file,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    rows = [r for r in read_history(run_file) if "event" not in r]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert all(set(STEP_KEYS) | {"acc_pos1"} <= set(r) for r in rows), rows[0]
 
 
 def test_stop_then_resume_trains_each_job_once(ray_cluster, tmp_path: Path, capsys) -> None:
