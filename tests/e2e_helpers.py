@@ -32,7 +32,7 @@ def kill_pool() -> int:
 
 
 def named_actors() -> list[str]:
-    """Every named actor in every namespace of the cluster: a run must add none."""
+    """Every named actor in every namespace of the cluster (a run must add none)."""
     import ray
 
     return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
