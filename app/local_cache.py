@@ -70,11 +70,16 @@ def owner_alive(name: str) -> bool | None:
         return None
     if m["host"] != socket.gethostname():
         return True
+    return pid_alive(int(m["pid"]))
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs on this host (another user's live process counts: it is not ours to judge)."""
     try:
-        os.kill(int(m["pid"]), 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # a live process of another user reusing the pid: not ours to judge
+    except PermissionError:
         return True
     return True
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from app.config.errors import UserError
+from app.local_cache import pid_alive
 from app.storage import is_uri, open_storage, redact
 
 LEASE_FILE = ".run-lease"
@@ -36,16 +37,6 @@ class LeaseHeld(UserError):
     """Another run holds the lease on this `checkpoint.dir`."""
 
     kind = "checkpoint"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
 
 
 def submission_id() -> str:
@@ -61,7 +52,7 @@ def is_stale(holder: dict, timeout_s: float, now: float) -> bool:
     """A lease nobody keeps: no heartbeat for `timeout_s`, or its process on this host is gone."""
     if now - float(holder.get("heartbeat", 0.0)) > timeout_s:
         return True
-    return holder.get("host") == socket.gethostname() and not _alive(int(holder.get("pid", 0)))
+    return holder.get("host") == socket.gethostname() and not pid_alive(int(holder.get("pid", 0)))
 
 
 def describe(holder: dict) -> str:
