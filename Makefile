@@ -25,7 +25,7 @@ demo: setup
 	$(BIN)/python -m app.train --config $(CONFIG)
 
 test: setup
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not ray and not slow" $(PYTEST_ARGS)
