@@ -128,3 +128,9 @@ def test_uri_run_gets_its_speculators_folder_uploaded(run, tmp_path):
     spec = json.loads((tmp_path / "bucket" / "drafter-speculators" / "config.json").read_text())
     assert spec["eagle_aux_hidden_state_layer_ids"] == [1, 3]
     assert json.loads(shlex.split(summary["serve"]["vllm"])[-1])["model"] == location
+    # The estimate is read from the downloaded export too (it was null for every URI run).
+    local = serving_outputs(SimpleNamespace(checkpoint=SimpleNamespace(dir=str(tmp_path / "local")),
+                                            drafter=SimpleNamespace(block_size=BLOCK)), target, export, tau=2.0,
+                            log=lambda _: None)
+    assert summary["serving_estimate"] is not None
+    assert summary["serving_estimate"]["ratio"] == pytest.approx(local["serving_estimate"]["ratio"])

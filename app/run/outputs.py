@@ -54,7 +54,8 @@ class RunOutputs:
             self.evals.finish(final_step, export_dir)
         out = self.evals.summary() if self.evals is not None else {}
         rebalance = self.monitor.rebalancer.summary() if self.monitor.rebalancer is not None else {}
-        return {**out, "split_advice": self.monitor.split_advice(), **rebalance}
+        growth = self.monitor.grower.summary() if getattr(self.monitor, "grower", None) is not None else {}
+        return {**out, "split_advice": self.monitor.split_advice(), **rebalance, **growth}
 
     def close(self) -> None:
         """Close the timeline and write report.html (a report that cannot be drawn is a warning, not a failure)."""
@@ -82,20 +83,19 @@ def serving_outputs(cfg, model_dir: str, export_dir: str | None, tau: float | No
     from `tau`. The summary fields `serve` and `serving_estimate`; {} when nothing was exported. A
     speculators folder that cannot be written is a warning: `drafter/` is what the lines serve."""
     from app.model.serving import SPECULATORS_DIR, cost_ratio, launch_lines, speed_estimate
-    from app.storage import is_uri
+    from app.storage import fetch_dir
 
     if not export_dir:
         return {}
+    local = fetch_dir(export_dir, cache=False)  # a URI export: this node's one cached copy (app/local_cache.py)
     spec_dir = None
     try:
-        spec_dir = _write_speculators(cfg.checkpoint.dir, export_dir, model_dir)
+        spec_dir = _write_speculators(cfg.checkpoint.dir, export_dir, local, model_dir)
     except (OSError, ValueError, KeyError) as exc:
         log(f"WARNING: {SPECULATORS_DIR}/ not written ({type(exc).__name__}: {exc})")
     lines = launch_lines(model_dir, export_dir, cfg.drafter.block_size, spec_dir)
-    ratio = None
-    if not is_uri(export_dir):
-        hf = json.loads((Path(export_dir) / "config.json").read_text())
-        ratio = cost_ratio(model_dir, export_dir, int(hf["vocab_size"]), int(hf["hidden_size"]))
+    hf = json.loads((local / "config.json").read_text())
+    ratio = cost_ratio(model_dir, local, int(hf["vocab_size"]), int(hf["hidden_size"]))
     estimate = speed_estimate(tau, ratio)
     return {"serve": lines, "serving_estimate": estimate}
 
@@ -110,19 +110,18 @@ def print_serving(summary: dict, log=print) -> None:
             f"cost ratio {est['ratio']:.1f} from {est['ratio_basis']})")
 
 
-def _write_speculators(root: str, export_dir: str, model_dir: str) -> str:
-    """The speculators-format folder `<root>/drafter-speculators`, published as the export is (atomic
-    locally, config.json last on a URI)."""
+def _write_speculators(root: str, export_dir: str, local: Path, model_dir: str) -> str:
+    """The speculators-format folder `<root>/drafter-speculators` from the export (`local`: its files on
+    this node), published as the export is (atomic locally, config.json last on a URI)."""
     import os
 
     from app.model.export import publish_export
     from app.model.serving import SPECULATORS_DIR, write_speculators
-    from app.storage import fetch_dir, is_uri, open_storage
+    from app.storage import is_uri, open_storage
 
     if not is_uri(root):
         return str(publish_export(os.path.join(root, SPECULATORS_DIR),
                                   lambda tmp: write_speculators(export_dir, tmp, model_dir)))
-    local = fetch_dir(export_dir, cache=False)
     store = open_storage(root)
     with store.scratch(SPECULATORS_DIR) as tmp:  # in this user's cache root: a SIGKILL's leftover is cleaned
         write_speculators(local, tmp, model_dir)
