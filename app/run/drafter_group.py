@@ -106,6 +106,7 @@ class DrafterGroup:
         self.progress_seen: dict[int, RankProgress] = {}
         self.generation = 0  # of the group now running (0: none started yet)
         self.resumed_step = 0  # the step the group now running started at
+        self.in_use: list[int] = []  # the bundles the running group's ranks sit in (fewer after a node loss)
         ckpt_dir = self.cfg.checkpoint.dir  # rank 0 writes the step log; on a URI there is no local file
         self.step_log = StepLog(Path(ckpt_dir) / STEP_LOG_FILE) if self.cfg.logging.step_log and not is_uri(ckpt_dir) \
             else None
@@ -119,6 +120,7 @@ class DrafterGroup:
 
         self.generation = next_generation(self.cfg.checkpoint.dir, self.generation)
         self.ranks = self.topo.make_drafters(self._setup(resume_from, bundles), self.pool.handle, bundles)
+        self.in_use = list(bundles) if bundles else list(self.topo.drafter_bundles)
         self.progress_query, self.progress_seen = {}, {}
         try:  # setup builds the model and joins the process group: slow on a loaded box
             addr, port = ray.get(self.ranks[0].address.remote(), timeout=START_TIMEOUT_S)
@@ -126,7 +128,7 @@ class DrafterGroup:
         except (RayError, GetTimeoutError) as exc:
             if rebuilding:
                 self.kill()
-                self.run_refs = []
+                self.run_refs, self.in_use = [], []
                 return DrafterGroupFailed(f"group rebuild failed: {last_line(exc)}")
             raise RunFailed(f"DrafterActor group failed to start ({last_line(exc)})"
                             + (f" while resuming from {resume_from}" if resume_from else "")) from None

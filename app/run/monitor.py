@@ -83,6 +83,7 @@ class RunMonitor:
         self.listeners: list = []
         self.advisor = None
         self.rebalancer = None  # a Rebalancer (app/run/rebalance.py): its word goes on the line; `off` hides the advice
+        self.grower = None  # a GrowthPlanner (app/run/grow.py): its growths go in summary.json
         self.tau_history: list[tuple[int, float]] = []  # (step, tau) of the evaluations during the run
         self.tau_best: tuple[int, float] | None = None
 

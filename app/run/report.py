@@ -44,6 +44,8 @@ def render(rows: list[dict], summary: dict, title: str = "run") -> str:
     events = [(r["t"] - t0, r["text"]) for r in rows if r["k"] == "event"]
     events += [(r["t"] - t0, f"re-split {r['old'][0]}/{r['old'][1]} -> {r['new'][0]}/{r['new'][1]} targets/drafters")
                for r in rows if r["k"] == "resplit_done"]  # topology.rebalance=auto (app/run/resplit.py)
+    events += [(r["t"] - t0, f"drafter group grew {r['old']} -> {r['new']} ranks (configured {r['configured']})")
+               for r in rows if r["k"] == "grow_done"]  # bundles lost with a node placed again (app/run/growth.py)
     starts = [r["t"] - t0 for r in rows if r["k"] == "run"][1:]  # resumes: the first start is t=0
     sections = {
         "loss": ("Loss and accuracy over steps", _plot_loss(rows)),

@@ -13,7 +13,8 @@ with that stopped group:
    trained), its stop flag is cleared, and a group of the new size resumes from the checkpoint (elastic
    resume: the ledger is per job, the LR schedule runs on jobs), telling the pool its rank count.
 Every job is trained once: the checkpoint's weights hold exactly its ledger's jobs, and only jobs
-outside it are issued again.
+outside it are issued again. A growth (`app/run/growth.py`: bundles lost with a node placed again) is
+the same stop and rebuild without moves: `stopped_for_change`, `stop_at_checkpoint`, `resume_pool`.
 """
 from __future__ import annotations
 
@@ -30,6 +31,28 @@ def same_shape(bundles: list[dict[str, float]], a: int, b: int) -> str:
                 "shape swap roles: set topology.gpus_per_target = topology.gpus_per_drafter, or change the split "
                 "by hand (resubmit with other topology.num_*)")
     return ""
+
+
+def stopped_for_change(sup, results) -> bool:
+    """True when the group's return is the stop a change of the group asked for (not the run's end,
+    not a SIGTERM, not a non-finite loss)."""
+    return sup.policy.stop_deadline is None and all(r.stopped and not r.nonfinite for r in results)
+
+
+def stop_at_checkpoint(sup):
+    """The group stopped at a step boundary: its ranks gone, (checkpoint or None, that checkpoint's ledger)."""
+    ckpt, ledger = sup.group.stop_for_rebuild()
+    sup.group.drain_records()  # the stopped group's last reports belong before the new group's start
+    return ckpt, ledger
+
+
+def resume_pool(sup, ledger: list[int], kind: str) -> int:
+    """The pool back to the checkpoint's ledger, its stop flag cleared, the change counted in
+    dflash_restarts_total{kind}; returns how many leased jobs go out again."""
+    requeued = sup.pool.rollback(ledger)
+    sup.pool.clear_stop()
+    sup.pool.report_restart(kind)
+    return requeued
 
 
 class Resplitter:
@@ -50,7 +73,8 @@ class Resplitter:
         for measured in self.trigger.tokens(sup.monitor.train_tokens, now):
             self._measured(measured)
         advisor = sup.monitor.advisor
-        if advisor is None or self.stopping is not None or sup.policy.stop_deadline is not None:
+        growing = getattr(sup, "grow", None) is not None and sup.grow.stopping is not None
+        if advisor is None or self.stopping is not None or sup.policy.stop_deadline is not None or growing:
             return
         est = advisor.estimate(stable=True) if advisor.enough_samples() else None
         for rs in self.trigger.observe(est, now):
@@ -58,8 +82,7 @@ class Resplitter:
 
     def wants(self, results) -> bool:
         """True when the group's return is this re-split's stop (not the run's end, not a SIGTERM)."""
-        return (self.stopping is not None and self.sup.policy.stop_deadline is None
-                and all(r.stopped and not r.nonfinite for r in results))
+        return self.stopping is not None and stopped_for_change(self.sup, results)
 
     # ---- a re-split ------------------------------------------------------------------------
 
@@ -85,6 +108,10 @@ class Resplitter:
         tids = sorted(topo.target_bundles)
         if not tids or not topo.drafter_bundles:
             return "no target or no drafter bundle to move"
+        group = self.sup.group.in_use if self.sup.group is not None else topo.drafter_bundles
+        if len(group) < len(topo.drafter_bundles):  # a lost node's bundles: the growth comes first
+            return (f"the drafter group runs on {len(group)} of its {len(topo.drafter_bundles)} bundles (a node "
+                    "was lost); it grows back when they are placed again")
         return same_shape(shapes, topo.target_bundles[tids[0]], topo.drafter_bundles[0])
 
     def carry_out(self):
@@ -92,8 +119,7 @@ class Resplitter:
         Returns the group's start event (DrafterGroupStarted, or DrafterGroupFailed) for the policy."""
         sup, rs = self.sup, self.stopping
         topo, group = sup.topo, sup.group
-        ckpt, ledger = group.stop_for_rebuild()
-        group.drain_records()  # the stopped group's last reports belong before the new group's start
+        ckpt, ledger = stop_at_checkpoint(sup)
         old_t, old_d = len(topo.target_bundles), len(topo.drafter_bundles)
         new_t, new_d = rs.new
         moved: list[str] = []
@@ -111,9 +137,7 @@ class Resplitter:
             sup.policy.add_target(tid)
             new_targets.append(tid)
             moved.append(f"drafter bundle {topo.target_bundles[tid]} -> target {tid}")
-        requeued = sup.pool.rollback(ledger)
-        sup.pool.clear_stop()
-        sup.pool.report_restart("resplit")  # dflash_restarts_total{kind="resplit"}
+        requeued = resume_pool(sup, ledger, "resplit")  # dflash_restarts_total{kind="resplit"}
         for tid in new_targets:  # after the old ranks are gone: their bundles are free
             sup.fleet.add(tid)
         split = (len(topo.target_bundles), len(topo.drafter_bundles))

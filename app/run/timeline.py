@@ -11,6 +11,9 @@ Every row has `k` (its kind) and `t` (wall-clock seconds, so a resumed run conti
 - `eval`: an acceptance-length measurement during the run (step, tau, per-position acceptance);
 - `resplit`, `resplit_refused`, `resplit_done`, `resplit_measured`: an automatic re-split of targets and
   drafters (app/run/resplit.py), from its decision to its measured gain.
+- `grow`, `grow_done`: the drafter group growing back onto bundles lost with a node and placed again
+  (app/run/growth.py: old and new size, the configured one, why); `target_back`: a given-up target slot
+  started again once its bundle was placed.
 
 A listener of the RunMonitor (`add_records`, `add_pool`, `note`); lines are flushed at once, so a killed
 driver leaves a readable file (a torn last line is skipped on reading).

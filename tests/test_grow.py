@@ -1,0 +1,68 @@
+"""The growth decision (app/run/grow.py), without Ray: probes of the lost bundles and a clock in, actions out."""
+from __future__ import annotations
+
+from app.run.grow import Grow, GrowthPlanner, ReturnTarget
+
+DRAFTERS = [5, 6, 7]  # the topology's drafter bundles (targets 0-4 first)
+
+
+def _settle(planner: GrowthPlanner, group: list[int], placed: set[int], start: float = 0.0, **kw) -> list[Grow]:
+    """Observe every second for 12 s (past the 10 s settle time); the actions seen."""
+    out: list[Grow] = []
+    for t in range(13):
+        out += planner.observe(start + t, group, DRAFTERS, placed, **kw)
+    return out
+
+
+def test_a_shrunk_group_grows_back_to_every_placed_bundle_once_the_set_settles() -> None:
+    p = GrowthPlanner(settle_s=10.0)
+    assert p.observe(0.0, [6], DRAFTERS, set()) == []  # nothing placed again: nothing to do
+    assert p.observe(1.0, [6], DRAFTERS, {5, 7}) == []  # placed: the settle time starts
+    assert p.observe(10.5, [6], DRAFTERS, {5, 7}) == []  # 9.5 s: not yet
+    (g,) = p.observe(11.0, [6], DRAFTERS, {5, 7})
+    assert (g.number, g.old, g.new, g.configured, g.bundles) == (1, 1, 3, 3, (5, 6, 7))
+    assert "bundles [5, 7] lost with a node are placed again" in g.why
+    assert p.observe(30.0, [6], DRAFTERS, {5, 7}) == []  # one at a time: pending until done
+    p.done(3)
+    assert p.observe(40.0, DRAFTERS, DRAFTERS, {5, 6, 7}) == []  # full size: nothing lost
+    assert p.summary() == {"growths": 1, "growth_history": [{"k": "grow", **g.to_dict(), "done_size": 3}]}
+
+
+def test_bundles_coming_back_one_after_another_give_one_growth_not_two() -> None:
+    p = GrowthPlanner(settle_s=10.0)
+    acts = [a for t in range(6) for a in p.observe(float(t), [6], DRAFTERS, {5})]
+    acts += [a for t in range(6, 20) for a in p.observe(float(t), [6], DRAFTERS, {5, 7})]
+    assert [(a.old, a.new, a.bundles) for a in acts] == [(1, 3, (5, 6, 7))]
+
+
+def test_a_partial_return_grows_to_what_is_placed_and_says_what_is_still_missing() -> None:
+    p = GrowthPlanner(settle_s=10.0)
+    (g,) = _settle(p, [6], {5})
+    assert (g.old, g.new, g.configured, g.bundles) == (1, 2, 3, (5, 6)) and "1 still without a node" in g.why
+
+
+def test_no_growth_while_blocked_and_the_settle_time_restarts_after() -> None:
+    p = GrowthPlanner(settle_s=10.0)
+    assert _settle(p, [6], {5, 7}, blocked=True) == []  # a re-split or a stop under way
+    assert p.observe(13.0, [6], DRAFTERS, {5, 7}) == []  # unblocked: settles afresh
+    assert p.observe(22.0, [6], DRAFTERS, {5, 7}) == []
+    assert len(p.observe(23.0, [6], DRAFTERS, {5, 7})) == 1
+
+
+def test_a_failed_growth_is_recorded_and_asked_again_after_settling() -> None:
+    p = GrowthPlanner(settle_s=10.0)
+    assert len(_settle(p, [6], {5, 7})) == 1
+    p.failed("the group rebuild failed")
+    assert p.summary()["growths"] == 0 and p.history[-1]["failed"] == "the group rebuild failed"
+    assert len(_settle(p, [6], {5, 7}, start=20.0)) == 1
+
+
+def test_a_given_up_target_comes_back_only_after_its_bundle_was_seen_without_a_node() -> None:
+    p = GrowthPlanner()
+    # Target 3 gave up on a placed bundle (it kept crashing): never restarted by growth.
+    assert p.targets({3: 3}, placed={3}, unplaced=set()) == []
+    # Target 2's bundle had no node, then is placed again: it comes back, once.
+    assert p.targets({2: 2, 3: 3}, placed={3}, unplaced={2}) == []
+    assert p.targets({2: 2, 3: 3}, placed={2, 3}, unplaced=set()) == [
+        ReturnTarget(2, 2, "target 2's bundle 2 is placed on a live node again")]
+    assert p.targets({2: 2, 3: 3}, placed={2, 3}, unplaced=set()) == []
