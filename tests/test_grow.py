@@ -66,3 +66,26 @@ def test_a_given_up_target_comes_back_only_after_its_bundle_was_seen_without_a_n
     assert p.targets({2: 2, 3: 3}, placed={2, 3}, unplaced=set()) == [
         ReturnTarget(2, 2, "target 2's bundle 2 is placed on a live node again")]
     assert p.targets({2: 2, 3: 3}, placed={2, 3}, unplaced=set()) == []
+
+
+def test_a_growth_is_a_timeline_row_and_a_marked_event_in_the_report(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from app.run.report import write_report
+    from app.run.timeline import Timeline, read_timeline
+
+    clock = SimpleNamespace(t=1000.0)
+    tl = Timeline(tmp_path, clock=lambda: clock.t)
+    tl.start(SimpleNamespace(num_targets=5, num_drafters=3, gpus_per_target=1.0, gpus_per_drafter=1.0), "grow")
+    clock.t += 30.0
+    g = Grow(1, 1, 3, 3, (5, 6, 7), "bundles [5, 7] lost with a node are placed again")
+    tl.resplit_row("grow", **g.to_dict())  # what Grower writes through RunMonitor.resplit_event
+    tl.resplit_row("grow_done", number=1, old=1, new=3, configured=3, bundles=[5, 6, 7], why=g.why,
+                   checkpoint="ckpt-00000008", requeued=2)
+    tl.close()
+    rows = [r for r in read_timeline(tmp_path) if r["k"].startswith("grow")]
+    assert [(r["k"], r["old"], r["new"]) for r in rows] == [("grow", 1, 3), ("grow_done", 1, 3)]
+    (tmp_path / "summary.json").write_text('{"growths": 1}')
+    page = write_report(tmp_path).read_text()
+    assert "drafter group grew 1 -&gt; 3 ranks (configured 3)" in page  # the events table (html-escaped)
+    assert "<tr><th>growths</th><td>1</td></tr>" in page

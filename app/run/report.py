@@ -262,7 +262,7 @@ def _plot_drafter(rows, t0, events, starts, what: str) -> str:
 # ---- tables ------------------------------------------------------------------------------------
 
 _SUMMARY_KEYS = ("steps", "epochs", "jobs_acked", "jobs_scheduled", "loss_first", "loss_last", "train_tok_s",
-                 "data_wait", "restarts", "faults", "tau_untrained", "tau_trained", "tau_best", "elapsed_s")
+                 "data_wait", "restarts", "rebalances", "growths", "faults", "tau_untrained", "tau_trained", "tau_best", "elapsed_s")
 
 
 def _summary_table(summary: dict) -> str:
