@@ -92,6 +92,7 @@ class TargetActor:
         tau > `beat_tau`. See app/model/live_eval.py."""
         from dataclasses import replace
 
+        from app.model.export import export_dtype
         from app.model.live_eval import background_priority, evaluate_drafter, export_best
 
         if isinstance(weights, list):  # rank 0's weights as a ref (app/run/final_tau.py ask_tau): fetched here,
@@ -105,7 +106,7 @@ class TargetActor:
         with self.compute_lock, background_priority(self.device):
             result, drafter, arch = evaluate_drafter(self.model, self.model_dir, self.layer_ids, step, weights, spec,
                                                      self.device, self.dtype, self.greedy_references)
-        exported = export_best(drafter, arch, best_dir, step, result.tau, self.dtype) \
+        exported = export_best(drafter, arch, best_dir, step, result.tau, export_dtype(spec.export_dtype)) \
             if best_dir and result.tau > beat_tau else None  # None too when a better best landed meanwhile
         if exported is not None:
             result = replace(result, exported_to=str(exported))

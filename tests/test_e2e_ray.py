@@ -27,6 +27,10 @@ def test_tiny_run_trains_every_job_exactly_once(ray_cluster, tmp_path: Path, cap
     assert trained_counts(tmp_path) == {"trained_once": s["jobs_scheduled"], "trained_twice": 0, "never_trained": 0}
     config = json.loads((tmp_path / "drafter" / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"]
+    # drafter-best/ (written by the evaluating target, which computes in fp32 on CPU) is what a user may
+    # serve too: it is exported in checkpoint.export_dtype like drafter/.
+    best = json.loads((tmp_path / "drafter-best" / "config.json").read_text())
+    assert config["dtype"] == best["dtype"] == "bfloat16"
     _assert_one_wandb_row_per_step(tmp_path, s["steps"])
 
 

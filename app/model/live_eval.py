@@ -30,7 +30,8 @@ CPU_EVAL_NICE = 19  # the lowest priority: weight 15 against 1024 for a training
 @dataclass(frozen=True)
 class EvalSpec:
     """What every tau measurement of a run decodes with: the held-out prompts, the drafter and eval
-    settings, the mask token and init seed of a fresh drafter, and the EOS decoding stops at."""
+    settings, the mask token and init seed of a fresh drafter, the EOS decoding stops at, and the dtype
+    a new best is exported in (`checkpoint.export_dtype`, as `drafter/` is: what the engines serve)."""
 
     prompts: list[list[int]]
     drafter: Any  # app.config.schema.DrafterConfig
@@ -38,6 +39,7 @@ class EvalSpec:
     mask_token_id: int
     seed: int
     eos_token_id: int | None
+    export_dtype: str = "bfloat16"
 
 
 def stop_token(eos_token_ids: tuple[int, ...]) -> int | None:

@@ -19,7 +19,8 @@ from app.model.live_eval import EvalSpec
 def eval_spec(plan, eos_token_id: int | None) -> EvalSpec:
     """The run's one EvalSpec: its held-out prompts and settings, decoding up to `eos_token_id`."""
     cfg = plan.cfg
-    return EvalSpec(plan.eval_prompts, cfg.drafter, cfg.eval, plan.mask_token_id, cfg.train.seed, eos_token_id)
+    return EvalSpec(plan.eval_prompts, cfg.drafter, cfg.eval, plan.mask_token_id, cfg.train.seed, eos_token_id,
+                    cfg.checkpoint.export_dtype)
 
 
 @dataclass(frozen=True)
