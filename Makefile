@@ -16,7 +16,8 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	# nixl: pool.transport=nixl's tests (tests/test_nixl_ray.py) run in CI too; ~130 MB of wheels, CPU-only fine.
+	$(BIN)/python -m pip install -q -e '.[dev,nixl]'
 	# z-lab's reference DFlashDraftModel, for the export-compatibility test; its own pins clash, so no deps.
 	$(BIN)/python -m pip install -q --no-deps dflash==0.1.0
 	touch $@

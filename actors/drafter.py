@@ -21,6 +21,7 @@ from app.training.checkpoint import GENERATION_KEY
 from app.training.loop import (AwaitPull, Checkpoint, Compute, Fetched, Gather, LoopConfig, NonFinite, OfferEval,
                                PullAnswered, RankLoop, ReadStop, Reduce, SendAcks, Sleep, StartPull, StepDone,
                                StepStart, Updated, drive)
+from app.training.nixl_receive import NixlReceiver
 from app.training.rendezvous import Rendezvous
 from app.training.step_log import StepLog
 from app.config.schema import CheckpointConfig, DrafterConfig, FaultsConfig, TrainConfig
@@ -79,6 +80,7 @@ class _RankOps:
         self.t_step = time.perf_counter()
         self.last_ckpt: str | None = None
         self.skipped = 0  # jobs of skipped non-finite steps
+        self.receiver = NixlReceiver()  # pool.transport=nixl payloads into reused buffers; others pass through
 
     def step_start(self, _: StepStart) -> None:
         self.t_step = time.perf_counter()
@@ -99,7 +101,8 @@ class _RankOps:
         return Fetched(item, payload, time.perf_counter() - t0)
 
     def _fetch(self, acks: list[int]):
-        return fetch_next(self.a.pool, self.a.rank, self.generation, acks, self.a.stager.stage)
+        return fetch_next(self.a.pool, self.a.rank, self.generation, acks, self.a.stager.stage,
+                          receive=self.receiver.receive)
 
     def compute(self, eff: Compute) -> None:
         from app.model.loss import TrainBatch
@@ -178,10 +181,12 @@ class _RankOps:
         self.a.pool.offer_eval.remote(eff.step, [with_retries(lambda: ray.put(weights), transient_object_errors())])
 
 
-def fetch_next(pool, rank: int, generation: int, acks: list[int], stage, on_pulled=None):
+def fetch_next(pool, rank: int, generation: int, acks: list[int], stage, on_pulled=None, receive=None):
     """The prefetch thread's work: pull one item (acks riding along) and fetch and `stage` its payload.
     Returns (pulled, staged payload), or (EndOfStream | Drained, None). `python -m app.bench transport`
-    times this same function (`on_pulled()` marks the pull's answer)."""
+    times this same function (`on_pulled()` marks the pull's answer). `receive` (a `NixlReceiver`'s) reads
+    a `pool.transport=nixl` payload out of its target (a blocking get: NIXL refs cannot be awaited); a
+    target that died before the read raises OwnerDiedError, an ObjectLostError: re-queued as below."""
     import ray
     from ray.exceptions import ObjectLostError
 
@@ -196,7 +201,8 @@ def fetch_next(pool, rank: int, generation: int, acks: list[int], stage, on_pull
         if on_pulled is not None:
             on_pulled()
         try:  # CUDA: the stager copies it to the GPU (pinned, side stream), in this thread
-            return pulled, stage(with_retries(lambda: ray.get(pulled.payload_ref), transient))
+            get = (lambda: receive(ray.get(pulled.payload_ref))) if receive else (lambda: ray.get(pulled.payload_ref))
+            return pulled, stage(with_retries(get, transient))
         except ObjectLostError:  # the node holding it died: recompute that job, pull another
             ray.get(pool.payload_lost.remote(rank, pulled.meta.job_id, generation))
 

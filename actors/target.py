@@ -21,13 +21,15 @@ from app.devices import compute_dtype, limit_threads, pick_device, target_load_k
 from app.faults import fire_once, injected_delay, sticky_target
 from app.messages import HiddenBatch, ItemMeta, JobSpec
 from app.model.live_eval import EvalSpec
+from app.pool.transport import HeldPayloads, put_payload, warm_up_nixl
 
 
 class TargetActor:
     """Frozen HF causal LM on one GPU (or CPU share), forward only."""
 
     def __init__(self, target_id: int, model_dir: str, layer_ids: list[int], model_cfg: ModelConfig,
-                 device: str, num_cpus: float, dataset, faults: FaultsConfig, run_dir: str) -> None:
+                 device: str, num_cpus: float, dataset, faults: FaultsConfig, run_dir: str,
+                 transport: str = "object_store") -> None:
         from transformers import AutoModelForCausalLM
 
         limit_threads(num_cpus)
@@ -49,6 +51,10 @@ class TargetActor:
         self.compute_lock = threading.Lock()  # one forward at a time; host copies wait outside it
         self.busy = BusyClock()
         self.jobs_done = 0
+        # pool.transport=nixl: payloads stay here until acked and drafters read them directly (app/pool/transport.py)
+        self.transport, self.held = transport, HeldPayloads()
+        if transport == "nixl":
+            warm_up_nixl()  # seconds once per process: while loading, not on the first job
         # Plain greedy outputs of the eval prompts: the target is frozen, so they are computed once
         # and every later evaluation checks against them for free (app/model/spec_decode.py).
         self.greedy_references: dict = {}
@@ -71,7 +77,15 @@ class TargetActor:
             loss_tokens=int(batch.loss_mask_BS.sum()), nbytes=batch_nbytes(batch), target_id=self.target_id,
             forward_s=self.busy.share(t0),
         )
+        if self.transport == "nixl":  # the pool holds the small NixlPayload; the tensors stay in this process
+            payload, tensors = put_payload(batch)
+            self.held.add(job.job_id, tensors)
+            return meta, payload
         return meta, batch
+
+    def payloads_held(self) -> tuple[list[int], int]:
+        """pool.transport=nixl: (job ids, bytes) of the payloads this target still holds for drafters."""
+        return self.held.held()
 
     def _maybe_inject_fault(self, job: JobSpec) -> None:
         if self.sticky:  # within milliseconds, as a sticky CUDA error does

@@ -191,7 +191,12 @@ def reserved_resources(topo: TopologyConfig, use_gpu: bool) -> dict[str, float]:
 
 
 def check_resources(cfg: Config, available: dict[str, float], use_gpu: bool) -> None:
-    """The placement group must fit the cluster: one bundle per actor."""
+    """The placement group must fit the cluster: one bundle per actor. With `pool.transport=nixl`, the
+    nixl package must be installed and the targets' memory must hold the unconsumed payloads."""
+    from app.pool.transport import check_transport
+
+    check_transport(cfg.pool.transport)
+    check_target_memory(cfg, available.get("memory", 0.0))
     topo = cfg.topology
     reserved = reserved_resources(topo, use_gpu)
     if use_gpu:
@@ -211,6 +216,22 @@ def check_resources(cfg: Config, available: dict[str, float], use_gpu: bool) -> 
             f"topology.cpus_per_drafter={topo.cpus_per_drafter:g}) but the cluster has {have_cpu:g}; "
             "lower them (fractions are fine) or add nodes"
         )
+
+
+def check_target_memory(cfg: Config, heap_bytes: float) -> None:
+    """`pool.transport=nixl` keeps every unconsumed payload (buffered, in flight, leased: what
+    `pool.capacity_bytes` bounds) in the memory of the target that produced it, not in the object store;
+    the cluster's worker memory (Ray's `memory` resource, 0 = Ray did not say) must hold that bound.
+    All of them can sit on one target (the others busy or dead), so this is the cluster total, not a share."""
+    if cfg.pool.transport != "nixl" or not heap_bytes or cfg.pool.capacity_bytes <= heap_bytes:
+        return
+    gib = 2**30
+    raise ConfigError(
+        f"pool.transport=nixl keeps up to pool.capacity_bytes={cfg.pool.capacity_bytes} "
+        f"({cfg.pool.capacity_bytes / gib:.1f} GiB) of unconsumed hidden states in the targets' own memory, but the "
+        f"cluster's worker memory is {heap_bytes / gib:.1f} GiB; lower pool.capacity_bytes, add memory, or set "
+        "pool.transport=object_store"
+    )
 
 
 def leased_jobs(cfg: Config) -> int:

@@ -181,9 +181,11 @@ class PoolConfig:
     seed: int = 0
     metrics_every_s: float = 2.0
     pull_policy: str = "stratified"  # stratified | round_robin (app/pool/pull_policy.py)
+    transport: str = "object_store"  # object_store | nixl: how payloads reach the drafters (app/pool/transport.py)
 
     def __post_init__(self) -> None:
         one_of("pool.pull_policy", self.pull_policy, ("stratified", "round_robin"))
+        one_of("pool.transport", self.transport, ("object_store", "nixl"))
         at_least("pool.capacity", self.capacity, 1, "the pool must hold at least one item")
         at_least("pool.capacity_bytes", self.capacity_bytes, 1, "the pool needs a positive byte budget")
         at_least("pool.min_ready", self.min_ready, 0, "0 = pulls take whatever is buffered")

@@ -115,6 +115,19 @@ def eval_offer_bytes(weight_bytes: int, evaluating: bool) -> int:
     return EVAL_COPIES * weight_bytes if evaluating else 0
 
 
+def payload_bound(cfg: Config, job_bytes: int) -> int:
+    """The most payload bytes unconsumed at once: the byte budget, or the items bound when smaller (buffered
+    and in flight up to pool.capacity, plus each drafter's leases)."""
+    return min(cfg.pool.capacity_bytes, (cfg.pool.capacity + leased_jobs(cfg)) * job_bytes)
+
+
+def payloads_in_store(cfg: Config, job_bytes: int) -> int:
+    """Payload bytes the object store holds: all of them, or none with `pool.transport=nixl` (the targets
+    hold them in their own memory, `app/config/checks.py` check_target_memory; the store keeps only the
+    small `NixlPayload` per job)."""
+    return 0 if cfg.pool.transport == "nixl" else payload_bound(cfg, job_bytes)
+
+
 def check_object_store(cfg: Config, job_bytes: int, object_store_bytes: float, dataset_bytes: int = 0,
                        eval_bytes: int = 0) -> None:
     """What the run holds in the object store must fit it, or Ray spills hidden states to disk and
@@ -124,8 +137,7 @@ def check_object_store(cfg: Config, job_bytes: int, object_store_bytes: float, d
     is the smaller of the two bounds. On top: the dataset and schedule (`dataset_bytes`, put once) and
     the live evaluations' weight offers (`eval_bytes`, `eval_offer_bytes`)."""
     leased_items = leased_jobs(cfg)
-    need = StoreNeed(min(cfg.pool.capacity_bytes, (cfg.pool.capacity + leased_items) * job_bytes),
-                     dataset_bytes, eval_bytes)
+    need = StoreNeed(payloads_in_store(cfg, job_bytes), dataset_bytes, eval_bytes)
     if object_store_bytes and need.total > object_store_bytes:
         gib = 2**30
         raise ConfigError(

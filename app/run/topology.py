@@ -122,7 +122,7 @@ class Topology:
             num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0, max_concurrency=concurrency,
             scheduling_strategy=self._strategy(self.target_bundle(i)),
         ).remote(i, model_dir, layer_ids, self.cfg.model, topo.device if self.plan.use_gpu else "cpu",
-                 bundle["CPU"], dataset_ref, faults, self.cfg.checkpoint.dir)
+                 bundle["CPU"], dataset_ref, faults, self.cfg.checkpoint.dir, transport=self.cfg.pool.transport)
 
     def make_drafters(self, setup: Any, pool: Any, bundles: list[int] | None = None) -> list[Any]:
         """One rank per bundle index in `bundles` (default: every drafter bundle); rank r sits in bundles[r].
