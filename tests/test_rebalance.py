@@ -217,3 +217,36 @@ def test_a_bare_off_is_off_although_yaml_reads_it_as_a_boolean():
 
     cfg = load_config("conf/tiny.yaml", ["topology.rebalance=off"])
     assert cfg.topology.rebalance == "off"
+
+
+def _drafter_rate_after_a_shift(half_life_s: float | None) -> float:
+    """One rank: 20 steps at 100 tokens/s of compute, then 20 at 400, one step a second."""
+    from types import SimpleNamespace
+
+    clock = SimpleNamespace(t=0.0)
+    adv = SplitAdvisor(1, 1, clock=lambda: clock.t, half_life_s=half_life_s)
+    for rate in (100, 400):
+        for _ in range(20):
+            clock.t += 1.0
+            adv.add_records([{"rank": 0, "tokens": rate, "compute_s": 1.0}])
+    return adv.rates()[1]
+
+
+def test_the_live_advisor_weighs_its_rates_by_recency_when_given_a_half_life(tmp_path) -> None:
+    """topology.rebalance_half_life_s: the live path's advisor (RunOutputs) gets the simulation's recency
+    weights; 0 keeps the rates since the start (or the last re-split)."""
+    from app.config.load import load_config
+    from app.run.monitor import RunMonitor
+    from app.run.outputs import RunOutputs
+
+    for value, expected in (("0", None), ("5", 5.0)):
+        cfg = load_config("conf/tiny.yaml", [f"checkpoint.dir={tmp_path / value}", f"topology.rebalance_half_life_s={value}"])
+        monitor = RunMonitor()
+        outputs = RunOutputs(cfg, "run", monitor, resumed_step=0, log=lambda _: None)
+        outputs.timeline.close()
+        assert monitor.advisor.half_life_s == expected
+    since_start, recent = _drafter_rate_after_a_shift(None), _drafter_rate_after_a_shift(5.0)
+    assert since_start == pytest.approx(250, rel=0.05)  # (19 x 100 + 20 x 400) / 39 s: the past weighs half
+    assert recent > 370  # 4 half-lives after the shift: the old rate hardly weighs (383 here)
+    with pytest.raises(ValueError, match="topology.rebalance_half_life_s"):
+        TopologyConfig(rebalance_half_life_s=-1)

@@ -108,6 +108,7 @@ class TopologyConfig:
     rebalance_hold_s: float = 20.0  # the advice must hold this long before an auto re-split
     rebalance_min_gain: float = 0.15  # estimated tokens/s gain a re-split must beat (it costs a checkpoint and a rebuild)
     max_rebalances: int = 3  # auto re-splits per run, at most
+    rebalance_half_life_s: float = 0.0  # 0: the advisor's rates since the start / last re-split; N: weighted by recency
 
     def __post_init__(self) -> None:
         at_least("topology.num_targets", self.num_targets, 1, "at least one target must produce hidden states")
@@ -127,6 +128,9 @@ class TopologyConfig:
         finite("topology.rebalance_min_gain", self.rebalance_min_gain, "give a share, e.g. 0.15")
         at_least("topology.rebalance_min_gain", self.rebalance_min_gain, 0, "a gain threshold cannot be negative")
         at_least("topology.max_rebalances", self.max_rebalances, 0, "0 turns automatic re-splits off")
+        finite("topology.rebalance_half_life_s", self.rebalance_half_life_s, "give seconds, e.g. 60, or 0")
+        at_least("topology.rebalance_half_life_s", self.rebalance_half_life_s, 0,
+                 "0 measures since the start; a positive half-life weighs recent samples more")
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,8 @@ class RunOutputs:
         self.earlier_evals = list(iter_timeline(self.run_dir, kinds=("eval",)))
         self.timeline = Timeline(self.run_dir, pool_every_s=min(2.0, cfg.logging.status_every_s))
         self.timeline.start(cfg.topology, run_name, resumed_step)
-        monitor.advisor = SplitAdvisor.for_topology(cfg.topology)
+        # topology.rebalance_half_life_s: recency weights (the re-split simulation's), 0 = since the start
+        monitor.advisor = SplitAdvisor.for_topology(cfg.topology, half_life_s=cfg.topology.rebalance_half_life_s or None)
         monitor.listeners += [monitor.advisor, self.timeline]
         self.evals = None
 
