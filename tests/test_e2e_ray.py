@@ -48,7 +48,7 @@ def _assert_one_wandb_row_per_step(run_dir: Path, steps: int) -> None:
 
 
 def test_stop_then_resume_trains_each_job_once(ray_cluster, tmp_path: Path, capsys) -> None:
-    proc = start_driver(tmp_path, "checkpoint.every_steps=2")
+    proc = start_driver(tmp_path, "checkpoint.every_steps=2", "logging.wandb_mode=offline")
     wait_for(lambda: latest_checkpoint(tmp_path) is not None, 900, "a first checkpoint")  # a bound, not a speed claim
     code, out = sigterm_and_wait(proc, timeout=120)
     assert code == 0, out
@@ -56,6 +56,11 @@ def test_stop_then_resume_trains_each_job_once(ray_cluster, tmp_path: Path, caps
     assert "data: tokenized" in out and "data: loaded" not in out  # the first run tokenized and cached
     step1, _, ledger1 = read_ledger(latest_checkpoint(tmp_path))
     assert step1 > 0 and ledger1
+    # The stopped driver ended its wandb run: its history holds every step up to the stop's checkpoint.
+    from app.run.wandb_log import read_history
+
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    assert [r["step"] for r in read_history(run_file) if "event" not in r] == list(range(1, step1 + 1))
 
     assert run_in_process(tmp_path) == 0
     log = capsys.readouterr().out

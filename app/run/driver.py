@@ -198,6 +198,7 @@ def supervise(plan, use_gpu: bool, stop: threading.Event) -> int:
                             "train.max_grad_norm, or set train.on_nonfinite=skip")
         if outcome.stopped:
             log(f"stopped cleanly at step {outcome.steps}; resubmit the same command to resume")
+            wandb.finish({"stopped_at_step": outcome.steps})
             return 0
         export_dir = next((r.export_dir for r in outcome.drafter_results if r.export_dir), None)
         tau = sup.evaluate(export_dir)  # never raises: a dead or hung target gives None and the reason
@@ -216,6 +217,7 @@ def supervise(plan, use_gpu: bool, stop: threading.Event) -> int:
               flush=True)
         return 0
     finally:
+        wandb.finish({}, exit_code=1)  # a failed run's rows so far (a finished or stopped run: already done)
         outputs.close()  # report.html, for a stopped or failed run too
         sup.shutdown()
         topo.remove()

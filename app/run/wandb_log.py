@@ -79,6 +79,7 @@ class WandbLogger:
         self.status: dict[str, float] = {}
         self._taus_seen, self._best = 0, float("-inf")
         self.faults = 0
+        self.finished = False
         if cfg.wandb_mode == "disabled":
             return
         import wandb
@@ -125,13 +126,18 @@ class WandbLogger:
                        if isinstance(values.get(k), (int, float)) and not isinstance(values.get(k), bool)}
         self._taus()
 
-    def finish(self, summary: dict[str, Any]) -> None:
+    def finish(self, summary: dict[str, Any], exit_code: int = 0) -> None:
+        """The last rows, the summary's numbers and the run's end; once (later calls do nothing), so the
+        driver also calls it for a stopped or failed run, whose last steps' rows would be lost otherwise."""
+        if self.finished:
+            return
+        self.finished = True
         for row in self.rows.flush():
             self._write({**row, **self.status})
         self._taus()
         if self.run is not None:
             self.run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float))})
-            self.run.finish()
+            self.run.finish(exit_code=exit_code)
 
     def _taus(self) -> None:
         """New tau evaluations of the monitor (this start's only: a resume re-reads the earlier ones)."""
