@@ -15,8 +15,10 @@ embedding and LM head. Measures, with the code the actors run (`app.data.batchin
 - drafter step tokens/s (target tokens trained per second) and MFU = needed training FLOPs / time / peak
   (3x the forward of the drafter's own layers and fc, plus forward and input-gradient of the frozen LM
   head over the predicted rows; attention only over what the mask allows);
-- peak GPU memory (`torch.cuda.max_memory_allocated`).
-Ends `RESULT target_tok_s=... target_mfu=... drafter_tok_s=... drafter_mfu=... peak_gib=...`.
+- peak GPU memory (`torch.cuda.max_memory_allocated`);
+- transport: one 640 MiB payload's staging to the GPU from shared memory laid out as the object store,
+  through a pinned copy vs straight from the page-locked mapping (app/bench/gpu_transport.py).
+Ends `RESULT target_tok_s=... target_mfu=... drafter_tok_s=... drafter_mfu=... peak_gib=... transport_*=...`.
 Budget: under 5 minutes on one H200 (the drafter compile is most of it; `--no-compile` skips it).
 
 Without CUDA it exits 1 with one line, unless `--small`: the same code path at tiny shapes, on CUDA when
@@ -298,9 +300,14 @@ def main(argv: list[str]) -> int:
     peak = torch.cuda.max_memory_allocated(s.device) if s.device.type == "cuda" else 0
     print(f"drafter: {d['tok_s']:.0f} tok/s, MFU {d['mfu']:.3f}, {d['step_s']:.2f} s per micro-batch, warm-up "
           f"(compile) {d['warm_s']:.1f} s")
+    from app.bench import gpu_transport
+
+    del model, batches  # the transport part needs the host and device memory of one 640 MiB job twice
+    tr = gpu_transport.bench_transport(s.device, gpu_transport.SMALL_BYTES if args.small else gpu_transport.FULL_BYTES)
+    print(gpu_transport.line(tr))
     print(f"memory: weights {weights / 2**30:.1f} GiB, target phase peak {target_peak / 2**30:.1f} GiB, overall peak "
           f"{peak / 2**30:.1f} GiB; wall {time.perf_counter() - t_start:.0f} s")
     print(f"RESULT target_tok_s={t['tok_s']:.0f} target_mfu={t['mfu']:.3f} drafter_tok_s={d['tok_s']:.0f} "
           f"drafter_mfu={d['mfu']:.3f} peak_gib={peak / 2**30:.1f} copy_overlap={t['overlap']:.2f} "
-          f"device={'cuda' if s.device.type == 'cuda' else 'cpu-small'}")
+          f"{gpu_transport.fields(tr)} device={'cuda' if s.device.type == 'cuda' else 'cpu-small'}")
     return 0

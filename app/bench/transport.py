@@ -16,7 +16,18 @@ Both sides use the drafter's real `fetch_next` (actors/drafter.py) and stager (a
 
 memcpy: `np.copyto` of the same number of bytes between two warm buffers, one thread, in the same run:
 the best one copy can do on this machine. The path makes at least two host copies (into the store, out of
-it), so 0.5 x memcpy is what two copies at full memory speed give.
+it), so 0.5 x memcpy is what two copies at full memory speed give. It is measured after every variant of a
+size and the ratios of that size divide by the median of all its samples (one denominator per size: the
+variants' ratios compare, and a noisy neighbour moves them alike).
+
+Variants, each its own row and RESULT keys, all with the store populated (after the `base_` row):
+- (no prefix) the staging copy on one thread: the CUDA drafter's host half where the store is not
+  page-locked, two full host copies: the like-for-like figure;
+- `mt_`: the same copy over `--threads` threads (app/training/transfer.py copy_into), two copies;
+- `view_`: no staging copy: the stager reads the store's view in place (`StoreRegistration`; on CPU the
+  "registration" is a no-op, a CPU drafter reads the view as it is; on CUDA it is cudaHostRegister and the
+  host-to-device copy reads the store by DMA), one full host copy (the seal). `view_*_direct` counts the
+  timed jobs that really went without the copy (the view was inside the store's shared-memory mapping).
 
 RESULT: per size, median and p99 GB/s end to end, the ratio of the median to memcpy, and the median
 split (produce+seal, of it produce alone, fetch, staging) in ms. `--populate both` (the default) runs
@@ -95,16 +106,22 @@ class TransportProducer:
 
 
 class TransportConsumer:
-    """A drafter rank's prefetch work: the real `fetch_next` and `PayloadStager`, timed."""
+    """A drafter rank's prefetch work: the real `fetch_next` and `PayloadStager`, timed. `mode`: copy (one
+    thread), mt (`threads` threads) or view (the store's view read in place, no staging copy)."""
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, mode: str = "copy", threads: int = 1) -> None:
         import torch
 
         from app.devices import pick_device
-        from app.training.transfer import PayloadStager
+        from app.training.transfer import PayloadStager, StoreRegistration
 
         self.device = pick_device(device)
-        self.stager = PayloadStager(self.device, torch.bfloat16)
+        if mode == "view":  # CPU: the view is readable as it is; CUDA: the stager's own cudaHostRegister
+            store = StoreRegistration(lambda addr, nbytes: True) if self.device.type != "cuda" else None
+        else:  # registers nothing: every payload is copied into a staging buffer
+            store = StoreRegistration(lambda addr, nbytes: False)
+        self.stager = PayloadStager(self.device, torch.bfloat16, copy_threads=threads if mode == "mt" else 1,
+                                    store=store)
         self.acks: list[int] = []
 
     def ready(self, populate: bool = False) -> int:
@@ -118,6 +135,7 @@ class TransportConsumer:
         from actors.drafter import fetch_next
 
         marks: dict[str, float] = {}
+        direct0 = self.stager.direct
 
         def stage(hb):
             marks["got"] = time.perf_counter()
@@ -133,7 +151,7 @@ class TransportConsumer:
         pulled, nbytes = fetch_next(pool, 0, generation, self.acks, stage,
                                     on_pulled=lambda: marks.__setitem__("pulled", time.perf_counter()))
         self.acks = [pulled.meta.job_id]  # ride on the next pull, as the drafter's do
-        return {"job_id": pulled.meta.job_id, "nbytes": nbytes, **marks}
+        return {"job_id": pulled.meta.job_id, "nbytes": nbytes, "direct": self.stager.direct > direct0, **marks}
 
 
 def memcpy_seconds(nbytes: int, repeats: int) -> list[float]:
@@ -154,7 +172,8 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def run_size(ray, label: str, num_seqs: int, seq_len: int, width: int, repeats: int, device: str,
-             verbose: bool = False, feature_dtype: str = "bfloat16", populate: bool = False) -> dict:
+             verbose: bool = False, feature_dtype: str = "bfloat16", populate: bool = False, mode: str = "copy",
+             threads: int = 1) -> dict:
     from actors.hs_pool import HSPoolActor, pool_max_concurrency
     from app.config.schema import PoolConfig
     from app.messages import JobSpec
@@ -162,7 +181,7 @@ def run_size(ray, label: str, num_seqs: int, seq_len: int, width: int, repeats: 
     bf16_bytes = num_seqs * seq_len * width * 2  # the features in bf16, whatever travels
     opts = {"num_gpus": 1} if device == "cuda" else {}
     prod = ray.remote(TransportProducer).options(**opts).remote(num_seqs, seq_len, width, device, feature_dtype)
-    cons = ray.remote(TransportConsumer).options(**opts).remote(device)
+    cons = ray.remote(TransportConsumer).options(**opts).remote(device, mode, threads)
     cfg = PoolConfig(capacity=2, min_ready=1, jobs_in_flight_per_target=1, capacity_bytes=8 * bf16_bytes + 2**20,
                      metrics_every_s=60.0)
     pool = ray.remote(HSPoolActor).options(max_concurrency=pool_max_concurrency(1, 1)).remote(
@@ -194,7 +213,8 @@ def run_size(ray, label: str, num_seqs: int, seq_len: int, width: int, repeats: 
                        for a, b, c in zip(parts["produce_seal"], parts["fetch"], parts["staging"])))
     mc = memcpy_seconds(nbytes, max(3, repeats))
     gbps = [nbytes / s / 1e9 for s in parts["e2e"]]
-    out = {"label": label, "nbytes": nbytes, "feature_dtype": feature_dtype,
+    out = {"label": label, "nbytes": nbytes, "feature_dtype": feature_dtype, "mode": mode, "mc": mc,
+           "direct": sum(r["direct"] for r in rows[WARMUP:]),  # timed jobs staged without the copy
            "features_gbps": bf16_bytes / float(np.median(parts["e2e"])) / 1e9, "median_gbps": percentile(gbps, 50),
            "p99_gbps": percentile(gbps, 1),  # the p99 of the time is the 1st percentile of the rate
            "memcpy_gbps": nbytes / float(np.median(mc)) / 1e9,
@@ -219,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
                          "then with, fresh actors each, side by side in this run")
     ap.add_argument("--fp8", default="640MiB,4MiB",
                     help="sizes also run with model.feature_dtype=float8_e4m3 (comma list; '' for none)")
+    ap.add_argument("--threads", type=int, default=2, help="threads of the mt_ variant's staging copy (1: no mt_ rows)")
+    ap.add_argument("--variants", default="mt,view", help="comma list of the extra variants to run (mt, view; '' none)")
     ap.add_argument("--verbose", action="store_true", help="print every job's split")
     args = ap.parse_args(argv)
     import ray
@@ -240,26 +262,35 @@ def main(argv: list[str] | None = None) -> int:
           f"pid {os.getpid()}")
     results = []
     pops = {"off": [False], "on": [True], "both": [False, True]}[args.populate]
-    runs = [(label, "bfloat16", pop) for label in sizes for pop in pops]
-    runs += [(label, "float8_e4m3", pops[-1]) for label in args.fp8.split(",") if label in sizes]
+    variants = [v for v in args.variants.split(",") if v and not (v == "mt" and args.threads < 2)]
+    runs = [(label, "bfloat16", pop, "copy") for label in sizes for pop in pops]
+    runs += [(label, "bfloat16", pops[-1], v) for label in sizes for v in variants]
+    runs += [(label, "float8_e4m3", pops[-1], "copy") for label in args.fp8.split(",") if label in sizes]
     base: dict[str, dict] = {}
-    for label, feature_dtype, pop in runs:
+    memcpy: dict[str, list[float]] = {}
+    for label, feature_dtype, pop, mode in runs:
         b, s = sizes[label]
-        r = run_size(ray, label, b, s, width, repeats, args.device, args.verbose, feature_dtype, pop)
+        r = run_size(ray, label, b, s, width, repeats, args.device, args.verbose, feature_dtype, pop, mode,
+                     args.threads)
+        memcpy.setdefault(label, []).extend(r["mc"])
         if args.populate == "both" and not pop:
             base[label] = r
         else:
             results.append(r)
-        print(f"{label} {feature_dtype} populate {'on' if pop else 'off'}: {r['nbytes'] / 1e6:.0f} MB in transit  "
+        print(f"{label} {feature_dtype} {mode} populate {'on' if pop else 'off'}: {r['nbytes'] / 1e6:.0f} MB in transit  "
               f"e2e median {r['median_gbps']:.2f} GB/s  "
               f"p99 {r['p99_gbps']:.2f} GB/s (p99 {r['p99_e2e_ms']:.0f} ms)  memcpy {r['memcpy_gbps']:.2f} GB/s  "
               f"ratio {r['ratio']:.3f}  features (bf16 bytes) {r['features_gbps']:.2f} GB/s  "
               f"split ms: produce+seal {r['produce_seal_ms']:.1f} (produce {r['produce_ms']:.1f}) "
               f"fetch {r['fetch_ms']:.1f} staging {r['staging_ms']:.1f}")
     ray.shutdown()
+    for r in [*results, *base.values()]:  # one memcpy per size: the median of all its samples in this run
+        r["memcpy_gbps"] = r["nbytes"] / float(np.median(memcpy[r["label"]])) / 1e9
+        r["ratio"] = r["median_gbps"] / r["memcpy_gbps"]
     fields = []
     for r in results:
         k = ("fp8_" if r["feature_dtype"] == "float8_e4m3" else "") + r["label"].lower()
+        k = {"mt": "mt_", "view": "view_"}.get(r["mode"], "") + k
         fields += [f"{k}_median_gbps={r['median_gbps']:.2f}", f"{k}_p99_gbps={r['p99_gbps']:.2f}",
                    f"{k}_ratio={r['ratio']:.3f}", f"{k}_memcpy_gbps={r['memcpy_gbps']:.2f}",
                    f"{k}_seal_ms={r['produce_seal_ms']:.0f}", f"{k}_produce_ms={r['produce_ms']:.0f}",
@@ -267,10 +298,14 @@ def main(argv: list[str] | None = None) -> int:
                    f"{k}_staging_ms={r['staging_ms']:.0f}"]
         if r["feature_dtype"] == "float8_e4m3":
             fields += [f"{k}_mb={r['nbytes'] / 1e6:.0f}", f"{k}_features_gbps={r['features_gbps']:.2f}"]
+        elif r["mode"] != "copy":
+            fields += [f"{k}_p99_over_median={r['p99_e2e_ms'] / r['e2e_ms']:.2f}"]
+            if r["mode"] == "view":
+                fields += [f"{k}_direct={r['direct']}/{repeats}"]
         elif r["label"] in base:  # the same size without populate, measured just before in this run
             b0 = base[r["label"]]
             fields += [f"base_{k}_median_gbps={b0['median_gbps']:.2f}", f"base_{k}_p99_gbps={b0['p99_gbps']:.2f}",
                        f"base_{k}_ratio={b0['ratio']:.3f}", f"{k}_p99_over_median={r['p99_e2e_ms'] / r['e2e_ms']:.2f}",
                        f"base_{k}_p99_over_median={b0['p99_e2e_ms'] / b0['e2e_ms']:.2f}"]
-    print(f"RESULT prefault={args.prefault} populate={args.populate} " + " ".join(fields))
+    print(f"RESULT prefault={args.prefault} populate={args.populate} threads={args.threads} " + " ".join(fields))
     return 0

@@ -7,29 +7,51 @@ The small arrays (ids, loss mask, lengths) go along on the same stream, and so d
 conversions: every device tensor of the batch is made on the side stream before the event, so none is
 read before its copy lands, and the compute stream `record_stream`s them all. Their host copies stay
 with the batch so anchors and labels are sampled on the host (no per-sequence device syncs).
-On CPU nothing is staged: the compute thread converts the payload as before.
+On CPU nothing is staged: the compute thread converts the payload as before, reading the object
+store's read-only view in place (no copy out of the store).
+
+On CUDA the copy into the staging buffer is skipped where it can be: the object store's shared-memory
+mappings of this process are page-locked once (`StoreRegistration`, cudaHostRegister), so the
+host-to-device copy reads the store's view straight (DMA) and the payload crosses host memory once
+(Ray's seal into the store) instead of twice. The view stays held, with its copy's event, until its turn
+comes round again (the same discipline as the pinned buffers); the pool holds the ref until the ack
+anyway. Payloads outside the registered store (a fallback allocation on disk, a failed registration)
+are staged by copy as before.
 """
 from __future__ import annotations
 
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
+
+COPY_CHUNK = 16 * 2**20  # below two of these a copy stays on one thread: the hand-off costs more than it saves
 
 
 class PayloadStager:
     """Turns `HiddenBatch` payloads into device `TrainBatch`es; `stage` runs in the prefetch thread."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, side_stream=None) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype, side_stream=None, copy_threads: int = 1,
+                 store=None) -> None:
         """`side_stream`: a stand-in for the CUDA side stream; it turns the staging path on anywhere (a CPU
-        test rehearses the CUDA path with it)."""
+        test rehearses the CUDA path with it). `copy_threads`: threads for the host copy of a large payload
+        (1: numpy's one-thread copy; python -m app.bench transport measures more). `store`: what says
+        whether a view is in page-locked store memory (`StoreRegistration`; on CUDA one over this process's
+        store mappings by default, else none: every payload is copied into a staging buffer)."""
         self.device, self.dtype = device, dtype
         self.enabled = device.type == "cuda" or side_stream is not None
         self._pinned: list[torch.Tensor | None] = [None, None]
         self._copied: list = [None, None]  # each buffer's last copy-out event
+        self._held: list = [None, None]  # each turn's store view read in place, kept until its event is done
         self._turn = 0
         self._stream = side_stream if side_stream is not None else (
             torch.cuda.Stream(device=device) if self.enabled else None)
+        self.store = store if store is not None else (
+            StoreRegistration(cuda_host_register) if device.type == "cuda" else None)
+        self._pool = ThreadPoolExecutor(copy_threads - 1, thread_name_prefix="stage-copy") if copy_threads > 1 else None
+        self.copy_threads = max(1, copy_threads)
+        self.direct = 0  # payloads read in place from the registered store (no staging copy)
 
     def stage(self, hb):
         """The payload as a device TrainBatch whose copy is in flight (CUDA), or `hb` unchanged (CPU)."""
@@ -61,26 +83,37 @@ class PayloadStager:
         return batch
 
     def stage_host(self, hb) -> torch.Tensor:
-        """The payload's features copied out of the object store into the next staging buffer (pinned on
-        CUDA), as int16 bits for bf16; the host half of `stage`, which the transport bench times on CPU."""
+        """The payload's features as a host tensor the device copy can read by DMA, as int16 bits for bf16:
+        the store's own view where it is page-locked (`store`), else a copy into the next staging buffer
+        (pinned on CUDA). The host half of `stage`, which the transport bench times on CPU."""
         hidden_np = hb.hidden_BSD.view(np.int16) if hb.hidden_dtype == "bfloat16" else np.asarray(hb.hidden_BSD)
-        buf = self._buffer(hidden_np.nbytes)
         with warnings.catch_warnings():  # the object store's buffers are read-only; we only read them
             warnings.simplefilter("ignore", UserWarning)
             src = torch.from_numpy(hidden_np)
+        if self.store is not None and hidden_np.flags.c_contiguous and self.store.covers(
+                hidden_np.ctypes.data, hidden_np.nbytes):
+            self._next_turn()
+            self._held[self._turn] = hb  # the view's memory, until this turn's copy is done
+            self.direct += 1
+            return src
+        buf = self._buffer(hidden_np.nbytes)
         host = buf[: hidden_np.nbytes].view(src.dtype).view(src.shape)
         # pageable (object store) -> pinned, on this thread. numpy's copy, not torch's copy_: measured on the
         # same 640 MiB, warm, one thread, np.copyto ran at 10.5 GB/s and Tensor.copy_ at 7.0 (int16; uint16 at
-        # 0.85), and a second thread did not pay (python -m app.bench transport times this step as staging).
-        np.copyto(host.numpy(), hidden_np)
+        # 0.85); python -m app.bench transport times this step as staging, and more threads as its mt_ rows.
+        copy_into(host.numpy(), hidden_np, self._pool, self.copy_threads)
         return host
 
-    def _buffer(self, nbytes: int) -> torch.Tensor:
-        # Two buffers in turn (the prefetcher holds at most one batch ahead); before a buffer is
-        # refilled, the host waits for its previous copy-out to have finished on the GPU.
+    def _next_turn(self) -> None:
+        # Two turns (the prefetcher holds at most one batch ahead); before a turn is reused, the host waits
+        # for its previous copy-out to have finished on the GPU, then lets go of the view it read.
         self._turn ^= 1
         if self._copied[self._turn] is not None:
             self._copied[self._turn].synchronize()  # long done in practice; never overwrite a live copy
+        self._held[self._turn] = None
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        self._next_turn()
         buf = self._pinned[self._turn]
         if buf is None or buf.numel() < nbytes:
             buf = torch.empty(int(nbytes * 1.25), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
@@ -98,6 +131,88 @@ class PayloadStager:
         return batch
 
 
+def copy_into(dst: np.ndarray, src: np.ndarray, pool: ThreadPoolExecutor | None, threads: int) -> None:
+    """`np.copyto(dst, src)`, split into `threads` contiguous parts over `pool` (this thread copies the
+    first) when the payload is large: numpy releases the GIL while it copies. Both C-contiguous."""
+    n = src.nbytes
+    if pool is None or threads < 2 or n < 2 * COPY_CHUNK or not (src.flags.c_contiguous and dst.flags.c_contiguous):
+        np.copyto(dst, src)
+        return
+    d, s = dst.reshape(-1).view(np.uint8), src.reshape(-1).view(np.uint8)
+    step = -(-n // threads)
+    step = -(-step // 4096) * 4096  # page-aligned parts: no page is written by two threads
+    rest = [pool.submit(np.copyto, d[lo:lo + step], s[lo:lo + step]) for lo in range(step, n, step)]
+    np.copyto(d[:step], s[:step])
+    for f in rest:
+        f.result()
+
+
+def plasma_ranges(maps_path: str = "/proc/self/maps") -> list[tuple[int, int]]:
+    """This process's writable shared-memory mappings of the node's object store, as (start, end)
+    addresses. Shared memory only: a disk-backed fallback mapping is left alone."""
+    try:
+        with open(maps_path) as f:
+            lines = [line.split()[0] for line in f if "/dev/shm/plasma" in line and "rw-s" in line]
+    except OSError:
+        return []
+    return [tuple(int(x, 16) for x in r.split("-")) for r in lines]
+
+
+class StoreRegistration:
+    """Which host addresses lie in page-locked object-store memory. `register(addr, nbytes) -> bool`
+    page-locks one mapping (`cuda_host_register` on CUDA); each mapping is tried once, when a view first
+    falls outside the known ones (a worker maps the store when it first reads from it, so there is
+    nothing to register at start). A mapping that failed is never tried again; its payloads are copied."""
+
+    def __init__(self, register, maps_path: str = "/proc/self/maps") -> None:
+        self._register, self.maps_path = register, maps_path
+        self.ranges: list[tuple[int, int]] = []  # registered
+        self.failed: list[tuple[int, int]] = []
+
+    def _inside(self, addr: int, nbytes: int, ranges) -> bool:
+        return any(lo <= addr and addr + nbytes <= hi for lo, hi in ranges)
+
+    def covers(self, addr: int, nbytes: int) -> bool:
+        """True when [addr, addr + nbytes) is in a registered mapping (registering new mappings first)."""
+        if self._inside(addr, nbytes, self.ranges):
+            return True
+        if self._inside(addr, nbytes, self.failed):
+            return False
+        for r in plasma_ranges(self.maps_path):
+            if r not in self.ranges and r not in self.failed:
+                (self.ranges if self._register(r[0], r[1] - r[0]) else self.failed).append(r)
+        return self._inside(addr, nbytes, self.ranges)
+
+
+def cuda_host_register(addr: int, nbytes: int) -> bool:
+    """Page-lock [addr, addr + nbytes) for DMA from the current CUDA device (cudaHostRegister, default
+    flags: the store is mapped read-write here, so the read-only flag, for read-only mappings, is not
+    needed). Once per mapping and process: it pins the pages (faulting in any not yet populated). False,
+    with the runtime's error cleared, where it fails (e.g. a locked-memory limit): such payloads are copied."""
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(addr, nbytes, 0)
+    code = int(getattr(err, "value", err))
+    if code != 0:
+        _clear_cuda_error()
+        warnings.warn(f"cudaHostRegister of the object store's mapping ({nbytes / 2**30:.1f} GiB) failed with "
+                      f"CUDA error {code}; its payloads are staged by copy instead", RuntimeWarning, stacklevel=2)
+    return code == 0
+
+
+def _clear_cuda_error() -> None:
+    # A failed cudaHostRegister leaves the runtime's last error set on this thread, and torch's next kernel
+    # launch check would raise it as its own: clear it through the process's own libcudart, where one is loaded.
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as f:
+            libs = {line.split()[-1] for line in f if "libcudart" in line}
+        for lib in libs:
+            ctypes.CDLL(lib).cudaGetLastError()
+    except (OSError, AttributeError):
+        pass
+
+
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in, writable, without touching its contents
 
 
@@ -109,19 +224,13 @@ def populate_object_store(maps_path: str = "/proc/self/maps") -> int:
     import ctypes
     import ctypes.util
 
-    try:
-        with open(maps_path) as f:
-            # Shared memory only: populating a disk-backed fallback mapping for write would dirty its pages.
-            ranges = [line.split()[0] for line in f if "/dev/shm/plasma" in line and "rw-s" in line]
-    except OSError:
-        return 0
+    ranges = plasma_ranges(maps_path)  # populating a disk-backed fallback mapping for write would dirty its pages
     if not ranges:
         return 0
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     done = 0
-    for r in ranges:
-        lo, hi = (int(x, 16) for x in r.split("-"))
+    for lo, hi in ranges:
         if libc.madvise(lo, hi - lo, MADV_POPULATE_WRITE) == 0:
             done += hi - lo
     return done
