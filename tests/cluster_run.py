@@ -1,6 +1,6 @@
 """One multi-node rehearsal in its own process: a `ray.cluster_utils.Cluster` (head + workers, each with
 its own CPUs, fake GPUs and object store), the real driver submitted to it, optionally a worker node
-removed mid-run. Prints one `CLUSTER_RESULT {json}` line.
+removed mid-run and a node added later. Prints one `CLUSTER_RESULT {json}` line.
 
 Run by tests/test_cluster_ray.py as a subprocess, so the cluster never meets the test session's shared
 Ray instance: it has its own GCS port, temp dir, and does not write /tmp/ray/ray_current_cluster (which
@@ -10,7 +10,9 @@ would make every other `ray.init()` on the machine join it).
     SPEC: {"run_dir": str, "nodes": [{"cpus": f, "gpus": f}, ...] (first = head),
            "overrides": [...], "timeout_s": f,
            "remove_node": {"drafter_bundle": i, "after_checkpoint": bool, "split_drafters": bool,
-                           "drafter_bundles": [i, ...]} | null (see _victim)
+                           "drafter_bundles": [i, ...]} | null (see _victim),
+           "add_node": {"cpus": f, "gpus": f, "after_log": str} | null (added once the node removal is
+                       done and the driver's log holds `after_log`)
           }
 """
 from __future__ import annotations
@@ -37,11 +39,7 @@ def start_cluster(nodes: list[dict], temp_dir: str):
     from ray.cluster_utils import Cluster
 
     ray._private.utils.write_ray_address = lambda *a, **k: None  # keep other ray.init() calls off this cluster
-    def ports() -> dict:  # no fixed default port: another Ray on this machine may hold it
-        return dict(dashboard_agent_listen_port=_free_port(), metrics_export_port=_free_port(),
-                    runtime_env_agent_port=_free_port())
-
-    common = dict(object_store_memory=150 * 1024 * 1024, include_dashboard=False)
+    ports, common = _node_ports, NODE_ARGS
     head, *workers = nodes
     cluster = Cluster(initialize_head=True, head_node_args=dict(
         num_cpus=head["cpus"], num_gpus=head.get("gpus", 0), gcs_server_port=_free_port(), temp_dir=temp_dir,
@@ -51,6 +49,15 @@ def start_cluster(nodes: list[dict], temp_dir: str):
         handles.append(cluster.add_node(num_cpus=w["cpus"], num_gpus=w.get("gpus", 0), **ports(), **common))
     cluster.wait_for_nodes()
     return cluster, handles
+
+
+NODE_ARGS = dict(object_store_memory=150 * 1024 * 1024, include_dashboard=False)
+
+
+def _node_ports() -> dict:
+    """No fixed default port: another Ray on this machine may hold it."""
+    return dict(dashboard_agent_listen_port=_free_port(), metrics_export_port=_free_port(),
+                runtime_env_agent_port=_free_port())
 
 
 def bundle_nodes(node_ids: list[str]) -> list[int]:
@@ -81,7 +88,7 @@ def main(spec: dict) -> dict:
             [sys.executable, "-m", "app.train", "--config", "conf/tiny.yaml", f"checkpoint.dir={run_dir}",
              f"tiny.cache_dir={ROOT / '.cache/tiny'}", *spec["overrides"]],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-        removal = spec.get("remove_node")
+        removal, addition = spec.get("remove_node"), spec.get("add_node")
         deadline = t0 + spec.get("timeout_s", 900)
         placements: list[list[int]] = []
         pool_node: int | None = None
@@ -98,6 +105,12 @@ def main(spec: dict) -> dict:
                 events.append(f"{time.monotonic() - t0:.1f}s remove node {index} ({node_ids[index][:8]})")
                 cluster.remove_node(nodes[index], allow_graceful=False)
                 removal = None
+            if addition and removal is None and addition["after_log"] in log_path.read_text():
+                nodes.append(cluster.add_node(num_cpus=addition["cpus"], num_gpus=addition.get("gpus", 0),
+                                              **_node_ports(), **NODE_ARGS))
+                node_ids.append(nodes[-1].node_id)
+                events.append(f"{time.monotonic() - t0:.1f}s add node {len(nodes) - 1} ({node_ids[-1][:8]})")
+                addition = None
         if proc.poll() is None:
             proc.kill()
             events.append("driver timed out")

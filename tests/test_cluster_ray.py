@@ -25,9 +25,9 @@ GPU_RUN = ["topology.device=auto", "topology.gpus_per_target=1", "topology.gpus_
 
 
 def run_cluster(run_dir: Path, nodes: list[dict], overrides: list[str], remove_node: dict | None = None,
-                timeout_s: float = 1500) -> dict:
+                timeout_s: float = 1500, add_node: dict | None = None) -> dict:
     spec = {"run_dir": str(run_dir), "nodes": nodes, "overrides": overrides, "remove_node": remove_node,
-            "timeout_s": timeout_s}
+            "timeout_s": timeout_s, "add_node": add_node}
     proc = subprocess.run([sys.executable, str(ROOT / "tests/cluster_run.py"), json.dumps(spec)], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout_s + 180)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("CLUSTER_RESULT ")]
@@ -139,25 +139,45 @@ def test_resume_with_other_topologies_keeps_weights_ledger_and_schedule(ray_clus
         assert s["loss_first"] < loss_at_stop * 1.25 and s["loss_last"] < s["loss_first"] * 1.1
 
 
-def test_losing_drafter_gpus_with_no_spare_rebuilds_a_smaller_group(tmp_path: Path) -> None:
-    run_dir = tmp_path / "shrink"
-    # Two 4-GPU nodes, 8 bundles SPREAD over them, no spare: the lost node's GPUs cannot come back.
+def test_a_group_shrunk_by_a_node_loss_grows_back_when_a_node_is_added(tmp_path: Path) -> None:
+    """Two 4-GPU nodes, 8 bundles SPREAD over them, no spare: losing one rebuilds a smaller drafter group
+    (the lost node's GPUs cannot come back), which trains on. Then a node with the lost one's room joins:
+    Ray re-places the lost bundles on it and the group grows back to its configured 3 ranks at a
+    checkpoint, each job trained once (counted from the step log, not from the pool's ledger). One run
+    for both: the shrink half is the whole of what a no-spare run does until the node is added."""
+    import re
+
+    from app.run.timeline import read_timeline
+
+    run_dir = tmp_path / "grow"
     nodes = [{"cpus": 1, "gpus": 0}, {"cpus": 2, "gpus": 4}, {"cpus": 2, "gpus": 4}]
-    r = run_cluster(run_dir, nodes, [*GPU_RUN, "checkpoint.every_steps=2", "topology.strategy=SPREAD"],
+    r = run_cluster(run_dir, nodes, [*GPU_RUN, "train.epochs=3", "eval.every_steps=0", "checkpoint.every_steps=2",
+                                     "topology.strategy=SPREAD"],
                     remove_node={"drafter_bundle": 5, "split_drafters": True, "drafter_bundles": [5, 6, 7],
-                                 "after_checkpoint": True})
+                                 "after_checkpoint": True},
+                    add_node={"cpus": 2, "gpus": 4, "after_log": "rebuilding the drafter group with"})
     log = r["driver_log"]
     assert r["rc"] == 0, driver_lines(r)
-    s = r["summary"]
-    counts = trained_counts(run_dir, s)
-    assert counts["trained_twice"] == 0 and counts["never_trained"] == 0, counts
+    events = [l for l in log.splitlines() if any(k in l for k in ("rebuild", "ranks", "grew", "grow", "again"))]
+    print("\n".join(e[:300] for e in events[:20]))
+    assert any("add node" in e for e in r["events"]), r["events"]
     where, removed = r["placements"][0], _removed(r)
     survivors = [b for b in (5, 6, 7) if where[b] != removed]
-    events = [l for l in log.splitlines() if any(k in l for k in ("crashed", "rebuild", "restarted", "died", "ranks"))]
-    print("\n".join(e[:300] for e in events[:20]))
-    if 0 < len(survivors) < 3:  # the drafters were split over both nodes: the group comes back smaller
-        assert f"rebuilding the drafter group with {len(survivors)} of 3 ranks" in log
-        assert f"drafter group of {len(survivors)} ready" in log
+    assert 0 < len(survivors) < 3, where  # SPREAD over two nodes splits the three drafters
+    assert f"rebuilding the drafter group with {len(survivors)} of 3 ranks" in log
+    assert f"drafter group of {len(survivors)} ready" in log
+    assert f"drafter group grew {len(survivors)} -> 3 of 3 ranks" in log
+    s = r["summary"]
+    assert s["growths"] == 1 and s["growth_history"][0]["done_size"] == 3, s.get("growth_history")
+    rows = read_timeline(run_dir)
+    (done,) = [row for row in rows if row["k"] == "grow_done"]
+    assert (done["old"], done["new"], done["configured"]) == (len(survivors), 3, 3)
+    shrunk_at = int(re.search(rf"drafter group of {len(survivors)} ready at step (\d+)", log).group(1))
+    assert int(done["checkpoint"].split("-")[1]) > shrunk_at  # the smaller group trained before it grew
+    at = rows.index(done)
+    assert {row["rank"] for row in rows[at:] if row["k"] == "step"} == {0, 1, 2}  # the grown group trained
+    counts = trained_counts(run_dir, s)
+    assert counts == {"trained_once": s["jobs_scheduled"], "trained_twice": 0, "never_trained": 0}
     assert s["tau_trained"] is not None
     assert r["pool_node"] == 0  # on the head; pinned to the driver's node it once died with a worker node
 
