@@ -82,6 +82,7 @@ def test_a_growth_is_a_timeline_row_and_a_marked_event_in_the_report(tmp_path) -
     tl.resplit_row("grow", **g.to_dict())  # what Grower writes through RunMonitor.resplit_event
     tl.resplit_row("grow_done", number=1, old=1, new=3, configured=3, bundles=[5, 6, 7], why=g.why,
                    checkpoint="ckpt-00000008", requeued=2)
+    tl.resplit_row("target_back", target_id=2, bundle=2, why="target 2's bundle 2 is placed on a live node again")
     tl.close()
     rows = [r for r in read_timeline(tmp_path) if r["k"].startswith("grow")]
     assert [(r["k"], r["old"], r["new"]) for r in rows] == [("grow", 1, 3), ("grow_done", 1, 3)]
@@ -89,3 +90,4 @@ def test_a_growth_is_a_timeline_row_and_a_marked_event_in_the_report(tmp_path) -
     page = write_report(tmp_path).read_text()
     assert "drafter group grew 1 -&gt; 3 ranks (configured 3)" in page  # the events table (html-escaped)
     assert "<tr><th>growths</th><td>1</td></tr>" in page
+    assert "target 2 starting again (its bundle 2 placed again)" in page

@@ -80,11 +80,9 @@ class Grower:
                                   configured=grow.configured, bundles=bundles, why=grow.why,
                                   checkpoint=ckpt.name if ckpt else None, requeued=requeued)
         if size:
+            # The split advisor keeps its rates: a rank's compute rate barely depends on the group's size
+            # (its documented assumption), and the split it advises on is the topology's, unchanged.
             self.planner.done(size)
-            # The per-rank rate changes with the group's size: the split advisor measures afresh.
-            if sup.monitor.advisor is not None:
-                sup.monitor.advisor.resplit(len(sup.topo.target_bundles), len(sup.topo.drafter_bundles))
-            sup.monitor.note(f"drafter group grew {grow.old} -> {size} ranks ({grow.why})")
         else:
             self.planner.failed("the group rebuild failed")
         self.log(f"drafter group grew {grow.old} -> {size} of {grow.configured} ranks from "
@@ -97,7 +95,6 @@ class Grower:
         sup.policy.add_target(back.target_id)  # STARTING, with a fresh restart budget
         sup.fleet.add(back.target_id)
         sup.monitor.resplit_event("target_back", target_id=back.target_id, bundle=back.bundle, why=back.why)
-        sup.monitor.note(f"target {back.target_id} starting again ({back.why})")
         self.log(f"target {back.target_id} starting again: {back.why}")
 
     # ---- probes ----------------------------------------------------------------------------

@@ -46,6 +46,8 @@ def render(rows: list[dict], summary: dict, title: str = "run") -> str:
                for r in rows if r["k"] == "resplit_done"]  # topology.rebalance=auto (app/run/resplit.py)
     events += [(r["t"] - t0, f"drafter group grew {r['old']} -> {r['new']} ranks (configured {r['configured']})")
                for r in rows if r["k"] == "grow_done"]  # bundles lost with a node placed again (app/run/growth.py)
+    events += [(r["t"] - t0, f"target {r['target_id']} starting again (its bundle {r['bundle']} placed again)")
+               for r in rows if r["k"] == "target_back"]
     starts = [r["t"] - t0 for r in rows if r["k"] == "run"][1:]  # resumes: the first start is t=0
     sections = {
         "loss": ("Loss and accuracy over steps", _plot_loss(rows)),
