@@ -18,6 +18,7 @@ BENCHES = {
     "data": ("app.bench.data", "tokenizing at scale: single process vs Ray Data, cache load, driver RSS, pool bytes/job"),
     "chaos": ("app.bench.chaos", "a run of the given config under outside faults: kills, SIGTERM, pool loss; counts every job"),
     "transport": ("app.bench.transport", "one job's features target -> pool -> drafter staging at 64/160/640 MiB vs memcpy"),
+    "transport_nixl": ("app.bench.transport_nixl", "the same path with pool.transport=nixl beside object_store, same run"),
     "gpu": ("app.bench.gpu", "one CUDA GPU: target prefill and drafter step tok/s, MFU, copy overlap, peak memory"),
     "rebalance": ("app.bench.rebalance", "topology.rebalance auto vs off on a 2:1 injected imbalance: tokens/s over the second half"),
     "quality": ("app.bench.quality", "tau per tiny corpus over 3 seeds beside n-gram and untrained drafters, copy shares"),
