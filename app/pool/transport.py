@@ -135,12 +135,16 @@ class HeldPayloads:
         self._held: list[tuple[int, weakref.ref, int]] = []
 
     def add(self, job_id: int, tensors: list) -> None:
+        self._forget_freed()  # the list stays as short as what is held (a few jobs), however long the run
         self._held.append((job_id, weakref.ref(tensors[0]), sum(int(t.nbytes) for t in tensors)))
 
     def held(self) -> tuple[list[int], int]:
-        """(job ids, bytes) still held; forgets the ones freed."""
-        self._held = [h for h in self._held if h[1]() is not None]
+        """(job ids, bytes) still held."""
+        self._forget_freed()
         return [j for j, _, _ in self._held], sum(n for _, _, n in self._held)
+
+    def _forget_freed(self) -> None:
+        self._held = [h for h in self._held if h[1]() is not None]
 
 
 def warm_up_nixl() -> None:
