@@ -1,5 +1,6 @@
 """bench transport runs the real payload path end to end (its own cluster, in a subprocess) and its RESULT
-line carries every size's numbers, FP8 at half the bytes in transit; the store pre-fault's choice of mappings."""
+line carries every size's numbers, FP8 at half the bytes in transit, the no-staging-copy variant read in
+place; the store pre-fault's choice of mappings."""
 from __future__ import annotations
 
 import os
@@ -15,7 +16,7 @@ def test_bench_transport_quick_result_line():
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
     env.pop("RAY_ADDRESS", None)
     out = subprocess.run([sys.executable, "-m", "app.bench", "transport", "--quick", "--sizes", "4MiB", "--fp8", "4MiB",
-                          "--prefault", "off"], capture_output=True, text=True, timeout=300, env=env)
+                          "--prefault", "off", "--variants", "view"], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     result = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     assert len(result) == 1, out.stdout
@@ -25,6 +26,9 @@ def test_bench_transport_quick_result_line():
         assert float(fields[key]) >= 0, key
     assert float(fields["4mib_p99_gbps"]) <= float(fields["4mib_median_gbps"])
     assert fields["fp8_4mib_mb"] == "2"  # 4 MiB of bf16 features travel as 2 MiB of codes (+ scales)
+    # The no-staging-copy variant really read every timed payload in place from the store's shared memory.
+    assert fields["view_4mib_direct"] == "3/3" and float(fields["view_4mib_ratio"]) >= 0
+    assert "mt_4mib_ratio" not in fields  # not asked for
 
 
 def test_populate_object_store_touches_only_shared_memory_plasma_mappings(tmp_path):

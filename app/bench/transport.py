@@ -16,11 +16,12 @@ Both sides use the drafter's real `fetch_next` (actors/drafter.py) and stager (a
 
 memcpy: `np.copyto` of the same number of bytes between two warm buffers, one thread, in the same run:
 the best one copy can do on this machine. The path makes at least two host copies (into the store, out of
-it), so 0.5 x memcpy is what two copies at full memory speed give. It is measured after every variant of a
-size and the ratios of that size divide by the median of all its samples (one denominator per size: the
-variants' ratios compare, and a noisy neighbour moves them alike).
+it), so 0.5 x memcpy is what two copies at full memory speed give. One memcpy sample is taken after every
+timed job, and the ratios of a size divide by the median of all its bf16 samples (one denominator per
+size; on a shared box a busy neighbour moves every variant alike).
 
-Variants, each its own row and RESULT keys, all with the store populated (after the `base_` row):
+Variants, each its own row and RESULT keys, all with the store populated (after the `base_` row), taking
+turns job by job on the same actors (copy, mt, view, copy, ...):
 - (no prefix) the staging copy on one thread: the CUDA drafter's host half where the store is not
   page-locked, two full host copies: the like-for-like figure;
 - `mt_`: the same copy over `--threads` threads (app/training/transfer.py copy_into), two copies;
@@ -106,22 +107,25 @@ class TransportProducer:
 
 
 class TransportConsumer:
-    """A drafter rank's prefetch work: the real `fetch_next` and `PayloadStager`, timed. `mode`: copy (one
-    thread), mt (`threads` threads) or view (the store's view read in place, no staging copy)."""
+    """A drafter rank's prefetch work: the real `fetch_next` and `PayloadStager`, timed. One stager per
+    mode, chosen per job: copy (one thread), mt (`threads` threads), view (the store's view read in place,
+    no staging copy)."""
 
-    def __init__(self, device: str, mode: str = "copy", threads: int = 1) -> None:
+    def __init__(self, device: str, modes: tuple[str, ...] = ("copy",), threads: int = 1) -> None:
         import torch
 
         from app.devices import pick_device
         from app.training.transfer import PayloadStager, StoreRegistration
 
         self.device = pick_device(device)
-        if mode == "view":  # CPU: the view is readable as it is; CUDA: the stager's own cudaHostRegister
-            store = StoreRegistration(lambda addr, nbytes: True) if self.device.type != "cuda" else None
-        else:  # registers nothing: every payload is copied into a staging buffer
-            store = StoreRegistration(lambda addr, nbytes: False)
-        self.stager = PayloadStager(self.device, torch.bfloat16, copy_threads=threads if mode == "mt" else 1,
-                                    store=store)
+        self.stagers = {}
+        for mode in modes:
+            if mode == "view":  # CPU: the view is readable as it is; CUDA: the stager's own cudaHostRegister
+                store = StoreRegistration(lambda addr, nbytes: True) if self.device.type != "cuda" else None
+            else:  # registers nothing: every payload is copied into a staging buffer
+                store = StoreRegistration(lambda addr, nbytes: False)
+            self.stagers[mode] = PayloadStager(self.device, torch.bfloat16, store=store,
+                                               copy_threads=threads if mode == "mt" else 1)
         self.acks: list[int] = []
 
     def ready(self, populate: bool = False) -> int:
@@ -129,21 +133,22 @@ class TransportConsumer:
 
         return populate_object_store() if populate else 0
 
-    def take_one(self, pool, generation: int) -> dict:
-        """Pull one item and stage it; returns its job id, bytes and the times (perf_counter, one clock
-        for every process on this machine)."""
+    def take_one(self, pool, generation: int, mode: str = "copy") -> dict:
+        """Pull one item and stage it with `mode`'s stager; returns its job id, bytes and the times
+        (perf_counter, one clock for every process on this machine)."""
         from actors.drafter import fetch_next
 
         marks: dict[str, float] = {}
-        direct0 = self.stager.direct
+        stager = self.stagers[mode]
+        direct0 = stager.direct
 
         def stage(hb):
             marks["got"] = time.perf_counter()
-            if self.stager.enabled:  # CUDA: the whole stage, host copy and device copy
-                batch = self.stager.stage(hb)
+            if stager.enabled:  # CUDA: the whole stage, host copy and device copy
+                batch = stager.stage(hb)
                 batch.ready_event.synchronize()
             else:
-                self.stager.stage_host(hb)
+                stager.stage_host(hb)
             marks["staged"] = time.perf_counter()
             scales = hb.hidden_scale_BS
             return hb.hidden_BSD.nbytes + (0 if scales is None else scales.nbytes)
@@ -151,7 +156,8 @@ class TransportConsumer:
         pulled, nbytes = fetch_next(pool, 0, generation, self.acks, stage,
                                     on_pulled=lambda: marks.__setitem__("pulled", time.perf_counter()))
         self.acks = [pulled.meta.job_id]  # ride on the next pull, as the drafter's do
-        return {"job_id": pulled.meta.job_id, "nbytes": nbytes, "direct": self.stager.direct > direct0, **marks}
+        return {"job_id": pulled.meta.job_id, "nbytes": nbytes, "direct": stager.direct > direct0, "mode": mode,
+                **marks}
 
 
 def memcpy_seconds(nbytes: int, repeats: int) -> list[float]:
@@ -172,8 +178,10 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def run_size(ray, label: str, num_seqs: int, seq_len: int, width: int, repeats: int, device: str,
-             verbose: bool = False, feature_dtype: str = "bfloat16", populate: bool = False, mode: str = "copy",
-             threads: int = 1) -> dict:
+             verbose: bool = False, feature_dtype: str = "bfloat16", populate: bool = False,
+             modes: tuple[str, ...] = ("copy",), threads: int = 1) -> list[dict]:
+    """One result per mode. The modes take turns job by job (copy, view, copy, view, ...) on the same
+    actors, store and pool, and one memcpy sample is taken after each job: a busy neighbour slows them alike."""
     from actors.hs_pool import HSPoolActor, pool_max_concurrency
     from app.config.schema import PoolConfig
     from app.messages import JobSpec
@@ -181,7 +189,7 @@ def run_size(ray, label: str, num_seqs: int, seq_len: int, width: int, repeats: 
     bf16_bytes = num_seqs * seq_len * width * 2  # the features in bf16, whatever travels
     opts = {"num_gpus": 1} if device == "cuda" else {}
     prod = ray.remote(TransportProducer).options(**opts).remote(num_seqs, seq_len, width, device, feature_dtype)
-    cons = ray.remote(TransportConsumer).options(**opts).remote(device, mode, threads)
+    cons = ray.remote(TransportConsumer).options(**opts).remote(device, tuple(modes), threads)
     cfg = PoolConfig(capacity=2, min_ready=1, jobs_in_flight_per_target=1, capacity_bytes=8 * bf16_bytes + 2**20,
                      metrics_every_s=60.0)
     pool = ray.remote(HSPoolActor).options(max_concurrency=pool_max_concurrency(1, 1)).remote(
@@ -189,38 +197,52 @@ def run_size(ray, label: str, num_seqs: int, seq_len: int, width: int, repeats: 
     ray.get([prod.ready.remote(populate), cons.ready.remote(populate), pool.ledger.remote()])
     ray.get(pool.add_target.remote(0, prod))
     generation = ray.get(pool.generation.remote(0))
-    rows = []
-    for i in range(repeats + WARMUP):  # warm-ups: actor imports, and the stager's two buffers' first use
+    src, dst = np.ones(bf16_bytes, np.uint8), np.zeros(bf16_bytes, np.uint8)
+    np.copyto(dst, src)  # both touched: no page faults in the timed copies
+    rows, mc = [], []
+    n = len(modes)
+    for i in range((repeats + WARMUP) * n):  # warm-ups: actor imports, and each stager's two buffers' first use
         job = JobSpec(i, 0, i, 0, tuple(range(num_seqs)), num_seqs * seq_len, bf16_bytes + 2**16)
-        taken = cons.take_one.remote(pool, generation)  # waits in its pull, as a drafter does
+        taken = cons.take_one.remote(pool, generation, modes[i % n])  # waits in its pull, as a drafter does
         ray.get(pool.add_jobs.remote([job]))
         rows.append(ray.get(taken))
+        if i >= WARMUP * n:
+            t0 = time.perf_counter()
+            np.copyto(dst, src)
+            mc.append(time.perf_counter() - t0)
     marks = ray.get(prod.take_marks.remote())
     for actor in (pool, prod, cons):
         ray.kill(actor)
+    del src, dst
     nbytes = rows[-1]["nbytes"]  # what travelled: features (+ FP8 scales)
-    parts: dict[str, list[float]] = {"e2e": [], "produce_seal": [], "produce": [], "fetch": [], "staging": []}
-    for r in rows[WARMUP:]:
-        t0, t1 = marks[r["job_id"]]
-        parts["produce"].append(t1 - t0)  # the target's payload code alone (FP8: its encode, on CPU here)
-        parts["e2e"].append(r["staged"] - t0)
-        parts["produce_seal"].append(r["pulled"] - t0)
-        parts["fetch"].append(r["got"] - r["pulled"])
-        parts["staging"].append(r["staged"] - r["got"])
-    if verbose:
-        print(label, "per job ms (produce+seal, fetch, staging):",
-              " ".join(f"{1e3 * a:.0f}/{1e3 * b:.1f}/{1e3 * c:.0f}"
-                       for a, b, c in zip(parts["produce_seal"], parts["fetch"], parts["staging"])))
-    mc = memcpy_seconds(nbytes, max(3, repeats))
-    gbps = [nbytes / s / 1e9 for s in parts["e2e"]]
-    out = {"label": label, "nbytes": nbytes, "feature_dtype": feature_dtype, "mode": mode, "mc": mc,
-           "direct": sum(r["direct"] for r in rows[WARMUP:]),  # timed jobs staged without the copy
-           "features_gbps": bf16_bytes / float(np.median(parts["e2e"])) / 1e9, "median_gbps": percentile(gbps, 50),
-           "p99_gbps": percentile(gbps, 1),  # the p99 of the time is the 1st percentile of the rate
-           "memcpy_gbps": nbytes / float(np.median(mc)) / 1e9,
-           **{f"{k}_ms": 1e3 * float(np.median(v)) for k, v in parts.items()},
-           "p99_e2e_ms": 1e3 * percentile(parts["e2e"], 99)}
-    out["ratio"] = out["median_gbps"] / out["memcpy_gbps"]
+    mc = [t * nbytes / bf16_bytes for t in mc]  # the memcpy of the bytes in transit (FP8: half)
+    out = []
+    for mode in modes:
+        mine = [r for r in rows if r["mode"] == mode]
+        parts: dict[str, list[float]] = {"e2e": [], "produce_seal": [], "produce": [], "fetch": [], "staging": []}
+        for r in mine[WARMUP:]:
+            t0, t1 = marks[r["job_id"]]
+            parts["produce"].append(t1 - t0)  # the target's payload code alone (FP8: its encode, on CPU here)
+            parts["e2e"].append(r["staged"] - t0)
+            parts["produce_seal"].append(r["pulled"] - t0)
+            parts["fetch"].append(r["got"] - r["pulled"])
+            parts["staging"].append(r["staged"] - r["got"])
+        if verbose:
+            print(label, mode, "per job ms (produce+seal, fetch, staging):",
+                  " ".join(f"{1e3 * a:.0f}/{1e3 * b:.1f}/{1e3 * c:.0f}"
+                           for a, b, c in zip(parts["produce_seal"], parts["fetch"], parts["staging"])))
+        gbps = [nbytes / s / 1e9 for s in parts["e2e"]]
+        r = {"label": label, "nbytes": nbytes, "feature_dtype": feature_dtype, "mode": mode, "mc": mc,
+             "direct": sum(r["direct"] for r in mine[WARMUP:]),  # timed jobs staged without the copy
+             "features_gbps": bf16_bytes / float(np.median(parts["e2e"])) / 1e9, "median_gbps": percentile(gbps, 50),
+             "p99_gbps": percentile(gbps, 1),  # the p99 of the time is the 1st percentile of the rate
+             "memcpy_gbps": nbytes / float(np.median(mc)) / 1e9,
+             **{f"{k}_ms": 1e3 * float(np.median(v)) for k, v in parts.items()},
+             "p99_e2e_ms": 1e3 * percentile(parts["e2e"], 99),
+             # the first jobs' seal: the first payloads of a fresh store, at offsets never written before
+             "first_seal_ms": 1e3 * float(np.mean([r["pulled"] - marks[r["job_id"]][0] for r in rows[:WARMUP]]))}
+        r["ratio"] = r["median_gbps"] / r["memcpy_gbps"]
+        out.append(r)
     return out
 
 
@@ -263,30 +285,32 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     pops = {"off": [False], "on": [True], "both": [False, True]}[args.populate]
     variants = [v for v in args.variants.split(",") if v and not (v == "mt" and args.threads < 2)]
-    runs = [(label, "bfloat16", pop, "copy") for label in sizes for pop in pops]
-    runs += [(label, "bfloat16", pops[-1], v) for label in sizes for v in variants]
-    runs += [(label, "float8_e4m3", pops[-1], "copy") for label in args.fp8.split(",") if label in sizes]
+    runs = [(label, "bfloat16", False, ("copy",)) for label in sizes if args.populate == "both"]
+    runs += [(label, "bfloat16", pops[-1], ("copy", *variants)) for label in sizes]
+    runs += [(label, "float8_e4m3", pops[-1], ("copy",)) for label in args.fp8.split(",") if label in sizes]
     base: dict[str, dict] = {}
     memcpy: dict[str, list[float]] = {}
-    for label, feature_dtype, pop, mode in runs:
+    for label, feature_dtype, pop, modes in runs:
         b, s = sizes[label]
-        r = run_size(ray, label, b, s, width, repeats, args.device, args.verbose, feature_dtype, pop, mode,
-                     args.threads)
-        memcpy.setdefault(label, []).extend(r["mc"])
-        if args.populate == "both" and not pop:
-            base[label] = r
-        else:
-            results.append(r)
-        print(f"{label} {feature_dtype} {mode} populate {'on' if pop else 'off'}: {r['nbytes'] / 1e6:.0f} MB in transit  "
-              f"e2e median {r['median_gbps']:.2f} GB/s  "
-              f"p99 {r['p99_gbps']:.2f} GB/s (p99 {r['p99_e2e_ms']:.0f} ms)  memcpy {r['memcpy_gbps']:.2f} GB/s  "
-              f"ratio {r['ratio']:.3f}  features (bf16 bytes) {r['features_gbps']:.2f} GB/s  "
-              f"split ms: produce+seal {r['produce_seal_ms']:.1f} (produce {r['produce_ms']:.1f}) "
-              f"fetch {r['fetch_ms']:.1f} staging {r['staging_ms']:.1f}")
+        for r in run_size(ray, label, b, s, width, repeats, args.device, args.verbose, feature_dtype, pop, modes,
+                          args.threads):
+            if feature_dtype == "bfloat16":
+                memcpy.setdefault(label, []).extend(r["mc"] if r["mode"] == modes[0] else [])
+            if args.populate == "both" and not pop:
+                base[label] = r
+            else:
+                results.append(r)
+            print(f"{label} {feature_dtype} {r['mode']} populate {'on' if pop else 'off'}: {r['nbytes'] / 1e6:.0f} MB "
+                  f"in transit  e2e median {r['median_gbps']:.2f} GB/s  "
+                  f"p99 {r['p99_gbps']:.2f} GB/s (p99 {r['p99_e2e_ms']:.0f} ms)  memcpy {r['memcpy_gbps']:.2f} GB/s  "
+                  f"ratio {r['ratio']:.3f}  features (bf16 bytes) {r['features_gbps']:.2f} GB/s  "
+                  f"split ms: produce+seal {r['produce_seal_ms']:.1f} (produce {r['produce_ms']:.1f}) "
+                  f"fetch {r['fetch_ms']:.1f} staging {r['staging_ms']:.1f}")
     ray.shutdown()
-    for r in [*results, *base.values()]:  # one memcpy per size: the median of all its samples in this run
-        r["memcpy_gbps"] = r["nbytes"] / float(np.median(memcpy[r["label"]])) / 1e9
-        r["ratio"] = r["median_gbps"] / r["memcpy_gbps"]
+    for r in [*results, *base.values()]:  # one bf16 memcpy per size: the median of all its samples in this run
+        if r["feature_dtype"] == "bfloat16":
+            r["memcpy_gbps"] = r["nbytes"] / float(np.median(memcpy[r["label"]])) / 1e9
+            r["ratio"] = r["median_gbps"] / r["memcpy_gbps"]
     fields = []
     for r in results:
         k = ("fp8_" if r["feature_dtype"] == "float8_e4m3" else "") + r["label"].lower()
@@ -306,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             b0 = base[r["label"]]
             fields += [f"base_{k}_median_gbps={b0['median_gbps']:.2f}", f"base_{k}_p99_gbps={b0['p99_gbps']:.2f}",
                        f"base_{k}_ratio={b0['ratio']:.3f}", f"{k}_p99_over_median={r['p99_e2e_ms'] / r['e2e_ms']:.2f}",
+                       f"{k}_first_seal_ms={r['first_seal_ms']:.0f}", f"base_{k}_first_seal_ms={b0['first_seal_ms']:.0f}",
                        f"base_{k}_p99_over_median={b0['p99_e2e_ms'] / b0['e2e_ms']:.2f}"]
     print(f"RESULT prefault={args.prefault} populate={args.populate} threads={args.threads} " + " ".join(fields))
     return 0

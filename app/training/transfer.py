@@ -13,9 +13,8 @@ store's read-only view in place (no copy out of the store).
 On CUDA the copy into the staging buffer is skipped where it can be: the object store's shared-memory
 mappings of this process are page-locked once (`StoreRegistration`, cudaHostRegister), so the
 host-to-device copy reads the store's view straight (DMA) and the payload crosses host memory once
-(Ray's seal into the store) instead of twice. The view stays held, with its copy's event, until its turn
-comes round again (the same discipline as the pinned buffers); the pool holds the ref until the ack
-anyway. Payloads outside the registered store (a fallback allocation on disk, a failed registration)
+(Ray's seal into the store) instead of twice. The stager holds the newest view until the next payload is
+staged, then syncs its copy's event and lets it go (the pool holds the ref until the ack anyway). Payloads outside the registered store (a fallback allocation on disk, a failed registration)
 are staged by copy as before.
 """
 from __future__ import annotations
@@ -93,7 +92,8 @@ class PayloadStager:
         if self.store is not None and hidden_np.flags.c_contiguous and self.store.covers(
                 hidden_np.ctypes.data, hidden_np.nbytes):
             self._next_turn()
-            self._held[self._turn] = hb  # the view's memory, until this turn's copy is done
+            self._release(self._turn ^ 1)  # the view before: its copy is done (synced), let the store have it
+            self._held[self._turn] = hb  # this view's memory stays mapped until its copy is done
             self.direct += 1
             return src
         buf = self._buffer(hidden_np.nbytes)
@@ -108,9 +108,14 @@ class PayloadStager:
         # Two turns (the prefetcher holds at most one batch ahead); before a turn is reused, the host waits
         # for its previous copy-out to have finished on the GPU, then lets go of the view it read.
         self._turn ^= 1
-        if self._copied[self._turn] is not None:
-            self._copied[self._turn].synchronize()  # long done in practice; never overwrite a live copy
-        self._held[self._turn] = None
+        self._release(self._turn)
+
+    def _release(self, turn: int) -> None:
+        # At most one store view is held, the newest: it is the payload being staged, leased and not yet
+        # acked, so the store holds nothing for the stager beyond what the pool's byte budget counts.
+        if self._copied[turn] is not None:
+            self._copied[turn].synchronize()  # long done in practice; never overwrite or free a live copy
+        self._held[turn] = None
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
         self._next_turn()
