@@ -176,6 +176,9 @@ def test_a_group_shrunk_by_a_node_loss_grows_back_when_a_node_is_added(tmp_path:
     assert int(done["checkpoint"].split("-")[1]) > shrunk_at  # the smaller group trained before it grew
     at = rows.index(done)
     assert {row["rank"] for row in rows[at:] if row["k"] == "step"} == {0, 1, 2}  # the grown group trained
+    # Continuous: the grown group's first loss is near the shrunk group's last ones, far below a fresh start's.
+    before, after = ([row["loss"] for row in part if row["k"] == "step"] for part in (rows[:at], rows[at:]))
+    assert after[0] < 1.25 * sum(before[-3:]) / 3 and after[0] < 0.5 * before[0], (before[-3:], after[:3])
     counts = trained_counts(run_dir, s)
     assert counts == {"trained_once": s["jobs_scheduled"], "trained_twice": 0, "never_trained": 0}
     assert s["tau_trained"] is not None
