@@ -251,7 +251,7 @@ class DrafterActor:
         import torch.distributed as dist
 
         from app.model.build import build_or_load_drafter
-        from app.training.transfer import PayloadStager
+        from app.training.transfer import PayloadStager, staging_threads
         from app.training.trainer import DrafterTrainer
 
         backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -266,7 +266,7 @@ class DrafterActor:
                                       self.device, reducer=lambda flat: dist.all_reduce(flat),
                                       autocast=self.dtype if self.dtype != torch.float32 else None,
                                       total_jobs=self.cfg.total_jobs, delay_s=self.cfg.faults.drafter_delay_s)
-        self.stager = PayloadStager(self.device, self.dtype)
+        self.stager = PayloadStager(self.device, self.dtype, copy_threads=staging_threads(self.cfg.num_cpus))
         self.ledger: set[int] = set()
         self.epoch = 0
         if self.cfg.resume_from:

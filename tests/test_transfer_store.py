@@ -142,3 +142,9 @@ def test_the_gpu_benchs_transport_part_compares_both_ways_on_cpu():
 
     r = bench_transport(torch.device("cpu"), 2 * 2**20, repeats=2)
     assert r["equal"] and r["direct_jobs"] == r["jobs"] == 4 and r["copy_gbps"] > 0
+
+
+def test_the_staging_copy_gets_the_drafters_cpu_share_in_threads_one_to_four():
+    from app.training.transfer import staging_threads
+
+    assert [staging_threads(c) for c in (0.3, 1, 2, 4, 16)] == [1, 1, 2, 4, 4]

@@ -26,6 +26,13 @@ import numpy as np
 import torch
 
 COPY_CHUNK = 16 * 2**20  # below two of these a copy stays on one thread: the hand-off costs more than it saves
+MAX_COPY_THREADS = 4  # a host copy saturates memory bandwidth with a few threads; more only take the CPUs
+
+
+def staging_threads(num_cpus: float) -> int:
+    """Threads for a drafter's staging copy: its CPU share (topology.cpus_per_drafter), 1 to 4. On the 2-core
+    box at 640 MiB, two threads took the copy from 74 to 40 ms (python -m app.bench transport, mt_ rows)."""
+    return max(1, min(MAX_COPY_THREADS, int(num_cpus)))
 
 
 class PayloadStager:
