@@ -16,16 +16,21 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	# nixl: pool.transport=nixl's tests (tests/test_nixl_ray.py) run in CI too; ~130 MB of wheels, CPU-only fine.
-	$(BIN)/python -m pip install -q -e '.[dev,nixl]'
+	$(BIN)/python -m pip install -q -e '.[dev]'
 	# z-lab's reference DFlashDraftModel, for the export-compatibility test; its own pins clash, so no deps.
 	$(BIN)/python -m pip install -q --no-deps dflash==0.1.0
+	touch $@
+
+# nixl (pool.transport=nixl): its tests (tests/test_nixl*.py) run in `make test`, so CI tests it; ~130 MB of
+# wheels (CPU-only is fine), which the demo does not need.
+$(VENV)/.installed-nixl: $(VENV)/.installed
+	$(BIN)/python -m pip install -q -e '.[dev,nixl]'
 	touch $@
 
 demo: setup
 	$(BIN)/python -m app.train --config $(CONFIG)
 
-test: setup
+test: setup $(VENV)/.installed-nixl
 	$(BIN)/python -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 test-fast: setup
