@@ -109,6 +109,7 @@ class TopologyConfig:
     rebalance_min_gain: float = 0.15  # estimated tokens/s gain a re-split must beat (it costs a checkpoint and a rebuild)
     max_rebalances: int = 3  # auto re-splits per run, at most
     rebalance_half_life_s: float = 0.0  # 0: the advisor's rates since the start / last re-split; N: weighted by recency
+    max_extra_gpus: float = 0.0  # 0: off; N: with rebalance=auto, free GPUs up to N go to the short side (app/run/extra.py)
 
     def __post_init__(self) -> None:
         at_least("topology.num_targets", self.num_targets, 1, "at least one target must produce hidden states")
@@ -131,6 +132,12 @@ class TopologyConfig:
         finite("topology.rebalance_half_life_s", self.rebalance_half_life_s, "give seconds, e.g. 60, or 0")
         at_least("topology.rebalance_half_life_s", self.rebalance_half_life_s, 0,
                  "0 measures since the start; a positive half-life weighs recent samples more")
+        finite("topology.max_extra_gpus", self.max_extra_gpus, "give a GPU count, e.g. 2, or 0 (off)")
+        at_least("topology.max_extra_gpus", self.max_extra_gpus, 0, "0 takes no GPUs beyond the topology's")
+        if self.max_extra_gpus > 0 and self.rebalance != "auto":
+            raise ValueError(f"topology.max_extra_gpus={self.max_extra_gpus:g} needs topology.rebalance=auto (the "
+                             f"extra GPUs go to the side the split advisor names), not {self.rebalance!r}: set "
+                             "topology.rebalance=auto, or topology.max_extra_gpus=0")
 
 
 @dataclass(frozen=True)
