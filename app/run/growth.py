@@ -44,7 +44,9 @@ class Grower:
             self.probes, self.placed = {}, set()
             return
         placed, unplaced = self._probe([*lost, *given_up.values()])
+        extra = getattr(sup, "extra", None)
         blocked = (self.stopping is not None or sup.resplit.stopping is not None
+                   or (extra is not None and extra.stopping is not None)
                    or sup.policy.stop_deadline is not None or not group.run_refs)
         for grow in self.planner.observe(sup.clock(), group.in_use, topo.drafter_bundles, placed, blocked):
             self._begin(grow)
@@ -104,8 +106,6 @@ class Grower:
         probe unanswered for UNPLACED_AFTER_S. One probe in flight per bundle."""
         import ray
         from ray.exceptions import RayError
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         from app.run.topology import _bundle_probe
 
         now = self.sup.clock()
@@ -125,8 +125,7 @@ class Grower:
                 ref = None
             if ref is None and now - sent >= PROBE_EVERY_S:
                 probe = ray.remote(num_cpus=0, max_retries=-1)(_bundle_probe)
-                strategy = PlacementGroupSchedulingStrategy(placement_group=self.sup.topo.pg,
-                                                           placement_group_bundle_index=b)
+                strategy = self.sup.topo.strategy(b)  # an extra bundle sits in its own placement group
                 self.probes[b] = (probe.options(scheduling_strategy=strategy).remote(), now)
         unplaced = {b for b, (ref, sent) in self.probes.items() if ref is not None and now - sent >= UNPLACED_AFTER_S}
         return set(self.placed) - unplaced, unplaced

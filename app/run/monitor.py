@@ -84,6 +84,7 @@ class RunMonitor:
         self.advisor = None
         self.rebalancer = None  # a Rebalancer (app/run/rebalance.py): its word goes on the line; `off` hides the advice
         self.grower = None  # a GrowthPlanner (app/run/grow.py): its growths go in summary.json
+        self.extra = None  # an ExtraPlanner (app/run/extra.py): its word on the line, its bundles in summary.json
         self.tau_history: list[tuple[int, float]] = []  # (step, tau) of the evaluations during the run
         self.tau_best: tuple[int, float] | None = None
 
@@ -182,7 +183,8 @@ class RunMonitor:
                                      stats.capacity_items if stats else 0),
             "advice": advice.text() if (advice := self.advisor and self.advisor.advice())
             and (self.rebalancer is None or self.rebalancer.shows_advice) else "",
-            "rebalance": self.rebalancer.status() if self.rebalancer is not None else "",
+            "rebalance": " | ".join(word for word in (self.rebalancer.status() if self.rebalancer is not None else "",
+                                                      self.extra.status() if self.extra is not None else "") if word),
             # A resumed run may know its best drafter (drafter-best/) before any evaluation of this start.
             **({"tau": (self.tau_history or [self.tau_best])[-1][1], "tau_best": self.tau_best[1]}
                if self.tau_best else {}),

@@ -56,7 +56,8 @@ class RunOutputs:
         out = self.evals.summary() if self.evals is not None else {}
         rebalance = self.monitor.rebalancer.summary() if self.monitor.rebalancer is not None else {}
         growth = self.monitor.grower.summary() if getattr(self.monitor, "grower", None) is not None else {}
-        return {**out, "split_advice": self.monitor.split_advice(), **rebalance, **growth}
+        extra = self.monitor.extra.summary() if getattr(self.monitor, "extra", None) is not None else {}
+        return {**out, "split_advice": self.monitor.split_advice(), **rebalance, **growth, **extra}
 
     def close(self) -> None:
         """Close the timeline and write report.html (a report that cannot be drawn is a warning, not a failure)."""

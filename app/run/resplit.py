@@ -73,7 +73,8 @@ class Resplitter:
         for measured in self.trigger.tokens(sup.monitor.train_tokens, now):
             self._measured(measured)
         advisor = sup.monitor.advisor
-        growing = getattr(sup, "grow", None) is not None and sup.grow.stopping is not None
+        growing = any(getattr(sup, name, None) is not None and getattr(sup, name).stopping is not None
+                      for name in ("grow", "extra"))  # a growth or an extra drafter under way
         if advisor is None or self.stopping is not None or sup.policy.stop_deadline is not None or growing:
             return
         est = advisor.estimate(stable=True) if advisor.enough_samples() else None
@@ -104,7 +105,7 @@ class Resplitter:
         sup.pool.request_stop()
 
     def _why_not(self, rs: Resplit) -> str:
-        topo, shapes = self.sup.topo, self.sup.topo.plan.bundles
+        topo = self.sup.topo
         tids = sorted(topo.target_bundles)
         if not tids or not topo.drafter_bundles:
             return "no target or no drafter bundle to move"
@@ -112,6 +113,7 @@ class Resplitter:
         if len(group) < len(topo.drafter_bundles):  # a lost node's bundles: the growth comes first
             return (f"the drafter group runs on {len(group)} of its {len(topo.drafter_bundles)} bundles (a node "
                     "was lost); it grows back when they are placed again")
+        shapes = {b: topo.shape(b) for b in (topo.target_bundles[tids[0]], topo.drafter_bundles[0])}
         return same_shape(shapes, topo.target_bundles[tids[0]], topo.drafter_bundles[0])
 
     def carry_out(self):

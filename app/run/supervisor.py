@@ -30,6 +30,7 @@ from app.run.drafter_group import BundleWaits, DrafterGroup
 from app.run.evaluation import eval_spec
 from app.run.failures import RunFailed
 from app.run.final_tau import FinalTau, TauResult
+from app.run.extra_gpus import ExtraGpus
 from app.run.growth import Grower
 from app.run.monitor import RunMonitor
 from app.run.plan import RunPlan
@@ -77,6 +78,7 @@ class Supervisor:
         self.group: DrafterGroup | None = None
         self.resplit = Resplitter(self, log)  # topology.rebalance=auto: re-splits at a step boundary
         self.grow = Grower(self, log)  # bundles lost with a node placed again: the group grows back
+        self.extra = ExtraGpus(self, log)  # topology.max_extra_gpus: free cluster room to the short side
 
     @property
     def targets(self) -> dict[int, Any]:
@@ -147,6 +149,9 @@ class Supervisor:
             if self.grow.wants(results):  # the group stopped to grow back onto re-placed bundles
                 self._feed(self.grow.carry_out())
                 return False
+            if self.extra.wants(results):  # the group stopped to take an extra drafter rank
+                self._feed(self.extra.carry_out())
+                return False
             self._finish(results)
             return True
         self._feed(failed)
@@ -159,6 +164,7 @@ class Supervisor:
         self._feed(self._tick(stats))
         self.resplit.observe()
         self.grow.observe()
+        self.extra.observe()
         self._status()
         return False
 
@@ -171,7 +177,8 @@ class Supervisor:
         self._fill_pool(ledger)
         self.seen_failures = 0  # the new pool's failure list starts empty
         self._hand_over_targets()
-        if self.policy.stop_deadline is not None or self.resplit.stopping is not None or self.grow.stopping is not None:
+        if self.policy.stop_deadline is not None or self.resplit.stopping is not None or self.grow.stopping is not None \
+                or self.extra.stopping is not None:
             self.pool.request_stop()  # the dead pool's stop flag went with it
         self.monitor.note(f"pool died -> recreated from {ckpt.name if ckpt else 'scratch'} "
                           f"({action.attempt}/{action.budget})")

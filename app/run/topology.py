@@ -58,6 +58,9 @@ class Topology:
         self.target_bundles: dict[int, int] = {i: plan.target_bundle(i) for i in range(plan.num_targets)}
         self.drafter_bundles: list[int] = [plan.drafter_bundle(r) for r in range(plan.num_drafters)]
         self.pg = placement_group(plan.bundles, strategy=cfg.topology.strategy, name=f"dflash-{run_name}")
+        # Extra bundles (topology.max_extra_gpus, app/run/extra_gpus.py): one single-bundle placement
+        # group each; a bundle index past the main group's names (that group, its bundle 0).
+        self.extra: dict[int, tuple[Any, dict[str, float]]] = {}
         try:
             wait_placement(self.pg, plan.bundles)  # past its timeout: one line (ConfigError), exit 2
         except ConfigError:
@@ -68,10 +71,33 @@ class Topology:
         """The bundle target slot `target_id` sits in."""
         return self.target_bundles[target_id]
 
-    def _strategy(self, bundle: int) -> Any:
+    def shape(self, bundle: int) -> dict[str, float]:
+        """The resources of bundle index `bundle` (the main group's, or an extra one's)."""
+        return self.extra[bundle][1] if bundle in self.extra else self.plan.bundles[bundle]
+
+    def add_extra(self, pg: Any, shape: dict[str, float]) -> int:
+        """Register an extra single-bundle placement group; its bundle index (removed with the others)."""
+        index = len(self.plan.bundles) + len(self.extra)
+        while index in self.extra:
+            index += 1
+        self.extra[index] = (pg, dict(shape))
+        return index
+
+    def drop_extra(self, bundle: int) -> None:
+        """An extra group not placed in time: removed (a pending group keeps its claim on the cluster)."""
+        from ray.util.placement_group import remove_placement_group
+
+        pg, _ = self.extra.pop(bundle)
+        remove_placement_group(pg)
+
+    def strategy(self, bundle: int) -> Any:
+        """The scheduling strategy that pins a task or actor to bundle index `bundle`."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        if bundle in self.extra:
+            return PlacementGroupSchedulingStrategy(placement_group=self.extra[bundle][0], placement_group_bundle_index=0)
         return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=bundle)
+
 
     @staticmethod
     def _pool_node() -> Any:
@@ -95,7 +121,7 @@ class Topology:
         import ray
 
         probe = ray.remote(num_cpus=0, max_retries=-1)(_bundle_probe)
-        refs = {b: probe.options(scheduling_strategy=self._strategy(b)).remote() for b in bundles}
+        refs = {b: probe.options(scheduling_strategy=self.strategy(b)).remote() for b in bundles}
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
         return [b for b, ref in refs.items() if ref not in ready]
 
@@ -103,10 +129,12 @@ class Topology:
         import ray
 
         from actors.hs_pool import HSPoolActor, pool_max_concurrency
+        from app.run.extra import max_extra_actors
 
         topo = self.cfg.topology
+        # Sized at creation for every actor the run may hold: the extra ones too (topology.max_extra_gpus).
         return ray.remote(HSPoolActor).options(
-            num_cpus=0, max_concurrency=pool_max_concurrency(topo.num_targets, topo.num_drafters),
+            num_cpus=0, max_concurrency=pool_max_concurrency(topo.num_targets + max_extra_actors(topo), topo.num_drafters),
             max_restarts=0, scheduling_strategy=self._pool_node(),  # no name: no other job can look it up
         ).remote(self.cfg.pool, num_buckets, self.run_name, ranks=topo.num_drafters, accum=self.cfg.train.grad_accum,
                  broken_after=self.cfg.supervision.broken_target_raises)
@@ -116,11 +144,11 @@ class Topology:
 
         from actors.target import TargetActor, target_concurrency
 
-        topo, bundle = self.cfg.topology, self.plan.bundles[self.target_bundle(i)]
+        topo, bundle = self.cfg.topology, self.shape(self.target_bundle(i))
         concurrency = target_concurrency(topo.device, self.plan.use_gpu, self.cfg.pool.jobs_in_flight_per_target)
         return ray.remote(TargetActor).options(
             num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0, max_concurrency=concurrency,
-            scheduling_strategy=self._strategy(self.target_bundle(i)),
+            scheduling_strategy=self.strategy(self.target_bundle(i)),
         ).remote(i, model_dir, layer_ids, self.cfg.model, topo.device if self.plan.use_gpu else "cpu",
                  bundle["CPU"], dataset_ref, faults, self.cfg.checkpoint.dir, transport=self.cfg.pool.transport)
 
@@ -135,11 +163,11 @@ class Topology:
             bundles = list(self.drafter_bundles)
         actors = []
         for rank, index in enumerate(bundles):
-            bundle = self.plan.bundles[index]
+            bundle = self.shape(index)
             actors.append(ray.remote(DrafterActor).options(
                 # Two threads: `run` trains on one, the supervisor's `progress` query is answered on the other.
                 num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0, max_concurrency=2,
-                scheduling_strategy=self._strategy(index),
+                scheduling_strategy=self.strategy(index),
             ).remote(rank, setup, pool))
         return actors
 
@@ -147,6 +175,8 @@ class Topology:
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(self.pg)
+        for pg, _ in self.extra.values():
+            remove_placement_group(pg)
 
 
 def _bundle_probe() -> bool:
