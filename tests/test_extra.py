@@ -1,6 +1,8 @@
 """The extra-GPU decision (app/run/extra.py), without Ray: advisor estimates, free resources and a clock in."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from app.config.schema import TopologyConfig
@@ -91,3 +93,28 @@ def test_max_extra_gpus_needs_rebalance_auto() -> None:
         TopologyConfig(max_extra_gpus=2)
     with pytest.raises(ValueError, match="topology.max_extra_gpus"):
         TopologyConfig(max_extra_gpus=-1, rebalance="auto")
+
+
+def test_an_extra_bundle_is_a_timeline_row_and_a_marked_event_in_the_report(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from app.run.report import write_report
+    from app.run.timeline import Timeline, read_timeline
+
+    clock = SimpleNamespace(t=1000.0)
+    tl = Timeline(tmp_path, clock=lambda: clock.t)
+    tl.start(SimpleNamespace(num_targets=2, num_drafters=2, gpus_per_target=1.0, gpus_per_drafter=1.0), "extra")
+    clock.t += 30.0
+    p = ExtraPlanner(max_extra_gpus=1, min_gain=0.15, hold_s=0.0)
+    (x,) = _hold(p, _est(100.0, 300.0))
+    tl.resplit_row("extra", **x.to_dict(), bundle=4)  # what ExtraGpus writes through RunMonitor.resplit_event
+    tl.resplit_row("extra_done", number=1, side="targets", old=[2, 2], new=[3, 2], bundle=4, target_id=2, why=x.why)
+    tl.close()
+    rows = [r for r in read_timeline(tmp_path) if r["k"].startswith("extra")]
+    assert [(r["k"], r["side"], r["new"]) for r in rows] == [("extra", "targets", [3, 2]),
+                                                             ("extra_done", "targets", [3, 2])]
+    p.done()
+    (tmp_path / "summary.json").write_text(json.dumps(p.summary()))
+    page = write_report(tmp_path).read_text()
+    assert "extra target bundle: 2/2 -&gt; 3/2 targets/drafters" in page  # the events table (html-escaped)
+    assert "<tr><th>extra_gpus</th><td>1</td></tr>" in page

@@ -18,22 +18,36 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 # bundle changes it. A CPU topology's bundle counts as one against max_extra_gpus: at most one extra.
 RUN = ["train.epochs=1", "eval.every_steps=0", "checkpoint.every_steps=20", "topology.rebalance=auto",
        "topology.rebalance_hold_s=3", "topology.max_rebalances=0", "topology.max_extra_gpus=1",
-       "topology.num_targets=2", "topology.num_drafters=2", "faults.target_delay_s=3.0"]
+       "topology.num_targets=2", "topology.num_drafters=2"]
 
 
-def test_an_extra_target_joins_mid_run_on_free_room_and_each_job_is_trained_once(
-        ray_cluster, tmp_path: Path) -> None:
-    assert run_in_process(tmp_path, *RUN) == 0
+@pytest.mark.parametrize("short, delay, new", [
+    ("targets", "faults.target_delay_s=3.0", [3, 2]),  # joins the pool, no checkpoint
+    ("drafters", "faults.drafter_delay_s=2.5", [2, 3]),  # the group rebuilt one rank larger from a checkpoint
+])
+def test_an_extra_bundle_goes_to_the_short_side_mid_run_and_each_job_is_trained_once(
+        ray_cluster, tmp_path: Path, short: str, delay: str, new: list[int]) -> None:
+    from ray.util import placement_group_table
+
+    assert run_in_process(tmp_path, *RUN, delay) == 0
     s = summary(tmp_path)
     assert s["extra_gpus"] == 1 and s["extra_bundles"] == 1 and s["rebalances"] == 0, s.get("extra_history")
     rows = read_timeline(tmp_path)
     (asked,) = [r for r in rows if r["k"] == "extra"]
     (done,) = [r for r in rows if r["k"] == "extra_done"]
-    assert asked["side"] == done["side"] == "targets" and done["old"] == [2, 2] and done["new"] == [3, 2]
-    assert done["target_id"] == 2
-    # The third target did jobs: the pool's own per-target counters at the end of the run.
-    last_pool = [r for r in rows if r["k"] == "pool"][-1]
-    assert int(last_pool["done_by_target"].get("2", 0)) > 0, last_pool["done_by_target"]
+    assert asked["side"] == done["side"] == short and done["old"] == [2, 2] and done["new"] == new
+    at = rows.index(done)
+    if short == "targets":
+        assert done["target_id"] == 2
+        # The third target did jobs: the pool's own per-target counters at the end of the run.
+        last_pool = [r for r in rows if r["k"] == "pool"][-1]
+        assert int(last_pool["done_by_target"].get("2", 0)) > 0, last_pool["done_by_target"]
+    else:
+        assert done["checkpoint"]  # the rebuild resumed from the stop's checkpoint
+        assert {r["rank"] for r in rows[at:] if r.get("k") == "step"} == {0, 1, 2}  # three ranks trained after
     counts = trained_counts(tmp_path)
     assert counts["trained_twice"] == 0 and counts["never_trained"] == 0, counts
     assert s["jobs_acked"] == s["jobs_scheduled"] and s["jobs_acked_twice"] == 0
+    # The extra placement group went with the run's own.
+    extra = [pg for pg in placement_group_table().values() if pg.get("name", "").endswith("-extra1")]
+    assert extra and all(pg["state"] == "REMOVED" for pg in extra), extra

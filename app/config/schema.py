@@ -109,7 +109,7 @@ class TopologyConfig:
     rebalance_min_gain: float = 0.15  # estimated tokens/s gain a re-split must beat (it costs a checkpoint and a rebuild)
     max_rebalances: int = 3  # auto re-splits per run, at most
     rebalance_half_life_s: float = 0.0  # 0: the advisor's rates since the start / last re-split; N: weighted by recency
-    max_extra_gpus: float = 0.0  # 0: off; N: with rebalance=auto, free GPUs up to N go to the short side (app/run/extra.py)
+    max_extra_gpus: float = 0.0  # 0: off; N (rebalance=auto): free GPUs up to N go to the short side (app/run/extra.py)
 
     def __post_init__(self) -> None:
         at_least("topology.num_targets", self.num_targets, 1, "at least one target must produce hidden states")

@@ -31,10 +31,9 @@ class ExtraGpus:
 
     def __init__(self, sup, log: Callable[[str], None]) -> None:
         self.sup, self.log = sup, log
-        topo = sup.cfg.topology
-        self.planner = ExtraPlanner.for_topology(topo)
+        self.planner = ExtraPlanner.for_topology(sup.cfg.topology)
         sup.monitor.extra = self.planner  # summary.json: extra_gpus, extra_history
-        self.shapes = {side: bundle_shape(topo, side, sup.topo.plan.use_gpu) for side in SIDES}
+        self.shapes: dict[str, dict[str, float]] = {}  # side -> bundle, from the topology at the first look
         self.placing: tuple[Extra, int, Any, float] | None = None  # (extra, bundle index, ready ref, since)
         self.stopping: tuple[Extra, int] | None = None  # an extra drafter: the group stops for it
         self.free: dict[str, float] | None = None
@@ -57,6 +56,8 @@ class ExtraGpus:
 
             self.free, self._probed_at = dict(ray.available_resources()), now
         topo, group, advisor = sup.topo, sup.group, sup.monitor.advisor
+        if not self.shapes:
+            self.shapes = {side: bundle_shape(sup.cfg.topology, side, topo.plan.use_gpu) for side in SIDES}
         est = advisor.estimate(stable=True) if advisor is not None and advisor.enough_samples() else None
         blocked = (sup.resplit.stopping is not None or sup.grow.stopping is not None
                    or sup.policy.stop_deadline is not None or not group.run_refs

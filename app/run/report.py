@@ -48,8 +48,9 @@ def render(rows: list[dict], summary: dict, title: str = "run") -> str:
                for r in rows if r["k"] == "grow_done"]  # bundles lost with a node placed again (app/run/growth.py)
     events += [(r["t"] - t0, f"target {r['target_id']} starting again (its bundle {r['bundle']} placed again)")
                for r in rows if r["k"] == "target_back"]
-    events += [(r["t"] - t0, f"extra {r['side'][:-1]} bundle: {r['old'][0]}/{r['old'][1]} -> {r['new'][0]}/{r['new'][1]} "
-                "targets/drafters") for r in rows if r["k"] == "extra_done"]  # topology.max_extra_gpus (app/run/extra_gpus.py)
+    events += [(r["t"] - t0, f"extra {r['side'][:-1]} bundle: {r['old'][0]}/{r['old'][1]} -> "
+                f"{r['new'][0]}/{r['new'][1]} targets/drafters")
+               for r in rows if r["k"] == "extra_done"]  # topology.max_extra_gpus (app/run/extra_gpus.py)
     starts = [r["t"] - t0 for r in rows if r["k"] == "run"][1:]  # resumes: the first start is t=0
     sections = {
         "loss": ("Loss and accuracy over steps", _plot_loss(rows)),
@@ -266,7 +267,8 @@ def _plot_drafter(rows, t0, events, starts, what: str) -> str:
 # ---- tables ------------------------------------------------------------------------------------
 
 _SUMMARY_KEYS = ("steps", "epochs", "jobs_acked", "jobs_scheduled", "loss_first", "loss_last", "train_tok_s",
-                 "data_wait", "restarts", "rebalances", "growths", "extra_gpus", "faults", "tau_untrained", "tau_trained", "tau_best", "elapsed_s")
+                 "data_wait", "restarts", "rebalances", "growths", "extra_gpus", "faults", "tau_untrained", "tau_trained",
+                 "tau_best", "elapsed_s")
 
 
 def _summary_table(summary: dict) -> str:

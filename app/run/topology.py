@@ -95,7 +95,8 @@ class Topology:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if bundle in self.extra:
-            return PlacementGroupSchedulingStrategy(placement_group=self.extra[bundle][0], placement_group_bundle_index=0)
+            return PlacementGroupSchedulingStrategy(placement_group=self.extra[bundle][0],
+                                                    placement_group_bundle_index=0)
         return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=bundle)
 
 
@@ -133,8 +134,9 @@ class Topology:
 
         topo = self.cfg.topology
         # Sized at creation for every actor the run may hold: the extra ones too (topology.max_extra_gpus).
+        concurrency = pool_max_concurrency(topo.num_targets + max_extra_actors(topo), topo.num_drafters)
         return ray.remote(HSPoolActor).options(
-            num_cpus=0, max_concurrency=pool_max_concurrency(topo.num_targets + max_extra_actors(topo), topo.num_drafters),
+            num_cpus=0, max_concurrency=concurrency,
             max_restarts=0, scheduling_strategy=self._pool_node(),  # no name: no other job can look it up
         ).remote(self.cfg.pool, num_buckets, self.run_name, ranks=topo.num_drafters, accum=self.cfg.train.grad_accum,
                  broken_after=self.cfg.supervision.broken_target_raises)
