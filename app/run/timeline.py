@@ -14,6 +14,9 @@ Every row has `k` (its kind) and `t` (wall-clock seconds, so a resumed run conti
 - `grow`, `grow_done`: the drafter group growing back onto bundles lost with a node and placed again
   (app/run/growth.py: old and new size, the configured one, why); `target_back`: a given-up target slot
   started again once its bundle was placed.
+- `extra`, `extra_done`: an extra bundle taken from free cluster room for the short side
+  (app/run/extra_gpus.py: side, old and new split, shape, rates, estimated gain; then the bundle and the
+  target id or the checkpoint).
 
 A listener of the RunMonitor (`add_records`, `add_pool`, `note`); lines are flushed at once, so a killed
 driver leaves a readable file (a torn last line is skipped on reading).
