@@ -25,13 +25,16 @@ def test_only_the_shared_memory_store_mappings_are_registered_each_once(tmp_path
     maps = tmp_path / "maps"
     maps.write_text(MAPS)
     assert plasma_ranges(str(maps)) == [(0x7f0000000000, 0x7f0000100000)]
-    calls = []
-    reg = StoreRegistration(lambda addr, n: calls.append((addr, n)) or True, str(maps))
+    calls, now = [], [0.0]
+    reg = StoreRegistration(lambda addr, n: calls.append((addr, n)) or True, str(maps), rescan_s=5.0,
+                            clock=lambda: now[0])
     assert reg.covers(0x7f0000000000 + 4096, 8192) and calls == [(0x7f0000000000, 0x100000)]
     assert reg.covers(0x7f0000000000, 0x100000) and len(calls) == 1  # known now: no second registration
     assert not reg.covers(0x7f00000ff000, 2 * 4096)  # runs past the mapping's end
     assert not reg.covers(0x7f0000200000, 16)  # the disk fallback: never registered, copied
-    maps.write_text(MAPS + SECOND)  # the worker maps more of the store later: registered on its first miss
+    maps.write_text(MAPS + SECOND)  # the worker maps more of the store later: registered on a miss ...
+    assert not reg.covers(0x7f1000000000, 64) and len(calls) == 1  # ... once the last scan is rescan_s old
+    now[0] = 5.0
     assert reg.covers(0x7f1000000000, 64) and calls[-1] == (0x7f1000000000, 0x100000) and len(calls) == 2
 
 
@@ -39,7 +42,7 @@ def test_a_mapping_whose_registration_failed_is_not_tried_again(tmp_path):
     maps = tmp_path / "maps"
     maps.write_text(MAPS)
     calls = []
-    reg = StoreRegistration(lambda addr, n: calls.append(addr) and False, str(maps))
+    reg = StoreRegistration(lambda addr, n: calls.append(addr) and False, str(maps), rescan_s=0.0)
     assert not reg.covers(0x7f0000000000, 64) and not reg.covers(0x7f0000000000, 64)
     assert len(calls) == 1 and reg.failed == [(0x7f0000000000, 0x7f0000100000)]
 

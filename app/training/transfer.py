@@ -174,12 +174,18 @@ class StoreRegistration:
     """Which host addresses lie in page-locked object-store memory. `register(addr, nbytes) -> bool`
     page-locks one mapping (`cuda_host_register` on CUDA); each mapping is tried once, when a view first
     falls outside the known ones (a worker maps the store when it first reads from it, so there is
-    nothing to register at start). A mapping that failed is never tried again; its payloads are copied."""
+    nothing to register at start). A mapping that failed is never tried again; its payloads are copied.
+    Views that are not in the store at all (pool.transport=nixl's receive buffers) re-read the process's
+    mappings at most every `rescan_s` seconds, not once per payload."""
 
-    def __init__(self, register, maps_path: str = "/proc/self/maps") -> None:
+    def __init__(self, register, maps_path: str = "/proc/self/maps", rescan_s: float = 5.0, clock=None) -> None:
+        import time
+
         self._register, self.maps_path = register, maps_path
         self.ranges: list[tuple[int, int]] = []  # registered
         self.failed: list[tuple[int, int]] = []
+        self.rescan_s, self._clock = rescan_s, clock or time.monotonic
+        self._scanned_at: float | None = None
 
     def _inside(self, addr: int, nbytes: int, ranges) -> bool:
         return any(lo <= addr and addr + nbytes <= hi for lo, hi in ranges)
@@ -190,6 +196,10 @@ class StoreRegistration:
             return True
         if self._inside(addr, nbytes, self.failed):
             return False
+        now = self._clock()
+        if self._scanned_at is not None and now - self._scanned_at < self.rescan_s:
+            return False
+        self._scanned_at = now
         for r in plasma_ranges(self.maps_path):
             if r not in self.ranges and r not in self.failed:
                 (self.ranges if self._register(r[0], r[1] - r[0]) else self.failed).append(r)
