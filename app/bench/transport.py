@@ -246,13 +246,30 @@ def run_size(ray, label: str, num_seqs: int, seq_len: int, width: int, repeats: 
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m app.bench transport", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def payload_args(prog: str, doc: str) -> argparse.ArgumentParser:
+    """The options every payload-path bench takes (this one, `transport_nixl`): sizes, repeats, device."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small payloads, few repeats (the tests)")
     ap.add_argument("--repeats", type=int, default=12, help="timed jobs per size (after the warm-ups)")
     ap.add_argument("--sizes", default="", help="comma list of size labels (default: all)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda (a GPU each for producer and consumer)")
+    return ap
+
+
+def chosen_sizes(args) -> tuple[dict[str, tuple[int, int]], int, int, int]:
+    """(sizes, feature width, timed repeats, object-store bytes) for the parsed `payload_args`; the store
+    holds two payloads (one leased, one landing) and the reader's view of the largest."""
+    sizes = QUICK_SIZES if args.quick else SIZES_TOKENS
+    width = 4096 if args.quick else DEFAULT_WIDTH
+    if args.sizes:
+        sizes = {k: v for k, v in sizes.items() if k in args.sizes.split(",")}
+    repeats = 3 if args.quick else args.repeats
+    largest = max(b * s * width * 2 for b, s in sizes.values())
+    return sizes, width, repeats, max(256 * 2**20, int(3.5 * largest))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = payload_args("python -m app.bench transport", __doc__)
     ap.add_argument("--prefault", choices=("on", "off"), default="on",
                     help="pre-fault the object store at start (Ray's preallocate_plasma_memory)")
     ap.add_argument("--populate", choices=("on", "off", "both"), default="both",
@@ -269,13 +286,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from app.ray_cluster import start_own_cluster
 
-    sizes = QUICK_SIZES if args.quick else SIZES_TOKENS
-    width = 4096 if args.quick else DEFAULT_WIDTH
-    if args.sizes:
-        sizes = {k: v for k, v in sizes.items() if k in args.sizes.split(",")}
-    repeats = 3 if args.quick else args.repeats
-    largest = max(b * s * width * 2 for b, s in sizes.values())
-    store = max(256 * 2**20, int(3.5 * largest))  # two payloads held (one leased, one landing) + the reader's view
+    sizes, width, repeats, store = chosen_sizes(args)
     system = {"preallocate_plasma_memory": args.prefault == "on"}
     start_own_cluster(num_cpus=4, object_store_memory=store, _system_config=system,
                       **({"num_gpus": 2} if args.device == "cuda" else {}))

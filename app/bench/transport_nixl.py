@@ -22,16 +22,11 @@ GB/s end to end and the ratio nixl / store.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
 import numpy as np
 
-
-SIZES_TOKENS = {"64MiB": (1, 1638), "160MiB": (1, 4096), "640MiB": (4, 4096)}  # as bench transport's
-QUICK_SIZES = {"1MiB": (1, 128), "4MiB": (2, 256)}  # at width 4096
-DEFAULT_WIDTH = 5 * 4096  # 5 target layers x 4096 hidden (conf/default.yaml)
 WARMUP = 2  # jobs per size before the timed ones (imports, NIXL's first use, the buffers' first touch)
 
 
@@ -195,13 +190,9 @@ def run_size(ray, label: str, num_seqs: int, seq_len: int, width: int, repeats: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m app.bench transport_nixl", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="small payloads, few repeats (the tests)")
-    ap.add_argument("--repeats", type=int, default=12, help="timed jobs per size (after the warm-ups)")
-    ap.add_argument("--sizes", default="", help="comma list of size labels (default: all)")
-    ap.add_argument("--device", default="cpu", help="cpu | cuda (a GPU each for producer and consumer)")
-    args = ap.parse_args(argv)
+    from app.bench.transport import chosen_sizes, payload_args
+
+    args = payload_args("python -m app.bench transport_nixl", __doc__).parse_args(argv)
     import ray
 
     from app.pool.transport import NIXL_INSTALL, nixl_installed
@@ -210,13 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     if not nixl_installed():
         print(f"nixl is not installed: {NIXL_INSTALL}")
         return 2
-    sizes = QUICK_SIZES if args.quick else SIZES_TOKENS
-    width = 4096 if args.quick else DEFAULT_WIDTH
-    if args.sizes:
-        sizes = {k: v for k, v in sizes.items() if k in args.sizes.split(",")}
-    repeats = 3 if args.quick else args.repeats
-    largest = max(b * s * width * 2 for b, s in sizes.values())
-    store = max(256 * 2**20, int(3.5 * largest))
+    sizes, width, repeats, store = chosen_sizes(args)
     start_own_cluster(num_cpus=4, object_store_memory=store, _system_config={"preallocate_plasma_memory": True},
                       **({"num_gpus": 2} if args.device == "cuda" else {}))
     print(f"object store vs nixl, one job at a time, {repeats} timed jobs per size after {WARMUP} warm-ups; "
