@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from app.config.checks import check_resources, check_target_memory
+from app.config import checks
+from app.config.checks import check_resources, check_target_memory, check_transport
 from app.config.errors import ConfigError
 from app.config.schema import Config, PoolConfig
 from app.messages import HiddenBatch
-from app.pool import transport
 from app.pool.budget import check_object_store, payloads_in_store
-from app.pool.transport import (HeldPayloads, NixlPayload, check_transport, hidden_batch_from, layout,
+from app.pool.transport import (HeldPayloads, NixlPayload, hidden_batch_from, layout,
                                 payload_tensors, spec_of)
 from app.training.nixl_receive import NixlReceiver
 from app.training.transfer import PayloadStager
@@ -51,7 +51,7 @@ def test_nixl_not_installed_is_refused_before_actors_start_naming_the_fix(monkey
     with pytest.raises(ValueError, match=r"pool.transport=nixl .*not installed.*dflash-ray\[nixl\]"):
         check_transport("nixl", installed=False)
     check_transport("object_store", installed=False)  # the default never needs it
-    monkeypatch.setattr(transport, "nixl_installed", lambda: False)
+    monkeypatch.setattr(checks, "nixl_installed", lambda: False)
     with pytest.raises(ConfigError, match="nixl package is not installed"):
         check_resources(_cfg(transport="nixl"), {"CPU": 64.0, "GPU": 64.0}, use_gpu=False)
     check_resources(_cfg(), {"CPU": 64.0}, use_gpu=False)

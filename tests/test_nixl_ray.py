@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from actors.target import BusyClock, TargetActor
+from app.config.checks import nixl_installed
 from app.config.schema import FaultsConfig, PoolConfig
 from app.messages import EndOfStream, JobSpec
 from app.pool.hs_pool import Drained
-from app.pool.transport import HeldPayloads, nixl_installed, warm_up_nixl
+from app.pool.transport import HeldPayloads, warm_up_nixl
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow,
               pytest.mark.skipif(not nixl_installed(), reason="pool.transport=nixl needs pip install 'dflash-ray[nixl]'")]

@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     args = payload_args("python -m app.bench transport_nixl", __doc__).parse_args(argv)
     import ray
 
-    from app.pool.transport import NIXL_INSTALL, nixl_installed
+    from app.config.checks import NIXL_INSTALL, nixl_installed
     from app.ray_cluster import start_own_cluster
 
     if not nixl_installed():

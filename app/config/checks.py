@@ -8,6 +8,7 @@ so tests call them directly. The topology's bundles and what they reserve in all
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,6 +185,22 @@ def bundle_totals(bundles: list[dict[str, float]]) -> dict[str, float]:
     return total
 
 
+NIXL_INSTALL = "pip install 'dflash-ray[nixl]' (nixl==1.5.1, the wheels that bundle UCX)"
+
+
+def nixl_installed() -> bool:
+    """Whether the `nixl` package can be imported here (not imported: its agent starts only when used)."""
+    return importlib.util.find_spec("nixl") is not None
+
+
+def check_transport(transport: str, installed: bool | None = None) -> None:
+    """`pool.transport=nixl` needs the nixl package in the driver's environment (the actors' too): refuse it
+    before any actor starts, naming the fix."""
+    if transport == "nixl" and not (nixl_installed() if installed is None else installed):
+        raise ConfigError(f"pool.transport=nixl but the nixl package is not installed; {NIXL_INSTALL}, "
+                          "or set pool.transport=object_store")
+
+
 def reserved_resources(topo: TopologyConfig, use_gpu: bool) -> dict[str, float]:
     """What the actors' bundles reserve in all. The CPU count does not depend on `use_gpu`: what the
     cluster has beyond it is left to tokenizing (the driver's `spare_cpus`)."""
@@ -193,8 +210,6 @@ def reserved_resources(topo: TopologyConfig, use_gpu: bool) -> dict[str, float]:
 def check_resources(cfg: Config, available: dict[str, float], use_gpu: bool) -> None:
     """The placement group must fit the cluster: one bundle per actor. With `pool.transport=nixl`, the
     nixl package must be installed and the targets' memory must hold the unconsumed payloads."""
-    from app.pool.transport import check_transport
-
     check_transport(cfg.pool.transport)
     check_target_memory(cfg, available.get("memory", 0.0))
     topo = cfg.topology

@@ -24,32 +24,16 @@ What this changes (measured on CPU with Ray 2.60 and nixl 1.5.1, issue 27):
 """
 from __future__ import annotations
 
-import importlib.util
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from app.config.errors import ConfigError
 from app.messages import HiddenBatch
 
 TRANSPORTS = ("object_store", "nixl")
-NIXL_INSTALL = "pip install 'dflash-ray[nixl]' (nixl==1.5.1, the wheels that bundle UCX)"
 _ALIGN = 64  # bytes: each tensor of a payload starts on a cache line of the receive buffer
-
-
-def nixl_installed() -> bool:
-    """Whether the `nixl` package can be imported here (not imported: its agent starts only when used)."""
-    return importlib.util.find_spec("nixl") is not None
-
-
-def check_transport(transport: str, installed: bool | None = None) -> None:
-    """`pool.transport=nixl` needs the nixl package in the driver's environment (the actors' too): refuse it
-    before any actor starts, naming the fix."""
-    if transport == "nixl" and not (nixl_installed() if installed is None else installed):
-        raise ConfigError(f"pool.transport=nixl but the nixl package is not installed; {NIXL_INSTALL}, "
-                          "or set pool.transport=object_store")
 
 
 @dataclass(frozen=True)
