@@ -176,9 +176,12 @@ def test_a_group_shrunk_by_a_node_loss_grows_back_when_a_node_is_added(tmp_path:
     assert int(done["checkpoint"].split("-")[1]) > shrunk_at  # the smaller group trained before it grew
     at = rows.index(done)
     assert {row["rank"] for row in rows[at:] if row["k"] == "step"} == {0, 1, 2}  # the grown group trained
-    # Continuous: the grown group's first loss is near the shrunk group's last ones, far below a fresh start's.
+    # Continuous: the grown group's first loss is near the shrunk group's last ones, and nearer to them than to
+    # a fresh start's (the run's first loss). Not "half the first loss": how far the loss has fallen when the
+    # node joins depends on how fast this box runs the shrunk group (a CI run grew at step 17 with loss 4.2 of 7.0).
     before, after = ([row["loss"] for row in part if row["k"] == "step"] for part in (rows[:at], rows[at:]))
-    assert after[0] < 1.25 * sum(before[-3:]) / 3 and after[0] < 0.5 * before[0], (before[-3:], after[:3])
+    last = sum(before[-3:]) / 3
+    assert after[0] < 1.25 * last and abs(after[0] - last) < abs(after[0] - before[0]), (before[0], before[-3:], after[:3])
     counts = trained_counts(run_dir, s)
     assert counts == {"trained_once": s["jobs_scheduled"], "trained_twice": 0, "never_trained": 0}
     assert s["tau_trained"] is not None
