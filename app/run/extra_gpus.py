@@ -59,8 +59,7 @@ class ExtraGpus:
         if not self.shapes:
             self.shapes = {side: bundle_shape(sup.cfg.topology, side, topo.plan.use_gpu) for side in SIDES}
         est = advisor.estimate(stable=True) if advisor is not None and advisor.enough_samples() else None
-        blocked = (sup.resplit.stopping is not None or sup.grow.stopping is not None
-                   or sup.policy.stop_deadline is not None or not group.run_refs
+        blocked = (sup.changing_group() or not group.run_refs
                    or len(group.in_use) < len(topo.drafter_bundles))  # a shrunk group grows back first
         split = (est.current_targets, est.current_drafters) if est is not None \
             else (len(topo.target_bundles), len(topo.drafter_bundles))

@@ -44,10 +44,7 @@ class Grower:
             self.probes, self.placed = {}, set()
             return
         placed, unplaced = self._probe([*lost, *given_up.values()])
-        extra = getattr(sup, "extra", None)
-        blocked = (self.stopping is not None or sup.resplit.stopping is not None
-                   or (extra is not None and extra.stopping is not None)
-                   or sup.policy.stop_deadline is not None or not group.run_refs)
+        blocked = sup.changing_group() or not group.run_refs
         for grow in self.planner.observe(sup.clock(), group.in_use, topo.drafter_bundles, placed, blocked):
             self._begin(grow)
         for back in self.planner.targets(given_up, placed, unplaced):

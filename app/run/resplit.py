@@ -73,9 +73,7 @@ class Resplitter:
         for measured in self.trigger.tokens(sup.monitor.train_tokens, now):
             self._measured(measured)
         advisor = sup.monitor.advisor
-        growing = any(getattr(sup, name, None) is not None and getattr(sup, name).stopping is not None
-                      for name in ("grow", "extra"))  # a growth or an extra drafter under way
-        if advisor is None or self.stopping is not None or sup.policy.stop_deadline is not None or growing:
+        if advisor is None or sup.changing_group():
             return
         est = advisor.estimate(stable=True) if advisor.enough_samples() else None
         for rs in self.trigger.observe(est, now):

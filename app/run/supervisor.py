@@ -80,6 +80,12 @@ class Supervisor:
         self.grow = Grower(self, log)  # bundles lost with a node placed again: the group grows back
         self.extra = ExtraGpus(self, log)  # topology.max_extra_gpus: free cluster room to the short side
 
+    def changing_group(self) -> bool:
+        """Whether the drafter group is being stopped: a SIGTERM's stop, or a re-split, a growth or an extra
+        drafter waiting for its checkpoint. One change at a time: each of them starts only when this is False."""
+        return self.policy.stop_deadline is not None or any(
+            change.stopping is not None for change in (self.resplit, self.grow, self.extra))
+
     @property
     def targets(self) -> dict[int, Any]:
         """Live (or last known) target handle per slot."""
@@ -177,8 +183,7 @@ class Supervisor:
         self._fill_pool(ledger)
         self.seen_failures = 0  # the new pool's failure list starts empty
         self._hand_over_targets()
-        if self.policy.stop_deadline is not None or self.resplit.stopping is not None or self.grow.stopping is not None \
-                or self.extra.stopping is not None:
+        if self.changing_group():
             self.pool.request_stop()  # the dead pool's stop flag went with it
         self.monitor.note(f"pool died -> recreated from {ckpt.name if ckpt else 'scratch'} "
                           f"({action.attempt}/{action.budget})")
