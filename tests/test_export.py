@@ -80,3 +80,29 @@ def test_zlab_dflash_draft_model_gives_the_same_hidden_states(exported):
                               target_hidden=feats)
         ours = drafter(emb, feats, torch.tensor([[S]]))  # anchor at S: the whole context visible
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_a_wider_draft_mlp_than_the_targets_is_exported_and_reloaded(tmp_path):
+    """`drafter.intermediate_size` widens the draft layers' MLP only: the export says so in config.json (what
+    an engine builds the drafter from) and reloads to the same outputs; 0 keeps the target's width."""
+    from dataclasses import replace
+
+    from app.config.schema import DrafterConfig
+    from app.model.arch import DrafterArch
+
+    target = tiny_qwen3_config()
+    base = DrafterConfig(num_layers=2, block_size=4, mask_token_id=7)
+    assert DrafterArch.from_target(target, base, [0, 2]).intermediate_size == target.intermediate_size
+    arch = DrafterArch.from_target(target, replace(base, intermediate_size=3 * target.intermediate_size), [0, 2])
+    assert arch.intermediate_size == 3 * target.intermediate_size and arch.hidden_size == target.hidden_size
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(arch).eval()
+    assert drafter.layers[0].mlp.up_proj.weight.shape == (arch.intermediate_size, arch.hidden_size)
+    out = export_drafter(drafter, arch, tmp_path / "wide")
+    assert json.loads((out / "config.json").read_text())["intermediate_size"] == arch.intermediate_size
+    again, arch2 = load_drafter(out, dtype=torch.float32)
+    emb, feats = _inputs(arch)
+    with torch.no_grad():
+        assert arch2 == arch and torch.equal(again(emb, feats, torch.tensor([[9]])), drafter(emb, feats, torch.tensor([[9]])))
+    with pytest.raises(ValueError, match="drafter.intermediate_size"):
+        DrafterConfig(intermediate_size=-1)

@@ -214,6 +214,7 @@ class DrafterConfig:
     """The DFlash drafter architecture and its training sample."""
 
     num_layers: int = 5
+    intermediate_size: int = 0  # MLP width of each draft layer; 0 = the target's (z-lab's drafters)
     block_size: int = 16
     num_anchors: int = 512
     loss_gamma: float = 0.0  # 0 = DFlash default for the block size (7 for 16, 5 for 10, 4 for 8)
@@ -223,6 +224,7 @@ class DrafterConfig:
 
     def __post_init__(self) -> None:
         at_least("drafter.num_layers", self.num_layers, 1, "the drafter needs a layer")
+        at_least("drafter.intermediate_size", self.intermediate_size, 0, "0 = the target's MLP width; else the width")
         at_least("drafter.block_size", self.block_size, 2, "a block is the anchor plus at least one predicted token")
         at_least("drafter.num_anchors", self.num_anchors, 1, "each sequence needs at least one anchor")
         at_least("drafter.loss_gamma", self.loss_gamma, 0, "0 = default for the block")

@@ -76,7 +76,8 @@ class DrafterArch:
         drafter: DrafterConfig,
         target_layer_ids: list[int] | tuple[int, ...],
     ) -> "DrafterArch":
-        """Copy the target's Qwen3 fields; an empty `target_layer_ids` means the DFlash default.
+        """Copy the target's Qwen3 fields (the MLP width unless `drafter.intermediate_size` sets one); an empty
+        `target_layer_ids` means the DFlash default.
         `drafter.mask_token_id` is the resolved row (`app.config.checks.resolved_mask_token_id`), not -1."""
         get = _getter(target_hf_config)
         n_target = int(get("num_hidden_layers"))
@@ -89,7 +90,7 @@ class DrafterArch:
             num_heads=heads,
             num_kv_heads=int(get("num_key_value_heads") or heads),
             head_dim=int(head_dim),
-            intermediate_size=int(get("intermediate_size")),
+            intermediate_size=drafter.intermediate_size or int(get("intermediate_size")),
             rms_norm_eps=float(get("rms_norm_eps") or 1e-6),
             rope_theta=_rope_theta(get),
             vocab_size=int(get("vocab_size")),
