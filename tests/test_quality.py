@@ -33,3 +33,19 @@ def test_markov_demo_tau_stays_above_the_three_seed_floor(tmp_path):
     assert tau >= MARKOV_FLOOR, f"markov demo tau {tau:.3f} fell below the 3-seed floor {MARKOV_FLOOR}"
     assert per_pos[0] > per_pos[-1]  # acceptance falls along the block, as a learned drafter's does
     assert run.losses[-1] < run.losses[0] / 2
+
+
+@pytest.mark.slow
+def test_a_seed_trained_in_a_worker_process_gives_the_in_process_figures(tmp_path):
+    """`bench quality --workers` trains seeds in spawned processes: a seed's figures must not depend on where
+    it ran (each seed is single-threaded and seeded alone), or three seeds at once would measure noise."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    from app.bench.quality import measure_seed
+
+    here = measure_seed("markov", 1, tmp_path / "here", ["train.epochs=2"])
+    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+        there = pool.submit(measure_seed, "markov", 1, tmp_path / "there", ["train.epochs=2"]).result()
+    assert there == here
+    assert here.tau > here.untrained_tau and here.steps > 0

@@ -122,31 +122,74 @@ def references(plan, cfg, target) -> dict:
             "repeat_share": from_context / max(total, 1)}
 
 
-def measure_corpus(corpus: str, seeds: list[int], work: Path, overrides: list[str] = (), log=print) -> dict:
-    """Everything RESULT prints for one corpus."""
+@dataclass(frozen=True)
+class SeedResult:
+    """One seed's figures (plain values: a worker process sends it back)."""
+
+    tau: float
+    tau_pos: list[float]
+    untrained_tau: float
+    loss_first: float
+    loss_last: float
+    steps: int
+
+
+def measure_seed(corpus: str, seed: int, work: Path, overrides: list[str] = ()) -> SeedResult:
+    """Train one seed in this process and measure it and the seed's untrained drafter."""
     from app.model.build import build_or_load_drafter
 
-    taus, untrained, positions, last_losses, refs = [], [], [], [], None
-    for seed in seeds:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny shapes; on a shared 2-core box more threads run slower
+    try:
         cfg = corpus_config(corpus, seed, work / f"{corpus}-{seed}", overrides)
         run = train_in_process(cfg)
         tau, per_pos = run.tau(cfg)
         plan = run.plan
         fresh, fhead, farch = build_or_load_drafter(plan.model_dir, None, cfg.drafter, plan.layer_ids,
                                                    plan.mask_token_id, torch.device("cpu"), torch.float32, seed)
-        untrained.append(drafter_tau(plan, cfg, run.target, fresh.eval(), fhead, farch)[0])
-        taus.append(tau)
-        positions.append(per_pos)
-        last_losses.append(run.losses[-1])
-        if refs is None:
-            refs = references(plan, cfg, run.target)
-        log(f"quality {corpus} seed {seed}: tau {tau:.3f} untrained {untrained[-1]:.3f} ngram {refs['ngram_tau']:.3f} "
-            f"loss {run.losses[0]:.3f} -> {run.losses[-1]:.3f} over {len(run.losses)} steps")
+        untrained = drafter_tau(plan, cfg, run.target, fresh.eval(), fhead, farch)[0]
+    finally:
+        torch.set_num_threads(threads)
+    return SeedResult(tau, per_pos, untrained, run.losses[0], run.losses[-1], len(run.losses))
+
+
+def corpus_references(corpus: str, seed: int, work: Path, overrides: list[str] = ()) -> dict:
+    """Build (or reuse) the corpus's tiny target, then its seed-independent references."""
+    from transformers import AutoModelForCausalLM
+
+    from app.run.plan import plan_run
+
+    cfg = corpus_config(corpus, seed, work / f"{corpus}-refs", overrides)
+    plan = plan_run(cfg, on_gpu=False, log=lambda s: None, progress=False)
+    target = AutoModelForCausalLM.from_pretrained(plan.model_dir, dtype=torch.float32).eval()
+    return references(plan, cfg, target)
+
+
+def measure_corpus(corpus: str, seeds: list[int], work: Path, overrides: list[str] = (), log=print,
+                   workers: int = 1) -> dict:
+    """Everything RESULT prints for one corpus; `workers` > 1 trains that many seeds at once, one process each
+    (every seed is single-threaded and a function of its seed alone, so the figures do not change)."""
+    refs = corpus_references(corpus, seeds[0], work, overrides)  # builds the target once, before any worker
+    if workers > 1:
+        from concurrent.futures import ProcessPoolExecutor
+        from multiprocessing import get_context
+
+        with ProcessPoolExecutor(min(workers, len(seeds)), mp_context=get_context("spawn")) as pool:
+            per_seed = list(pool.map(measure_seed, [corpus] * len(seeds), seeds, [work] * len(seeds),
+                                     [list(overrides)] * len(seeds)))
+    else:
+        per_seed = [measure_seed(corpus, seed, work, overrides) for seed in seeds]
+    for seed, r in zip(seeds, per_seed):
+        log(f"quality {corpus} seed {seed}: tau {r.tau:.3f} untrained {r.untrained_tau:.3f} "
+            f"ngram {refs['ngram_tau']:.3f} loss {r.loss_first:.3f} -> {r.loss_last:.3f} over {r.steps} steps")
+    taus = [r.tau for r in per_seed]
     mean = statistics.fmean(taus)
     return {"tau_mean": mean, "tau_spread": max(taus) - min(taus),
             "tau_std": statistics.stdev(taus) if len(taus) > 1 else 0.0, "tau_seeds": taus,
-            "tau_pos": [statistics.fmean(p[k] for p in positions) for k in range(len(positions[0]))],
-            "untrained_tau": statistics.fmean(untrained), "loss_last": statistics.fmean(last_losses), **refs, "beats_ngram": mean > refs["ngram_tau"]}
+            "tau_pos": [statistics.fmean(r.tau_pos[k] for r in per_seed) for k in range(len(per_seed[0].tau_pos))],
+            "untrained_tau": statistics.fmean(r.untrained_tau for r in per_seed),
+            "loss_last": statistics.fmean(r.loss_last for r in per_seed), **refs,
+            "beats_ngram": mean > refs["ngram_tau"]}
 
 
 def result_line(results: dict[str, dict]) -> str:
@@ -166,14 +209,19 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m app.bench quality", description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="0,1,2", help="drafter seeds (train, data, pool), comma-separated")
     ap.add_argument("--corpora", default="markov,python", help="tiny corpora, comma-separated")
+    ap.add_argument("--workers", type=int, default=0,
+                    help="seeds trained at once, one single-threaded process each; 0 = every seed at once")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides for every run (e.g. train.epochs=6)")
     args = ap.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     torch.set_num_threads(1)  # tiny shapes; on a shared 2-core box more threads run slower
+    if args.workers < 0:
+        raise SystemExit(f"--workers {args.workers}: give 0 (every seed at once) or a count")
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-quality-") as tmp:
         for corpus in args.corpora.split(","):
-            results[corpus] = measure_corpus(corpus, seeds, Path(tmp), args.overrides)
+            results[corpus] = measure_corpus(corpus, seeds, Path(tmp), args.overrides,
+                                             workers=args.workers or len(seeds))
     print(result_line(results))
     if "python" in results and not results["python"]["beats_ngram"]:
         print("WARNING: the DFlash drafter does not beat the n-gram reference on the python corpus")
