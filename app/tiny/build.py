@@ -31,6 +31,7 @@ BUILD_VERSION = 3  # 3: the target is trained on a Markov chain before it genera
 # Weight init std of the random target. HF's 0.02 makes a tiny model's greedy output collapse into
 # one repeated token; 0.3 makes it near-random. 0.1 gives context-dependent, partly repetitive text.
 INIT_STD = 0.1
+PYTHON_BUILD_VERSION = 2  # 2: the held-out prompts no longer depend on num_train_prompts
 
 @dataclass(frozen=True)
 class TinyArtifacts:
@@ -62,6 +63,7 @@ def settings_hash(tiny: TinyConfig) -> str:
         from app.tiny.python_corpus import corpus_digest
 
         settings["_corpus_digest"] = corpus_digest()
+        settings["_python_build"] = PYTHON_BUILD_VERSION
     settings["_build_version"] = BUILD_VERSION
     settings["_init_std"] = INIT_STD
     blob = json.dumps(settings, sort_keys=True).encode()

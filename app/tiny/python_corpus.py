@@ -177,7 +177,10 @@ def build_python(tiny, root: Path, build_model, response_lengths) -> None:
     rng = np.random.default_rng([tiny.seed, 1])
     n_prompt = tiny.prompt_length * PROMPT_TOKENS_PER_WORD
     train_prompts = prompt_texts(rng, train_streams, tokenizer, tiny.num_train_prompts, n_prompt)
-    eval_prompts = prompt_texts(rng, held_streams, tokenizer, tiny.num_eval_prompts, n_prompt)
+    # The held-out prompts draw from their own stream: the same eval set whatever num_train_prompts is,
+    # so taus at two data sizes compare on the same prompts (and the first N of a larger set are the N).
+    eval_prompts = prompt_texts(np.random.default_rng([tiny.seed, 2]), held_streams, tokenizer,
+                                tiny.num_eval_prompts, n_prompt)
     lengths = response_lengths(rng, tiny.num_train_prompts, tiny.response_length)
     rendered = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                               add_generation_prompt=True) for p in train_prompts]
