@@ -1,4 +1,4 @@
-"""`python -m app.bench quality [--seeds 0,1,2] [--corpora markov,python] [key=value ...]`: what tau means.
+"""`python -m app.bench quality [--seeds 0,1,2] [--corpora markov,python] [--workers N] [key=value ...]`: what tau means.
 
 For each tiny corpus (`tiny.corpus`: markov, python) the bench builds (or reuses) the tiny target and
 trains the DFlash drafter at one fixed budget per corpus (markov: the demo's, conf/tiny.yaml, 6 epochs;
