@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -114,6 +115,18 @@ def test_dockerfile_installs_the_project():
     assert re.search(r"^WORKDIR /", text, re.M)
     for folder in ("app", "actors", "conf"):
         assert re.search(rf"^COPY .*\b{folder}\b", text, re.M), f"Dockerfile does not copy {folder}/"
+
+
+def test_dockerfile_installs_the_extras_it_is_given():
+    """--build-arg EXTRAS=nixl must reach the dependency layer's pip install, and the default installs none."""
+    text = (DOCKER / "Dockerfile").read_text()
+    assert re.search(r'^ARG EXTRAS=""$', text, re.M)
+    dependency_install = re.search(r'pip install "(\.[^"]*)"', text)
+    assert dependency_install, "the dependency layer does not install the project with its extras"
+    spec = dependency_install.group(1)
+    for extras, expected in (("", "."), ("nixl", ".[nixl]")):
+        shell = subprocess.run(["sh", "-c", f'EXTRAS="{extras}"; echo "{spec}"'], capture_output=True, text=True, check=True)
+        assert shell.stdout.strip() == expected
 
 
 def test_rayjob_is_a_kuberay_job_with_head_and_8_gpu_workers():
