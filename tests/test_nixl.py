@@ -64,11 +64,14 @@ def test_with_nixl_the_payloads_leave_the_object_store_and_count_in_the_targets_
     with pytest.raises(ConfigError, match="would spill"):
         check_object_store(_cfg(capacity_bytes=20 * GIB), job, 16 * GIB)
     check_object_store(_cfg(capacity_bytes=20 * GIB, transport="nixl"), job, 16 * GIB)  # not in the store now
-    with pytest.raises(ConfigError, match=r"targets' own memory.*worker memory is 16.0 GiB.*pool.capacity_bytes"):
+    with pytest.raises(ConfigError, match=r"targets' own memory.*worker memory is 16 GiB.*pool.capacity_bytes"):
         check_target_memory(_cfg(capacity_bytes=20 * GIB, transport="nixl"), 16 * GIB)
     check_target_memory(_cfg(capacity_bytes=16 * GIB, transport="nixl"), 16 * GIB)
     check_target_memory(_cfg(capacity_bytes=20 * GIB), 16 * GIB)  # the object store path: the store's check
     check_target_memory(_cfg(capacity_bytes=20 * GIB, transport="nixl"), 0)  # Ray did not say
+    # a small cluster's figures keep their digits instead of reading "0.0 GiB"
+    with pytest.raises(ConfigError, match=r"\(0.0469 GiB\).*worker memory is 0.0312 GiB"):
+        check_target_memory(_cfg(capacity_bytes=48 * 2**20, transport="nixl"), 32 * 2**20)
 
 
 @pytest.mark.parametrize("fp8", [False, True])

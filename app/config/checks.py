@@ -243,8 +243,8 @@ def check_target_memory(cfg: Config, heap_bytes: float) -> None:
     gib = 2**30
     raise ConfigError(
         f"pool.transport=nixl keeps up to pool.capacity_bytes={cfg.pool.capacity_bytes} "
-        f"({cfg.pool.capacity_bytes / gib:.1f} GiB) of unconsumed hidden states in the targets' own memory, but the "
-        f"cluster's worker memory is {heap_bytes / gib:.1f} GiB; lower pool.capacity_bytes, add memory, or set "
+        f"({cfg.pool.capacity_bytes / gib:.3g} GiB) of unconsumed hidden states in the targets' own memory, but the "
+        f"cluster's worker memory is {heap_bytes / gib:.3g} GiB; lower pool.capacity_bytes, add memory, or set "
         "pool.transport=object_store"
     )
 
