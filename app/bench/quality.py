@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]  # the repository root (app/bench/qua
 # tau by ~0.2. The README's quality section has the scaling. Command-line overrides still win.
 PYTHON_BUDGET = ["tiny.lm_steps=1200", "tiny.lm_batch_size=16", "tiny.num_train_prompts=4608", "tiny.num_eval_prompts=32",
                  "eval.num_prompts=32", "drafter.num_layers=6", "drafter.intermediate_size=512",
-                 "model.target_layer_ids=[1,2,3,4]", "train.epochs=10"]
+                 "model.target_layer_ids=[1,2,3,4]", "train.epochs=14"]
 CORPUS_OVERRIDES = {"markov": [], "python": PYTHON_BUDGET}
 
 
