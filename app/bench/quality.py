@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]  # the repository root (app/bench/qua
 # The python corpus's target needs more training than the markov chain's 200 steps to write more than
 # one repeated token (LM loss 3.95 at 200 x 8, 2.37 at 1200 x 16). Its drafter is data-, depth- and
 # step-limited at the demo's budget (2 layers as narrow as the target, 192 prompts: tau 1.18), so the
-# python budget is 4608 prompts, 6 layers with a 512-wide MLP, 10 epochs; 32 held-out prompts, as 8 move
+# python budget is 4608 prompts, 6 layers with a 512-wide MLP, 14 epochs; 32 held-out prompts, as 8 move
 # tau by ~0.2. The README's quality section has the scaling. Command-line overrides still win.
 PYTHON_BUDGET = ["tiny.lm_steps=1200", "tiny.lm_batch_size=16", "tiny.num_train_prompts=4608", "tiny.num_eval_prompts=32",
                  "eval.num_prompts=32", "drafter.num_layers=6", "drafter.intermediate_size=512",
