@@ -14,7 +14,7 @@ from app.run.timeline import Timeline, read_timeline
 def _pool(tokens: dict[int, int], forward_s: dict[int, float], jobs: int = 10):
     return SimpleNamespace(tokens_by_target=tokens, forward_s_by_target=forward_s,
                            done_by_target={t: jobs for t in tokens}, q_hsb=[0, 1], buffered=1, capacity_items=16,
-                           pool_bytes=0, pending=0, in_flight=0, leased=0, acked=0, total_jobs=0, targets=list(tokens))
+                           pool_bytes=0, pending=0, in_flight=0, leased=0, acked=0, total_jobs=0, targets=list(tokens), restarts={})
 
 
 def _feed(advisor: SplitAdvisor, targets: int, drafters: int, target_tok_s: float, drafter_tok_s: float,

@@ -34,7 +34,7 @@ def _synthetic_run(run_dir) -> None:
             tl.add_pool(SimpleNamespace(q_hsb=[step % 3, 1, 2], buffered=3 + step % 3, capacity_items=8,
                                         pool_bytes=0, pending=1, in_flight=2, leased=3, acked=step, total_jobs=80,
                                         tokens_by_target={0: 50 * step, 1: 60 * step}, forward_s_by_target=dict(fwd),
-                                        done_by_target={0: step, 1: step}, targets=[0, 1]))
+                                        done_by_target={0: step, 1: step}, targets=[0, 1], restarts={}))
             if step % 10 == 0:
                 tl.evaluation(step, 1.0 + step / 20, [0.8 - 0.1 * k + step / 100 for k in range(3)])
             if step == 15:

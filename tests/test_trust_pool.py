@@ -291,6 +291,11 @@ def test_a_pool_killed_mid_run_is_recreated_and_the_run_finishes_in_the_same_job
     assert trained_counts(tmp_path) == {"trained_once": s["jobs_scheduled"], "trained_twice": 0, "never_trained": 0}
     assert final_weights_finite(tmp_path)
     assert "recreating it from the latest checkpoint (1/3" in out and "restarted (" not in out  # targets kept
+    # The group rebuilt for the new pool counts as the pool's restart, not as a failed drafter group's.
+    from app.run.timeline import read_timeline
+
+    counted = [row["restarts"] for row in read_timeline(tmp_path) if row.get("k") == "pool" and row["restarts"]]
+    assert counted and all(c == {"pool": 1} for c in counted), counted
 
 
 @pytest.mark.ray

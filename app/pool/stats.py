@@ -63,7 +63,7 @@ class PoolStats:
     targets: list[int] = field(default_factory=list)  # registered targets
     paused_targets: list[int] = field(default_factory=list)  # evaluating: no training jobs meanwhile
     eval_offers_superseded: int = 0  # eval offers replaced in the pool by a newer one before taken
-    restarts: dict[str, int] = field(default_factory=dict)  # reported restarts per kind (target, drafter_group)
+    restarts: dict[str, int] = field(default_factory=dict)  # reported restarts per kind (target, drafter_group, pool, resplit, grow, extra)
     tau: float | None = None  # the latest evaluation's tau, as the driver reported it
 
     def jobs_by_state(self) -> dict[str, int]:

@@ -167,7 +167,7 @@ class DrafterGroup:
         ckpt, ledger = self.stop_for_rebuild()
         self.drain_records()  # the dead group's last reports belong before the new group's start
         requeued = self.pool.rollback(ledger)
-        self.pool.report_restart("drafter_group")
+        self.pool.report_restart(action.kind)  # dflash_restarts_total{kind}: "pool" after a recreation
         self.monitor.note(f"{action.reason} -> group rebuilt from {ckpt.name if ckpt else 'scratch'}, "
                           f"{requeued} jobs re-issued ({action.attempt}/{action.budget})")
         self.log(f"{action.reason}; rebuilding the drafter group from {ckpt or 'scratch'}; {requeued} jobs "

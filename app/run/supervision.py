@@ -144,6 +144,7 @@ class RebuildDrafters:
     reason: str
     attempt: int
     budget: int
+    kind: str = "drafter_group"  # the restarts_total{kind} it counts as: "pool" when a recreated pool forces it
 
 
 @dataclass(frozen=True)

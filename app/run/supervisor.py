@@ -190,7 +190,7 @@ class Supervisor:
         for tid, slot in self.policy.targets.items():  # the dead pool would have reported these
             if slot.state is TargetState.KILLED:
                 self._feed(TargetFailed(tid, "killed by the watchdog while the pool died"))
-        self._feed(self.group.rebuild(RebuildDrafters("pool recreated", action.attempt, action.budget)))
+        self._feed(self.group.rebuild(RebuildDrafters("pool recreated", action.attempt, action.budget, kind="pool")))
 
     def _hand_over_targets(self) -> None:
         """The live targets join the new pool and keep their loaded model; one whose start answered just

@@ -6,7 +6,8 @@ Every row has `k` (its kind) and `t` (wall-clock seconds, so a resumed run conti
 - `step`: one StepRecord of one rank (per-position accuracy only on rank 0: it is global; rank 0's rows
   also carry the latest acceptance length measured so far, `tau` and the step it was measured at,
   `tau_step`, so each step row says what tau the weights had last shown);
-- `pool`: a pool snapshot, at most every `pool_every_s` (q_hsb, jobs by state, per-target counters);
+- `pool`: a pool snapshot, at most every `pool_every_s` (q_hsb, jobs by state, per-target counters, and
+  `restarts` by kind as this pool has counted them: a recreated pool starts from zero);
 - `event`: a fault and what was done about it;
 - `eval`: an acceptance-length measurement during the run (step, tau, per-position acceptance);
 - `resplit`, `resplit_refused`, `resplit_done`, `resplit_measured`: an automatic re-split of targets and
@@ -34,7 +35,7 @@ FILE_NAME = "timeline.jsonl"
 _STEP_FIELDS = ("rank", "step", "epoch", "loss", "correct", "tokens", "accept_len", "topk_acc", "compute_s",
                 "data_wait_s", "lr", "grad_norm")
 _POOL_FIELDS = ("q_hsb", "buffered", "capacity_items", "pool_bytes", "pending", "in_flight", "leased", "acked",
-                "total_jobs", "tokens_by_target", "forward_s_by_target", "done_by_target", "targets")
+                "total_jobs", "tokens_by_target", "forward_s_by_target", "done_by_target", "targets", "restarts")
 
 
 class Timeline:
