@@ -162,9 +162,19 @@ class Storage:
         for it never sees a mix of old and new files. Returns the folder's location."""
         self.remove_file(f"{rel}/{last}")
         files = sorted(p for p in Path(local).rglob("*") if p.is_file() and p.name != last)
-        for file in [*files, Path(local) / last]:
+        for file in files:
             self.upload_file(f"{rel}/{file.relative_to(local).as_posix()}", file)
+        # An older export's files the new one lacks go before `last` does: an engine loads every
+        # *.safetensors in the folder, so an old run's shards beside a new single file would be read too.
+        fresh = {file.relative_to(local).as_posix() for file in files} | {last}
+        for stale in sorted(set(self.files(rel)) - fresh):
+            self.remove_file(f"{rel}/{stale}")
+        self.upload_file(f"{rel}/{last}", Path(local) / last)
         return self.location(rel)
+
+    def files(self, rel: str) -> list[str]:
+        """The files under `<root>/<rel>/`, as paths relative to it (none when it does not exist)."""
+        raise NotImplementedError
 
     def location(self, rel: str) -> str:
         """Where `<root>/<rel>` is, as a path or a URI other processes can open."""
@@ -237,6 +247,11 @@ class LocalStorage(Storage):
 
     def remove_file(self, rel: str) -> None:
         (self.path / rel).unlink(missing_ok=True)
+
+    def files(self, rel: str) -> list[str]:
+        folder = self.path / rel
+        return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()) \
+            if folder.is_dir() else []
 
     def location(self, rel: str) -> str:
         return str(self.path / rel)
@@ -311,6 +326,13 @@ class UriStorage(Storage):
 
         if self.fs.get_file_info(self._path(rel)).type == FileType.File:
             self.fs.delete_file(self._path(rel))
+
+    def files(self, rel: str) -> list[str]:
+        from pyarrow.fs import FileSelector, FileType
+
+        base = self._path(rel)
+        infos = self.fs.get_file_info(FileSelector(base, recursive=True, allow_not_found=True))
+        return sorted(i.path[len(base):].lstrip("/") for i in infos if i.type == FileType.File)
 
     # ---- entries -----------------------------------------------------------------------------
 

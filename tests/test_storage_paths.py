@@ -45,3 +45,25 @@ def test_faults_fire_once_per_run_dir_local_and_uri(tmp_path: Path, tmp_temp_dir
     assert [fire_once(URI, "kill_target"), fire_once(URI, "kill_target")] == [True, False]
     assert (local_cache_dir(URI) / "faults_fired" / "kill_target").is_file()
     assert fire_once("s3://bucket/runs/other", "kill_target")  # another run's markers are its own
+
+
+@pytest.mark.parametrize("as_uri", [False, True])
+def test_an_export_uploaded_over_an_older_one_leaves_none_of_its_files(tmp_path: Path, as_uri: bool) -> None:
+    """An engine loads every *.safetensors in drafter/: an older run's shards must not outlive it."""
+    from app.storage import open_storage
+
+    root = tmp_path / "run"
+    store = open_storage(f"file://{root}" if as_uri else root)
+    for name, data in (("config.json", b'{"v": 1}'), ("model-00001-of-00002.safetensors", b"old-1"),
+                       ("model-00002-of-00002.safetensors", b"old-2"), ("model.safetensors.index.json", b"{}"),
+                       ("extra/notes.txt", b"old")):
+        store.write_file(f"drafter/{name}", data)
+    new = tmp_path / "export"
+    (new / "extra").mkdir(parents=True)
+    (new / "config.json").write_text('{"v": 2}')
+    (new / "model.safetensors").write_bytes(b"weights-2")
+    (new / "extra" / "tokenizer.json").write_text("{}")
+    store.upload_dir(new, "drafter", last="config.json")
+    assert store.files("drafter") == ["config.json", "extra/tokenizer.json", "model.safetensors"]
+    assert store.read_file("drafter/config.json") == b'{"v": 2}'
+    assert store.files("nothing-here") == []

@@ -91,7 +91,9 @@ def test_export_folder_upload_is_plain_and_config_comes_last(s3, tmp_path: Path)
     (local / "config.json").write_text('{"v": 2}')
     (local / "model.safetensors").write_bytes(b"weights-2")
     store = open_storage(s3.uri("export"))
-    store.write_file("drafter/config.json", b'{"v": 1}')  # an older export being replaced
+    store.write_file("drafter/config.json", b'{"v": 1}')  # an older export being replaced, sharded
+    store.write_file("drafter/model-00001-of-00002.safetensors", b"old-1")
+    store.write_file("drafter/model.safetensors.index.json", b"{}")
     location = store.upload_dir(local, "drafter", last="config.json")
     assert _objects(s3, "export") == ["drafter/config.json", "drafter/model.safetensors"]  # engines' layout
     fetched = fetch_dir(location, cache=False)
