@@ -161,13 +161,13 @@ class Storage:
         such as inference engines expect), `last` removed first and written last, so a reader that waits
         for it never sees a mix of old and new files. Returns the folder's location."""
         self.remove_file(f"{rel}/{last}")
-        files = sorted(p for p in Path(local).rglob("*") if p.is_file() and p.name != last)
-        for file in files:
-            self.upload_file(f"{rel}/{file.relative_to(local).as_posix()}", file)
+        files = {p.relative_to(local).as_posix(): p for p in sorted(Path(local).rglob("*"))
+                 if p.is_file() and p.name != last}
+        for name, file in files.items():
+            self.upload_file(f"{rel}/{name}", file)
         # An older export's files the new one lacks go before `last` does: an engine loads every
         # *.safetensors in the folder, so an old run's shards beside a new single file would be read too.
-        fresh = {file.relative_to(local).as_posix() for file in files} | {last}
-        for stale in sorted(set(self.files(rel)) - fresh):
+        for stale in sorted(set(self.files(rel)) - set(files) - {last}):
             self.remove_file(f"{rel}/{stale}")
         self.upload_file(f"{rel}/{last}", Path(local) / last)
         return self.location(rel)
