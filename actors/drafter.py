@@ -21,7 +21,7 @@ from app.training.checkpoint import GENERATION_KEY
 from app.training.loop import (AwaitPull, Checkpoint, Compute, Fetched, Gather, LoopConfig, NonFinite, OfferEval,
                                PullAnswered, RankLoop, ReadStop, Reduce, SendAcks, Sleep, StartPull, StepDone,
                                StepStart, Updated, drive)
-from app.training.nixl_receive import NixlReceiver
+from app.payload.nixl_receive import NixlReceiver
 from app.training.rendezvous import Rendezvous
 from app.training.step_log import StepLog
 from app.config.schema import CheckpointConfig, DrafterConfig, FaultsConfig, TrainConfig
@@ -171,7 +171,7 @@ class _RankOps:
 
     def offer_eval(self, eff: OfferEval) -> None:
         """Rank 0: put the current weights in the object store for an evaluation on a target; the pool
-        keeps the newest offer. Fire and forget: training goes on at once (app/run/eval_runner.py)."""
+        keeps the newest offer. Fire and forget: training goes on at once (app/run/evaluate/runner.py)."""
         import ray
 
         from app.model.live_eval import weights_to_numpy
@@ -237,7 +237,7 @@ class DrafterActor:
 
     def write_probe(self, name: str, token: str) -> str:
         """Rank 0 at group start: `token` into `<checkpoint.dir>/<name>`, for the driver to read back (both
-        must see one folder, app/run/drafter_group.py `check_probe`). Returns where, on which node."""
+        must see one folder, app/run/supervise/drafters.py `check_probe`). Returns where, on which node."""
         import ray
 
         from app.storage import is_uri, open_storage
@@ -251,7 +251,7 @@ class DrafterActor:
         import torch.distributed as dist
 
         from app.model.build import build_or_load_drafter
-        from app.training.transfer import PayloadStager, staging_threads
+        from app.payload.staging import PayloadStager, staging_threads
         from app.training.trainer import DrafterTrainer
 
         backend = "nccl" if self.device.type == "cuda" else "gloo"

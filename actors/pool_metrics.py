@@ -1,4 +1,4 @@
-"""Ray metrics of the pool actor (names in app/pool/metric_names.py).
+"""Ray metrics of the pool actor (names in app/metric_names.py).
 
 Every metric carries the tag `run`. Gauges are re-set on every tick (the pool calls `tick` every
 pool.metrics_every_s seconds) because Ray drops gauges that are not refreshed. Counters are fed
@@ -16,7 +16,7 @@ import math
 import time
 from typing import Any
 
-from app.pool import metric_names as mn
+from app import metric_names as mn
 from app.messages import StepRecord
 from app.pool.states import JobState
 from app.pool.stats import PoolStats

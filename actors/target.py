@@ -21,7 +21,7 @@ from app.devices import compute_dtype, limit_threads, pick_device, target_load_k
 from app.faults import fire_once, injected_delay, sticky_target
 from app.messages import HiddenBatch, ItemMeta, JobSpec
 from app.model.live_eval import EvalSpec
-from app.pool.transport import HeldPayloads, put_payload, warm_up_nixl
+from app.payload.transport import HeldPayloads, put_payload, warm_up_nixl
 
 
 class TargetActor:
@@ -51,7 +51,7 @@ class TargetActor:
         self.compute_lock = threading.Lock()  # one forward at a time; host copies wait outside it
         self.busy = BusyClock()
         self.jobs_done = 0
-        # pool.transport=nixl: payloads stay here until acked and drafters read them directly (app/pool/transport.py)
+        # pool.transport=nixl: payloads stay here until acked and drafters read them directly (app/payload/transport.py)
         self.transport, self.held = transport, HeldPayloads()
         if transport == "nixl":
             warm_up_nixl()  # seconds once per process: while loading, not on the first job
@@ -109,7 +109,7 @@ class TargetActor:
         from app.model.export import export_dtype
         from app.model.live_eval import background_priority, evaluate_drafter, export_best
 
-        if isinstance(weights, list):  # rank 0's weights as a ref (app/run/final_tau.py ask_tau): fetched here,
+        if isinstance(weights, list):  # rank 0's weights as a ref (app/run/evaluate/final_tau.py ask_tau): fetched here,
             import ray  # so a full store or a timed-out fetch is tried again instead of failing the evaluation
 
             from app.training.retry import transient_object_errors, with_retries

@@ -2,7 +2,7 @@
 
 RUN_DIR is the run's `checkpoint.dir`. The advice is recomputed from `RUN_DIR/timeline.jsonl` (the
 same numbers the status line used: tokens/s per target while computing, per drafter rank while
-computing); see `app/run/advice.py` for the model behind it.
+computing); see `app/run/elastic/advisor.py` for the model behind it.
 """
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from app.run.advice import advise_from_timeline
-    from app.run.timeline import FILE_NAME, iter_timeline
+    from app.run.elastic.advisor import advise_from_timeline
+    from app.run.outputs.timeline import FILE_NAME, iter_timeline
 
     p = argparse.ArgumentParser(prog="python -m app.advise", description=__doc__.splitlines()[0])
     p.add_argument("run_dir", help="the run's checkpoint.dir")

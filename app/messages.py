@@ -131,7 +131,7 @@ class TargetFailure:
 
 
 class DrafterPhase:
-    """Where a drafter rank is inside its loop; the supervision watchdog reads it (app/run/supervision.py)."""
+    """Where a drafter rank is inside its loop; the supervision watchdog reads it (app/run/supervise/policy.py)."""
 
     SETUP = "setup"
     WAIT_DATA = "wait_data"      # blocked in a pull: legitimately idle when nothing is servable

@@ -23,7 +23,7 @@ def tiny_overrides(run_dir: Path, *extra: str) -> list[str]:
 
 def kill_pool() -> int:
     """SIGKILL the run's live pool actor (it has no name to look it up by); returns its pid."""
-    from app.bench.chaos import live_actor_pids
+    from app.bench.runs.chaos import live_actor_pids
 
     pids = live_actor_pids("HSPoolActor")
     assert len(pids) == 1, f"expected one live pool actor, found pids {pids}"

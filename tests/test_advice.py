@@ -7,8 +7,8 @@ import pytest
 
 from app.advise import main as advise_main
 from app.messages import StepRecord
-from app.run.advice import MIN_STEPS_PER_RANK, WARMUP_STEPS, SplitAdvisor, advise_from_timeline, best_split
-from app.run.timeline import Timeline, read_timeline
+from app.run.elastic.advisor import MIN_STEPS_PER_RANK, WARMUP_STEPS, SplitAdvisor, advise_from_timeline, best_split
+from app.run.outputs.timeline import Timeline, read_timeline
 
 
 def _pool(tokens: dict[int, int], forward_s: dict[int, float], jobs: int = 10):
@@ -129,7 +129,7 @@ def test_resumed_run_adds_each_starts_target_counters(tmp_path):
     assert advice.target_tok_s == pytest.approx(1000.0) and advice.drafter_tok_s == pytest.approx(1000.0)
     assert (advice.targets, advice.drafters) == (4, 4) and advice.gain == pytest.approx(3.0)
     # app.advise streams the file (a generator read once, the last header passed in): the same advice.
-    from app.run.timeline import iter_timeline
+    from app.run.outputs.timeline import iter_timeline
 
     *_, header = iter_timeline(tmp_path, kinds=("run",))
     streamed = advise_from_timeline(iter_timeline(tmp_path, kinds=("run", "pool", "step", "resplit_done")), header)
@@ -142,7 +142,7 @@ def test_cli_without_a_timeline_exits_2(tmp_path, capsys):
 
 
 def test_status_line_carries_advice_and_tau_once_stable(tmp_path):
-    from app.run.monitor import RunMonitor
+    from app.run.outputs.monitor import RunMonitor
 
     clock = SimpleNamespace(t=0.0)
     mon = RunMonitor(clock=lambda: clock.t)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from app.bench.chaos import plan_faults, trained_since
+from app.bench.runs.chaos import plan_faults, trained_since
 from app.training.step_log import StepLog
 
 

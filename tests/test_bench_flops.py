@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from app.bench.flops import LiveBytes, Shape, meta_target, peak_bytes, target_flops
+from app.bench.compute.flops import LiveBytes, Shape, meta_target, peak_bytes, target_flops
 from app.model.features import target_features
 from app.model.target_trunk import TargetTrunk
 
@@ -81,7 +81,7 @@ def test_truncated_target_peaks_far_below_the_full_path_on_meta():
 
 @pytest.mark.slow
 def test_flops_bench_prints_a_result_line(capsys):
-    from app.bench.flops import main
+    from app.bench.compute.flops import main
 
     assert main([]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]

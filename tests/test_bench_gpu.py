@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.bench import gpu
+from app.bench.compute import gpu
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
@@ -64,7 +64,7 @@ def test_small_mode_runs_the_target_and_drafter_path_and_prints_result(capsys):
 @pytest.mark.slow
 def test_acceptance_small_prints_every_check_and_skips_the_cuda_ones_without_cuda(capsys):
     """`bench gpu --acceptance --small` at its defaults: one RESULT line per check, in order."""
-    from app.bench.gpu_acceptance import CHECKS
+    from app.bench.compute.gpu_acceptance import CHECKS
 
     assert gpu.main(["--acceptance", "--small"]) == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("RESULT check=")]

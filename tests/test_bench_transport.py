@@ -33,7 +33,7 @@ def test_bench_transport_quick_result_line():
 
 def test_populate_object_store_touches_only_shared_memory_plasma_mappings(tmp_path):
     """The store pre-fault reads /proc/self/maps: no plasma mapping (or a disk-backed one) -> nothing done."""
-    from app.training.transfer import populate_object_store
+    from app.payload.staging import populate_object_store
 
     maps = tmp_path / "maps"
     maps.write_text("7f0000000000-7f0000001000 rw-s 00000000 00:1b 1 /tmp/ray/plasma_fallback (deleted)\n"
@@ -48,7 +48,7 @@ def test_populate_object_store_faults_in_a_shared_memory_plasma_mapping():
     import tempfile
     from pathlib import Path
 
-    from app.training.transfer import populate_object_store
+    from app.payload.staging import populate_object_store
 
     if not Path("/dev/shm").is_dir():
         pytest.skip("no /dev/shm")

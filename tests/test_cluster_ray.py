@@ -147,7 +147,7 @@ def test_a_group_shrunk_by_a_node_loss_grows_back_when_a_node_is_added(tmp_path:
     for both: the shrink half is the whole of what a no-spare run does until the node is added."""
     import re
 
-    from app.run.timeline import read_timeline
+    from app.run.outputs.timeline import read_timeline
 
     run_dir = tmp_path / "grow"
     nodes = [{"cpus": 1, "gpus": 0}, {"cpus": 2, "gpus": 4}, {"cpus": 2, "gpus": 4}]

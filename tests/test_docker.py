@@ -1,5 +1,5 @@
 """The shipping files in docker/: they parse, agree with pyproject.toml, and the dashboard's queries
-name exactly the metrics the application exports (app/pool/metric_names.py). Fast, no Ray."""
+name exactly the metrics the application exports (app/metric_names.py). Fast, no Ray."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from app.pool import metric_names
+from app import metric_names
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"

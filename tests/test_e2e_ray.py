@@ -38,7 +38,7 @@ def _assert_one_wandb_row_per_step(run_dir: Path, steps: int) -> None:
     """The run's offline wandb file, read back: one history row per optimizer step with the listed keys."""
     import wandb
 
-    from app.run.wandb_log import STEP_KEYS, read_history
+    from app.run.outputs.wandb_log import STEP_KEYS, read_history
 
     wandb.teardown()  # the service writes the run file after finish() returns: wait for it to end
     (run_file,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
@@ -57,7 +57,7 @@ def test_stop_then_resume_trains_each_job_once(ray_cluster, tmp_path: Path, caps
     step1, _, ledger1 = read_ledger(latest_checkpoint(tmp_path))
     assert step1 > 0 and ledger1
     # The stopped driver ended its wandb run: its history holds every step up to the stop's checkpoint.
-    from app.run.wandb_log import read_history
+    from app.run.outputs.wandb_log import read_history
 
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     assert [r["step"] for r in read_history(run_file) if "event" not in r] == list(range(1, step1 + 1))

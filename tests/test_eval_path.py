@@ -17,9 +17,9 @@ from app.config.load import load_config
 from app.model.build import build_or_load_drafter
 from app.model.export import export_drafter
 from app.model.live_eval import evaluate_drafter, weights_to_numpy
-from app.run.eval_runner import EvalRunner
-from app.run.evaluation import EvalOffer
-from app.run.monitor import RunMonitor
+from app.run.evaluate.runner import EvalRunner
+from app.run.evaluate.schedule import EvalOffer
+from app.run.outputs.monitor import RunMonitor
 from app.run.supervisor import Supervisor
 from tests.toy import save_tiny_target
 
@@ -55,7 +55,7 @@ def test_end_of_run_tau_equals_the_last_live_tau_on_a_target_that_emits_eos(tmp_
     plan = _plan(model_dir, tmp_path)
 
     # The specs as the run builds them: the supervisor's for the end of the run, the eval runner's (with
-    # the EOS app/run/outputs.py reads from the target folder) for the evaluations during it.
+    # the EOS app/run/outputs/run_outputs.py reads from the target folder) for the evaluations during it.
     sup = Supervisor(plan, topo=None, monitor=RunMonitor(), stop=threading.Event(), log=lambda _: None)
     runner = EvalRunner(sup, RunMonitor(), None, print, read_target_info(model_dir).eos_token_ids[0])
     assert sup.eval_spec == runner.spec and sup.eval_spec.eos_token_id == eos

@@ -1,7 +1,7 @@
 """Evaluation during the run, the policy: one at a time, newest offer wins, least-loaded target, best tau."""
 from __future__ import annotations
 
-from app.run.evaluation import EvalOffer, EvalSchedule, TauBook
+from app.run.evaluate.schedule import EvalOffer, EvalSchedule, TauBook
 
 
 def test_one_evaluation_at_a_time_and_the_newest_offer_wins():
@@ -52,8 +52,8 @@ def test_a_resumed_run_keeps_its_earlier_taus_and_best(tmp_path):
 
     from app.config.load import load_config
     from app.model.live_eval import META_KEY
-    from app.run.eval_runner import EvalRunner
-    from app.run.monitor import RunMonitor
+    from app.run.evaluate.runner import EvalRunner
+    from app.run.outputs.monitor import RunMonitor
 
     cfg = load_config("conf/tiny.yaml", [f"checkpoint.dir={tmp_path}"])
     (tmp_path / "drafter-best").mkdir()

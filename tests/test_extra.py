@@ -1,4 +1,4 @@
-"""The extra-GPU decision (app/run/extra.py), without Ray: advisor estimates, free resources and a clock in."""
+"""The extra-GPU decision (app/run/elastic/extra.py), without Ray: advisor estimates, free resources and a clock in."""
 from __future__ import annotations
 
 import json
@@ -6,8 +6,9 @@ import json
 import pytest
 
 from app.config.schema import TopologyConfig
-from app.run.advice import SplitAdvisor
-from app.run.extra import ExtraPlanner, bundle_shape, max_extra_actors, side_gain
+from app.run.elastic.advisor import SplitAdvisor
+from app.run.elastic.extra import ExtraPlanner, bundle_shape, side_gain
+from app.run.topology import max_extra_actors
 
 SHAPES = {"targets": {"CPU": 2.0, "GPU": 1.0}, "drafters": {"CPU": 4.0, "GPU": 1.0}}
 ROOM = {"CPU": 8.0, "GPU": 2.0}
@@ -98,8 +99,8 @@ def test_max_extra_gpus_needs_rebalance_auto() -> None:
 def test_an_extra_bundle_is_a_timeline_row_and_a_marked_event_in_the_report(tmp_path) -> None:
     from types import SimpleNamespace
 
-    from app.run.report import write_report
-    from app.run.timeline import Timeline, read_timeline
+    from app.run.outputs.report import write_report
+    from app.run.outputs.timeline import Timeline, read_timeline
 
     clock = SimpleNamespace(t=1000.0)
     tl = Timeline(tmp_path, clock=lambda: clock.t)

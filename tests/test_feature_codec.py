@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from actors.target import batch_nbytes
-from app.bench.transport import FixedTrunk
+from app.bench.transport.object_store import FixedTrunk
 from app.config.schema import ModelConfig, PoolConfig
 from app.data.batching import start_job
 from app.messages import ItemMeta, JobSpec
 from app.model.feature_codec import decode_fp8, decode_numpy, encode_fp8, payload_width
 from app.model.loss import TrainBatch
 from app.pool.hs_pool import HSPool
-from app.training.transfer import PayloadStager
+from app.payload.staging import PayloadStager
 
 
 def features(B: int = 2, S: int = 24, D: int = 96, seed: int = 0) -> torch.Tensor:

@@ -130,7 +130,7 @@ def test_the_stager_makes_every_device_tensor_on_its_side_stream(monkeypatch):
 
     from app.messages import HiddenBatch
     from app.model.loss import TrainBatch
-    from app.training.transfer import PayloadStager
+    from app.payload.staging import PayloadStager
 
     state = {"inside": False, "outside_ops": [], "recorded_inside": None}
 
@@ -210,7 +210,7 @@ def test_the_memory_bench_counts_the_step_transient_and_the_staged_payloads():
     import numpy as np
     from types import SimpleNamespace
 
-    from app.bench import memory
+    from app.bench.compute import memory
     from tests.toy import tiny_arch, tiny_qwen3_config
 
     arch = tiny_arch(tiny_qwen3_config(hidden=32, vocab=128), num_layers=2, target_layer_ids=(0, 2))

@@ -1,7 +1,7 @@
-"""The growth decision (app/run/grow.py), without Ray: probes of the lost bundles and a clock in, actions out."""
+"""The growth decision (app/run/elastic/grow.py), without Ray: probes of the lost bundles and a clock in, actions out."""
 from __future__ import annotations
 
-from app.run.grow import Grow, GrowthPlanner, ReturnTarget
+from app.run.elastic.grow import Grow, GrowthPlanner, ReturnTarget
 
 DRAFTERS = [5, 6, 7]  # the topology's drafter bundles (targets 0-4 first)
 
@@ -71,8 +71,8 @@ def test_a_given_up_target_comes_back_only_after_its_bundle_was_seen_without_a_n
 def test_a_growth_is_a_timeline_row_and_a_marked_event_in_the_report(tmp_path) -> None:
     from types import SimpleNamespace
 
-    from app.run.report import write_report
-    from app.run.timeline import Timeline, read_timeline
+    from app.run.outputs.report import write_report
+    from app.run.outputs.timeline import Timeline, read_timeline
 
     clock = SimpleNamespace(t=1000.0)
     tl = Timeline(tmp_path, clock=lambda: clock.t)

@@ -8,7 +8,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from app.pool import metric_names as mn
+from app import metric_names as mn
 from app.config.schema import PoolConfig
 from app.messages import EndOfStream, HiddenBatch, ItemMeta, JobSpec, PulledItem, StepRecord
 from app.pool.hs_pool import Drained

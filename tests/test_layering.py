@@ -16,7 +16,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY_POINTS = {"app.train", "app.prepare", "app.regenerate", "app.evaluate", "app.advise", "app.report"}
-TOP_LEVEL_LEAVES = {"app", "app.messages", "app.devices", "app.faults", "app.ray_cluster", "app.storage", "app.local_cache"}
+TOP_LEVEL_LEAVES = {"app", "app.messages", "app.devices", "app.faults", "app.ray_cluster", "app.storage", "app.local_cache",
+                    "app.metric_names"}
 UPPER_PACKAGES = ("app.run", "app.bench")
 
 
@@ -118,6 +119,53 @@ def test_a_leaf_may_import_a_leaf_but_nothing_else():
 def test_the_walker_sees_function_level_imports_and_cycles(tmp_path):
     """The checks above can fail: a function-level import is found and resolved to its module."""
     p = tmp_path / "m.py"
-    p.write_text("def f():\n    from actors.drafter import DrafterActor\n    from app.pool import metric_names\n")
+    p.write_text("def f():\n    from actors.drafter import DrafterActor\n    from app import metric_names\n")
     found = imports_of(p, all_modules())
-    assert found == {"actors.drafter", "app.pool.metric_names"}
+    assert found == {"actors.drafter", "app.metric_names"}
+
+
+RUN_TOP = {"app.run", "app.run.driver", "app.run.plan", "app.run.lease", "app.run.placement", "app.run.topology",
+           "app.run.supervisor"}
+RUN_ROOMS = ("supervise", "elastic", "evaluate", "outputs")
+
+
+def run_room(mod: str) -> str:
+    """`app.run.elastic.grow` -> `app.run.elastic`; a lifecycle module at app/run/'s top is its own room."""
+    parts = mod.split(".")
+    return ".".join(parts[:3]) if len(parts) > 3 else mod
+
+
+def test_app_run_holds_the_lifecycle_files_and_four_rooms():
+    top = {module_name(p) for p in (ROOT / "app" / "run").glob("*.py")}
+    rooms = {p.name for p in (ROOT / "app" / "run").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert top == RUN_TOP and rooms == set(RUN_ROOMS)
+    assert all((ROOT / "app" / "run" / r / "__init__.py").read_text().strip() for r in RUN_ROOMS)
+
+
+def test_run_rooms_import_neither_the_loop_nor_each_other_in_a_circle():
+    """The supervisor and the driver sit above the four rooms; between rooms, arrows run one way only."""
+    g = graph()
+    up = [f"{m} -> {t}" for m, ts in g.items() for t in ts
+          if m.startswith(tuple(f"app.run.{r}." for r in RUN_ROOMS)) and t in ("app.run.supervisor", "app.run.driver")]
+    assert up == []
+    rooms: dict[str, set[str]] = {}
+    for m, ts in g.items():
+        if m.startswith("app.run."):
+            rooms.setdefault(run_room(m), set()).update(run_room(t) for t in ts
+                                                        if t.startswith("app.run.") and run_room(t) != run_room(m))
+    seen: dict[str, int] = {}
+    circles: list[str] = []
+
+    def visit(r: str, stack: list[str]) -> None:
+        seen[r] = 1
+        for t in sorted(rooms.get(r, ())):
+            if seen.get(t) == 1:
+                circles.append(" -> ".join(stack[stack.index(t):] + [t]))
+            elif t not in seen:
+                visit(t, stack + [t])
+        seen[r] = 2
+
+    for r in sorted(rooms):
+        if r not in seen:
+            visit(r, [r])
+    assert circles == []

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from app.pool import metric_names as mn
+from app import metric_names as mn
 from app.config.load import load_config
 from app.run.plan import run_name
 from tests.e2e_helpers import ROOT, run_in_process, tiny_overrides

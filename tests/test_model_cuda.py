@@ -48,7 +48,7 @@ def test_flex_equals_dense_outputs_and_gradients(dtype, tol):
 def test_staged_payload_equals_plain_conversion():
     from app.messages import HiddenBatch
     from app.model.loss import TrainBatch
-    from app.training.transfer import PayloadStager
+    from app.payload.staging import PayloadStager
 
     h = torch.randn(3, 50, 64).to(torch.bfloat16)
     a = h.view(torch.int16).numpy().view(np.uint16)

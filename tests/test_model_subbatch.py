@@ -129,7 +129,7 @@ def test_rmsnorm_and_swiglu_gradients():
 
 def test_payload_keeps_host_copies_and_cpu_staging_is_a_no_op():
     from app.messages import HiddenBatch
-    from app.training.transfer import PayloadStager
+    from app.payload.staging import PayloadStager
 
     hb = HiddenBatch(job_id=1, hidden_BSD=np.zeros((2, 5, 8), np.float32), hidden_dtype="float32",
                      input_ids_BS=np.arange(10).reshape(2, 5), loss_mask_BS=np.ones((2, 5), np.uint8),

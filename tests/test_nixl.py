@@ -1,6 +1,6 @@
 """pool.transport=nixl without Ray: the config key and its checks, the payload's tensors and their layout in the
-drafter's receive buffers, the target's count of what it holds (app/pool/transport.py,
-app/training/nixl_receive.py). The Ray side: tests/test_nixl_ray.py."""
+drafter's receive buffers, the target's count of what it holds (app/payload/transport.py,
+app/payload/nixl_receive.py). The Ray side: tests/test_nixl_ray.py."""
 from __future__ import annotations
 
 import gc
@@ -16,10 +16,10 @@ from app.config.errors import ConfigError
 from app.config.schema import Config, PoolConfig
 from app.messages import HiddenBatch
 from app.pool.budget import check_object_store, payloads_in_store
-from app.pool.transport import (HeldPayloads, NixlPayload, hidden_batch_from, layout,
+from app.payload.transport import (HeldPayloads, NixlPayload, hidden_batch_from, layout,
                                 payload_tensors, spec_of)
-from app.training.nixl_receive import NixlReceiver
-from app.training.transfer import PayloadStager
+from app.payload.nixl_receive import NixlReceiver
+from app.payload.staging import PayloadStager
 
 GIB = 2**30
 

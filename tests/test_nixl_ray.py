@@ -17,7 +17,7 @@ from app.config.checks import nixl_installed
 from app.config.schema import FaultsConfig, PoolConfig
 from app.messages import EndOfStream, JobSpec
 from app.pool.hs_pool import Drained
-from app.pool.transport import HeldPayloads, warm_up_nixl
+from app.payload.transport import HeldPayloads, warm_up_nixl
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow,
               pytest.mark.skipif(not nixl_installed(), reason="pool.transport=nixl needs pip install 'dflash-ray[nixl]'")]
@@ -62,8 +62,8 @@ class Reader:
     def __init__(self) -> None:
         import torch
 
-        from app.training.nixl_receive import NixlReceiver
-        from app.training.transfer import PayloadStager
+        from app.payload.nixl_receive import NixlReceiver
+        from app.payload.staging import PayloadStager
 
         self.receiver = NixlReceiver()
         self.stager = PayloadStager(torch.device("cpu"), torch.float32, side_stream=object())  # the host half

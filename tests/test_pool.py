@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from app.config.schema import PoolConfig
 from app.messages import EndOfStream, ItemMeta, JobSpec, PulledItem
-from app.bench.pull_policies import RandomPulls, TracedPulls
+from app.bench.feeding.pull_policies import RandomPulls, TracedPulls
 from app.pool.hs_pool import Drained, HSPool, LeaseRevoked
 from app.pool.pull_policy import RoundRobin
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.bench.simulate import SimSetup, simulate
+from app.bench.feeding.simulate import SimSetup, simulate
 from app.pool.budget import check_object_store
 from app.config.errors import ConfigError
 from app.config.schema import Config, PoolConfig, TopologyConfig, TrainConfig

@@ -1,6 +1,6 @@
 """The stratified pull policy, its round tracking and the mixing measures, without Ray.
 
-Whole-pipeline behaviour comes from the discrete-event simulation in app/bench/simulate.py: the real
+Whole-pipeline behaviour comes from the discrete-event simulation in app/bench/feeding/simulate.py: the real
 HSPool on a virtual clock, lockstep drafter ranks that prefetch and ack on their next pull.
 """
 from __future__ import annotations
@@ -11,8 +11,8 @@ import random
 
 import pytest
 
-from app.bench.pull_policies import RandomPulls
-from app.bench.simulate import SimSetup, schedule_of, simulate
+from app.bench.feeding.pull_policies import RandomPulls
+from app.bench.feeding.simulate import SimSetup, schedule_of, simulate
 from app.config.schema import PoolConfig
 from app.messages import Drained, ItemMeta, JobSpec, PulledItem
 from app.pool.measures import (BacklogMeter, StepMix, bucket_counts, shares_of, step_tv, step_tv_floor,

@@ -19,7 +19,7 @@ MARKOV_FLOOR = 3.7  # mean 4.672 - 2 x std 0.464 over seeds 0-2 (see the module 
 def test_markov_demo_tau_stays_above_the_three_seed_floor(tmp_path):
     import torch
 
-    from app.bench.quality import corpus_config, train_in_process
+    from app.bench.runs.quality import corpus_config, train_in_process
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -42,7 +42,7 @@ def test_a_seed_trained_in_a_worker_process_gives_the_in_process_figures(tmp_pat
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
-    from app.bench.quality import measure_seed
+    from app.bench.runs.quality import measure_seed
 
     here = measure_seed("markov", 1, tmp_path / "here", ["train.epochs=2"])
     with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:

@@ -1,11 +1,11 @@
-"""The split trigger (app/run/rebalance.py) and the advisor's re-measuring after a re-split, without Ray."""
+"""The split trigger (app/run/elastic/resplit.py) and the advisor's re-measuring after a re-split, without Ray."""
 from __future__ import annotations
 
 import pytest
 
 from app.config.schema import TopologyConfig
-from app.run.advice import SplitAdvice, SplitAdvisor, best_split
-from app.run.rebalance import Rebalancer, Resplit, ResplitMeasured
+from app.run.elastic.advisor import SplitAdvice, SplitAdvisor, best_split
+from app.run.elastic.resplit import Rebalancer, Resplit, ResplitMeasured
 
 
 def est(split: tuple[int, int], rt: float, rd: float) -> SplitAdvice:
@@ -177,9 +177,9 @@ def test_pool_removes_a_retired_target_requeues_its_jobs_and_ignores_its_late_an
 
 
 def test_simulated_shifting_balance_auto_ends_within_10pct_of_the_best_fixed_split():
-    """The real pool, step loop, advisor and trigger on a virtual clock (app/bench/resplit_sim.py): long
+    """The real pool, step loop, advisor and trigger on a virtual clock (app/bench/feeding/resplit_sim.py): long
     sequences first (targets short), short later (drafters short). No fixed split suits both halves."""
-    from app.bench.resplit_sim import compare, shifting_setup
+    from app.bench.feeding.resplit_sim import compare, shifting_setup
 
     r = compare(shifting_setup(jobs=1200))
     assert r["auto_s"] <= 1.10 * r["best_fixed_s"], r
@@ -191,7 +191,7 @@ def test_simulated_shifting_balance_auto_ends_within_10pct_of_the_best_fixed_spl
 
 
 def test_report_marks_each_resplit_on_the_time_axis_and_in_the_events_table():
-    from app.run.report import render
+    from app.run.outputs.report import render
 
     rows = [{"k": "run", "t": 0.0, "num_targets": 5, "num_drafters": 3},
             {"k": "resplit_done", "t": 5.0, "old": [5, 3], "new": [7, 1]}]
@@ -199,7 +199,7 @@ def test_report_marks_each_resplit_on_the_time_axis_and_in_the_events_table():
 
 
 def test_advice_of_a_finished_run_starts_from_its_last_split():
-    from app.run.advice import advise_from_timeline
+    from app.run.elastic.advisor import advise_from_timeline
 
     rows = [{"k": "run", "num_targets": 5, "num_drafters": 3}]
     rows += [{"k": "step", "rank": r, "tokens": 100, "compute_s": 1.0} for _ in range(8) for r in range(3)]
@@ -236,8 +236,8 @@ def test_the_live_advisor_weighs_its_rates_by_recency_when_given_a_half_life(tmp
     """topology.rebalance_half_life_s: the live path's advisor (RunOutputs) gets the simulation's recency
     weights; 0 keeps the rates since the start (or the last re-split)."""
     from app.config.load import load_config
-    from app.run.monitor import RunMonitor
-    from app.run.outputs import RunOutputs
+    from app.run.outputs.monitor import RunMonitor
+    from app.run.outputs.run_outputs import RunOutputs
 
     for value, expected in (("0", None), ("5", 5.0)):
         cfg = load_config("conf/tiny.yaml", [f"checkpoint.dir={tmp_path / value}", f"topology.rebalance_half_life_s={value}"])

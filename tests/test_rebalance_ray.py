@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from app.bench.rebalance import resplits
-from app.run.timeline import read_timeline
+from app.bench.feeding.rebalance import resplits
+from app.run.outputs.timeline import read_timeline
 from tests.e2e_helpers import run_in_process, summary, trained_counts
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

@@ -12,8 +12,8 @@ import pytest
 
 from app.messages import StepRecord
 from app.report import main as report_main
-from app.run.report import PLOTS, write_report
-from app.run.timeline import Timeline
+from app.run.outputs.report import PLOTS, write_report
+from app.run.outputs.timeline import Timeline
 
 
 def _synthetic_run(run_dir) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from app.config.schema import PoolConfig
 from app.messages import StepRecord
 from app.pool.hs_pool import HSPool
-from app.run.monitor import RunMonitor, bottleneck
+from app.run.outputs.monitor import RunMonitor, bottleneck
 
 
 class Clock:

@@ -4,10 +4,9 @@ from __future__ import annotations
 import pytest
 
 from app.config.schema import SupervisionConfig
-from app.run.supervision import (DrafterGroupFailed, DrafterGroupStarted, DrafterPhase, Fail, GiveUpTarget,
-                                 KillStalledTarget, RankProgress, RebuildDrafters, RequestStop, RestartTarget,
-                                 StopSignal, SupervisionPolicy, TargetFailed, TargetStarted, TargetStartFailed,
-                                 Tick)
+from app.run.supervise.events import (DrafterGroupFailed, DrafterGroupStarted, Fail, GiveUpTarget, KillStalledTarget, RankProgress, RebuildDrafters, RequestStop, RestartTarget, StopSignal, TargetFailed, TargetStartFailed, TargetStarted, Tick)
+from app.run.supervise.policy import SupervisionPolicy
+from app.messages import DrafterPhase
 
 
 def _policy(num_targets: int = 2, **kw) -> SupervisionPolicy:
@@ -153,7 +152,7 @@ class _Handle:
 
 def _client(tmp_path, failures: list[BaseException]):
     """A PoolClient whose calls raise `failures` in turn, then answer; returns it and the pauses it took."""
-    from app.run.pool_client import PoolClient
+    from app.run.supervise.pool_client import PoolClient
 
     pauses: list[float] = []
 
@@ -179,7 +178,7 @@ def test_an_idempotent_pool_call_is_retried_with_a_doubling_pause(tmp_path) -> N
 
 
 def test_a_pool_that_stays_unavailable_ends_the_run_after_the_retries(tmp_path) -> None:
-    from app.run.failures import RunFailed
+    from app.run.supervise.events import RunFailed
 
     client, pauses = _client(tmp_path, [_unavailable() for _ in range(6)])
     with pytest.raises(RunFailed) as info:
@@ -192,7 +191,7 @@ def test_a_pool_that_stays_unavailable_ends_the_run_after_the_retries(tmp_path) 
 def test_a_call_that_is_unsafe_twice_is_never_retried_and_a_dead_pool_is_one_line(tmp_path) -> None:
     from ray.exceptions import ActorDiedError
 
-    from app.run.failures import RunFailed
+    from app.run.supervise.events import RunFailed
 
     client, pauses = _client(tmp_path, [_unavailable()])
     with pytest.raises(RunFailed, match=r"^pool actor HSPoolActor died \(ActorUnavailableError\)"):

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from app.messages import StepRecord
-from app.run.timeline import Timeline, read_timeline
+from app.run.outputs.timeline import Timeline, read_timeline
 
 
 def _rec(rank: int, step: int) -> StepRecord:

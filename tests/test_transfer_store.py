@@ -13,7 +13,7 @@ import torch
 
 from app.messages import HiddenBatch
 from app.model.loss import TrainBatch
-from app.training.transfer import COPY_CHUNK, PayloadStager, StoreRegistration, copy_into, plasma_ranges
+from app.payload.staging import COPY_CHUNK, PayloadStager, StoreRegistration, copy_into, plasma_ranges
 
 MAPS = ("7f0000000000-7f0000100000 rw-s 00000000 00:1b 1 /dev/shm/plasmaXYZ (deleted)\n"
         "7f0000200000-7f0000201000 rw-s 00000000 00:1b 2 /tmp/ray/plasma_fallback (deleted)\n"
@@ -134,20 +134,20 @@ def test_the_threaded_copy_equals_numpys(nbytes):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: cudaHostRegister of a shared-memory mapping")
 def test_on_cuda_the_registered_mapping_is_read_in_place_and_equals_the_copy():
-    from app.bench.gpu_transport import bench_transport
+    from app.bench.transport.gpu_staging import bench_transport
 
     r = bench_transport(torch.device("cuda", 0), 8 * 2**20, repeats=2)
     assert r["equal"] and r["direct_jobs"] == r["jobs"]
 
 
 def test_the_gpu_benchs_transport_part_compares_both_ways_on_cpu():
-    from app.bench.gpu_transport import bench_transport
+    from app.bench.transport.gpu_staging import bench_transport
 
     r = bench_transport(torch.device("cpu"), 2 * 2**20, repeats=2)
     assert r["equal"] and r["direct_jobs"] == r["jobs"] == 4 and r["copy_gbps"] > 0
 
 
 def test_the_staging_copy_gets_the_drafters_cpu_share_in_threads_one_to_four():
-    from app.training.transfer import staging_threads
+    from app.payload.staging import staging_threads
 
     assert [staging_threads(c) for c in (0.3, 1, 2, 4, 16)] == [1, 1, 2, 4, 4]

@@ -194,7 +194,7 @@ def _write_timeline(folder: Path, steps: int, ranks: int = 3, pool_every: int = 
 def test_the_readers_of_a_small_timeline_see_what_the_whole_file_holds(tmp_path: Path) -> None:
     """(b) below the report's caps the streamed readers keep every row, in file order: the same rows
     the whole-file read gave."""
-    from app.run.timeline import iter_timeline, read_timeline, report_rows
+    from app.run.outputs.timeline import iter_timeline, read_timeline, report_rows
 
     _write_timeline(tmp_path, steps=50, eval_every=10)
     whole = read_timeline(tmp_path)
@@ -211,7 +211,7 @@ def test_a_long_timeline_is_read_in_bounded_memory(tmp_path: Path) -> None:
     peak stays under an eighth of the file (a day's file is ~0.5 GiB: the peak stays what the caps hold)."""
     import tracemalloc
 
-    from app.run.timeline import Timeline, iter_timeline, report_rows
+    from app.run.outputs.timeline import Timeline, iter_timeline, report_rows
 
     size = _write_timeline(tmp_path, steps=4_000, eval_every=1_000)  # 12k step rows, ~3 MB
     tracemalloc.start()
@@ -365,7 +365,7 @@ def test_an_evaluation_s_weights_reach_the_target_as_a_ref_it_fetches_itself() -
 
     import ray
 
-    from app.run.final_tau import ask_tau
+    from app.run.evaluate.final_tau import ask_tau
 
     sent = []
     handle = SimpleNamespace(evaluate_weights=SimpleNamespace(remote=lambda *a: sent.append(a[1])))

@@ -127,7 +127,8 @@ def test_the_run_stops_in_one_line_once_quarantined_jobs_exceed_the_share() -> N
     """Issue 22 item 1: more than supervision.max_quarantined_share (default 1%) quarantined stops the run;
     a single poison job never does, even in a small run."""
     from app.config.schema import SupervisionConfig
-    from app.run.supervision import Fail, SupervisionPolicy, Tick
+    from app.run.supervise.events import Fail, Tick
+    from app.run.supervise.policy import SupervisionPolicy
 
     def tick(quarantined: int, total: int) -> Tick:
         return Tick({}, servable=False, steps=0, quarantined=quarantined, total_jobs=total)
@@ -157,7 +158,7 @@ def test_the_sticky_target_fault_hits_its_first_incarnation_only(tmp_path) -> No
     """faults.sticky_target_error: the named target raises from its start; its restart is healthy."""
     import random
 
-    from app.bench.chaos import ChaosState, sticky_override
+    from app.bench.runs.chaos import ChaosState, sticky_override
     from app.faults import sticky_target
 
     run_dir = tmp_path / "run"
@@ -202,7 +203,7 @@ def test_a_rebuild_ignores_a_late_checkpoint_of_a_group_killed_earlier(tmp_path)
     3's own ckpt-8. Before, the newest checkpoint won whoever wrote it."""
     import torch
 
-    from app.run.drafter_group import next_generation, rebuild_checkpoint
+    from app.run.supervise.drafters import next_generation, rebuild_checkpoint
     from app.training.checkpoint import GENERATION_KEY, TrainState, save_checkpoint
 
     root = tmp_path / "run"
@@ -226,7 +227,8 @@ def test_a_rebuild_ignores_a_late_checkpoint_of_a_group_killed_earlier(tmp_path)
 
 def test_a_dead_pool_is_recreated_within_its_budget_then_the_run_fails_with_its_line() -> None:
     from app.config.schema import SupervisionConfig
-    from app.run.supervision import Fail, PoolFailed, RecreatePool, SupervisionPolicy
+    from app.run.supervise.events import Fail, PoolFailed, RecreatePool
+    from app.run.supervise.policy import SupervisionPolicy
 
     policy = SupervisionPolicy(SupervisionConfig(max_restarts_pool=2), num_targets=2)
     line = "pool actor HSPoolActor died (RayActorError); the run stops here. Resubmit ..."
@@ -241,8 +243,8 @@ def test_a_dead_pool_is_recreated_within_its_budget_then_the_run_fails_with_its_
 def test_a_pool_client_call_to_a_dead_pool_raises_pool_died() -> None:
     from ray.exceptions import RayActorError
 
-    from app.run.failures import RunFailed
-    from app.run.pool_client import PoolClient, PoolDied
+    from app.run.supervise.events import RunFailed
+    from app.run.supervise.pool_client import PoolClient, PoolDied
 
     class Handle:
         class stats:  # noqa: N801 - stands in for an actor method
@@ -292,7 +294,7 @@ def test_a_pool_killed_mid_run_is_recreated_and_the_run_finishes_in_the_same_job
     assert final_weights_finite(tmp_path)
     assert "recreating it from the latest checkpoint (1/3" in out and "restarted (" not in out  # targets kept
     # The group rebuilt for the new pool counts as the pool's restart, not as a failed drafter group's.
-    from app.run.timeline import read_timeline
+    from app.run.outputs.timeline import read_timeline
 
     counted = [row["restarts"] for row in read_timeline(tmp_path) if row.get("k") == "pool" and row["restarts"]]
     assert counted and all(c == {"pool": 1} for c in counted), counted

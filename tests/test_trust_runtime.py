@@ -8,7 +8,7 @@ import time
 import pytest
 
 from app.model.live_eval import EvalSpec
-from app.run.final_tau import FinalTau
+from app.run.evaluate.final_tau import FinalTau
 
 SPEC = EvalSpec(prompts=[[1, 2, 3]], drafter=None, eval=None, mask_token_id=0, seed=0, eos_token_id=None)
 

@@ -194,8 +194,8 @@ def test_a_probe_the_driver_cannot_read_back_stops_the_run(tmp_path: Path) -> No
     """Item 3: rank 0 wrote its probe into another folder (its own copy of a relative path, a volume
     only its pod mounts): one line, the run stops. Before, a rebuild found no checkpoint and silently
     started from scratch."""
-    from app.run.drafter_group import PROBE_PREFIX, check_probe
-    from app.run.failures import RunFailed
+    from app.run.supervise.drafters import PROBE_PREFIX, check_probe
+    from app.run.supervise.events import RunFailed
 
     driver_dir, rank0_dir = tmp_path / "driver-view", tmp_path / "rank0-view"
     name = f"{PROBE_PREFIX}abc"
@@ -305,8 +305,8 @@ def test_a_uri_run_on_a_new_machine_continues_the_remote_timeline(tmp_path: Path
     import json
 
     from app.config.load import load_config
-    from app.run.monitor import RunMonitor
-    from app.run.outputs import RunOutputs
+    from app.run.outputs.monitor import RunMonitor
+    from app.run.outputs.run_outputs import RunOutputs
 
     root = Path(__file__).resolve().parents[1]
     remote = tmp_path / "bucket" / "run"
@@ -327,7 +327,7 @@ def test_a_uri_run_on_a_new_machine_continues_the_remote_timeline(tmp_path: Path
 
 def test_a_torn_last_line_does_not_swallow_the_next_start_s_first_row(tmp_path: Path) -> None:
     """Item 7 (the same file): a killed driver's half line is closed before a new start appends."""
-    from app.run.timeline import Timeline, read_timeline
+    from app.run.outputs.timeline import Timeline, read_timeline
 
     (tmp_path / "timeline.jsonl").write_text('{"k": "event", "t": 1, "text": "a"}\n{"k": "ev')
     timeline = Timeline(tmp_path)

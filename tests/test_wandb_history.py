@@ -13,8 +13,8 @@ import pytest
 
 from app.config.schema import CheckpointConfig, Config, LoggingConfig, ModelConfig
 from app.messages import StepRecord
-from app.run.monitor import RunMonitor
-from app.run.wandb_log import STEP_KEYS, StepRows, WandbLogger, read_history
+from app.run.outputs.monitor import RunMonitor
+from app.run.outputs.wandb_log import STEP_KEYS, StepRows, WandbLogger, read_history
 
 STEPS, BLOCK = 6, 4
 

@@ -8,7 +8,7 @@ import pytest
 
 from app.config.errors import ConfigError
 from app.config.schema import CheckpointConfig, Config, LoggingConfig, ModelConfig
-from app.run.wandb_log import WandbLogger
+from app.run.outputs.wandb_log import WandbLogger
 
 
 def _cfg(tmp_path: Path, mode: str) -> Config:

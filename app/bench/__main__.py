@@ -9,19 +9,19 @@ import importlib
 import sys
 
 BENCHES = {
-    "pool": ("app.bench.pool", "put+pull pairs/s: pool actor vs ray.util.queue.Queue (refs, batch calls)"),
-    "sched": ("app.bench.sched", "stratified vs round-robin vs random pulls vs per-drafter queues (step mix, backlog, busy)"),
-    "e2e": ("app.bench.e2e", "end-to-end training throughput"),
-    "loss": ("app.bench.loss", "DFlash loss kernels"),
-    "flops": ("app.bench.flops", "target/drafter executed vs needed FLOPs and target peak memory at default shapes"),
-    "memory": ("app.bench.memory", "drafter peak GPU memory per bucket (fake tensors, full width): now vs before"),
-    "data": ("app.bench.data", "tokenizing at scale: single process vs Ray Data, cache load, driver RSS, pool bytes/job"),
-    "chaos": ("app.bench.chaos", "a run of the given config under outside faults: kills, SIGTERM, pool loss; counts every job"),
-    "transport": ("app.bench.transport", "one job's features target -> pool -> drafter staging at 64/160/640 MiB vs memcpy"),
-    "transport_nixl": ("app.bench.transport_nixl", "the same path with pool.transport=nixl beside object_store, same run"),
-    "gpu": ("app.bench.gpu", "one CUDA GPU: target prefill and drafter step tok/s, MFU, copy overlap, peak memory"),
-    "rebalance": ("app.bench.rebalance", "topology.rebalance auto vs off on a 2:1 injected imbalance: tokens/s over the second half"),
-    "quality": ("app.bench.quality", "tau per tiny corpus over 3 seeds beside n-gram and untrained drafters, copy shares"),
+    "pool": ("app.bench.feeding.pool_vs_queue", "put+pull pairs/s: pool actor vs ray.util.queue.Queue (refs, batch calls)"),
+    "sched": ("app.bench.feeding.sched", "stratified vs round-robin vs random pulls vs per-drafter queues (step mix, backlog, busy)"),
+    "e2e": ("app.bench.runs.e2e", "end-to-end training throughput"),
+    "loss": ("app.bench.compute.loss", "DFlash loss kernels"),
+    "flops": ("app.bench.compute.flops", "target/drafter executed vs needed FLOPs and target peak memory at default shapes"),
+    "memory": ("app.bench.compute.memory", "drafter peak GPU memory per bucket (fake tensors, full width): now vs before"),
+    "data": ("app.bench.runs.data", "tokenizing at scale: single process vs Ray Data, cache load, driver RSS, pool bytes/job"),
+    "chaos": ("app.bench.runs.chaos", "a run of the given config under outside faults: kills, SIGTERM, pool loss; counts every job"),
+    "transport": ("app.bench.transport.object_store", "one job's features target -> pool -> drafter staging at 64/160/640 MiB vs memcpy"),
+    "transport_nixl": ("app.bench.transport.nixl", "the same path with pool.transport=nixl beside object_store, same run"),
+    "gpu": ("app.bench.compute.gpu", "one CUDA GPU: target prefill and drafter step tok/s, MFU, copy overlap, peak memory"),
+    "rebalance": ("app.bench.feeding.rebalance", "topology.rebalance auto vs off on a 2:1 injected imbalance: tokens/s over the second half"),
+    "quality": ("app.bench.runs.quality", "tau per tiny corpus over 3 seeds beside n-gram and untrained drafters, copy shares"),
 }
 
 

@@ -104,12 +104,12 @@ class TopologyConfig:
     cpus_per_drafter: float = 4.0
     device: str = "auto"  # auto | cuda | cpu
     strategy: str = "PACK"  # placement group strategy: PACK | SPREAD (checked by app/run/placement.py)
-    rebalance: str = "advise"  # off | advise (status line only) | auto (re-split at a checkpoint, app/run/rebalance.py)
+    rebalance: str = "advise"  # off | advise (status line only) | auto (re-split at a checkpoint, app/run/elastic/resplit.py)
     rebalance_hold_s: float = 20.0  # the advice must hold this long before an auto re-split
     rebalance_min_gain: float = 0.15  # estimated tokens/s gain a re-split must beat (it costs a checkpoint and a rebuild)
     max_rebalances: int = 3  # auto re-splits per run, at most
     rebalance_half_life_s: float = 0.0  # 0: the advisor's rates since the start / last re-split; N: weighted by recency
-    max_extra_gpus: float = 0.0  # 0: off; N (rebalance=auto): free GPUs up to N go to the short side (app/run/extra.py)
+    max_extra_gpus: float = 0.0  # 0: off; N (rebalance=auto): free GPUs up to N go to the short side (app/run/elastic/extra.py)
 
     def __post_init__(self) -> None:
         at_least("topology.num_targets", self.num_targets, 1, "at least one target must produce hidden states")
@@ -192,7 +192,7 @@ class PoolConfig:
     seed: int = 0
     metrics_every_s: float = 2.0
     pull_policy: str = "stratified"  # stratified | round_robin (app/pool/pull_policy.py)
-    transport: str = "object_store"  # object_store | nixl: how payloads reach the drafters (app/pool/transport.py)
+    transport: str = "object_store"  # object_store | nixl: how payloads reach the drafters (app/payload/transport.py)
 
     def __post_init__(self) -> None:
         one_of("pool.pull_policy", self.pull_policy, ("stratified", "round_robin"))

@@ -32,7 +32,7 @@ class TrainBatch:
     input_ids_host: object = None
     loss_mask_host: object = None
     lengths_host: object = None
-    ready_event: object = None  # CUDA: the staging copy's event (app/training/transfer.py)
+    ready_event: object = None  # CUDA: the staging copy's event (app/payload/staging.py)
 
     def host(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(input_ids [N, S] int64, loss_mask [N, S] float32, lengths [N] int64) on the host."""

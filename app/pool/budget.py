@@ -84,7 +84,7 @@ class Budget:
 # ---- the whole object store, not just the pool ---------------------------------------------------------
 
 # Live evaluation copies of rank 0's weights at once: the pool's newest offer, the one taken and waiting
-# for a target (app/run/evaluation.py EvalSchedule.pending) and the one being evaluated (.running).
+# for a target (app/run/evaluate/schedule.py EvalSchedule.pending) and the one being evaluated (.running).
 EVAL_COPIES = 3
 
 

@@ -13,7 +13,7 @@ from app.config.schema import Config
 from app.config.checks import check_resources
 from app.config.errors import UserError
 from app.pool.budget import check_object_store
-from app.run.monitor import RunMonitor
+from app.run.outputs.monitor import RunMonitor
 from app.ray_cluster import init_ray
 from app.storage import redact
 
@@ -25,7 +25,7 @@ def log(msg: str) -> None:
 
 def run(cfg: Config) -> int:
     """Run (or resume) training; returns the process exit code."""
-    from app.run.failures import RunFailed
+    from app.run.supervise.events import RunFailed
 
     lease = None
     try:
@@ -170,12 +170,12 @@ def install_stop_handler():
 
 
 def supervise(plan, use_gpu: bool, stop: threading.Event) -> int:
-    from app.run.failures import RunFailed
-    from app.run.outputs import RunOutputs, print_serving, serving_outputs
+    from app.run.supervise.events import RunFailed
+    from app.run.outputs.run_outputs import RunOutputs, print_serving, serving_outputs
     from app.run.plan import run_name
     from app.run.supervisor import Supervisor
     from app.run.topology import Topology, plan_bundles
-    from app.run.wandb_log import WandbLogger
+    from app.run.outputs.wandb_log import WandbLogger
 
     cfg = plan.cfg
     name = run_name(cfg)

@@ -1,22 +1,22 @@
 """The supervision shell: start the actors, feed what it sees to the policy, carry out its actions.
 
 The decisions (restart or give up a target, rebuild the drafter group, watchdog verdicts, stop,
-fail) live in `app/run/supervision.py`, a pure class. `Supervisor` is the loop between it and the
+fail) live in `app/run/supervise/policy.py`, a pure class. `Supervisor` is the loop between it and the
 actors, each behind a helper that returns the events it saw:
-- the pool behind `PoolClient` (app/run/pool_client.py): retried idempotent calls, a dead pool is
+- the pool behind `PoolClient` (app/run/supervise/pool_client.py): retried idempotent calls, a dead pool is
   `RunFailed` with one line;
-- the targets behind `Targets` (app/run/targets.py): start, restart, liveness. A target crash: the
+- the targets behind `Targets` (app/run/supervise/targets.py): start, restart, liveness. A target crash: the
   pool has already put its jobs back; the policy says restart (a new actor in the same bundle,
   started without blocking the loop) or give up; a replacement whose `__init__` fails counts
   against the same budget;
-- the drafters behind `DrafterGroup` (app/run/drafter_group.py): a crash or stall tears the whole
+- the drafters behind `DrafterGroup` (app/run/supervise/drafters.py): a crash or stall tears the whole
   group down, the pool rolls back to the latest checkpoint's ledger (jobs trained after it are
   re-issued), and a new group resumes from it.
 A pool that died (`PoolDied`) is recreated within `supervision.max_restarts_pool`: a new pool
 restored from the checkpoint the drafter group rebuilds from, the live targets handed to it (not
 restarted), the group rebuilt. Stop (SIGTERM): the pool tells rank 0, the group checkpoints at the next step boundary and returns;
 the driver exits 0 and the next submission resumes. At the end, `evaluate` measures tau with the
-code of the evaluations during the run (app/run/final_tau.py).
+code of the evaluations during the run (app/run/evaluate/final_tau.py).
 """
 from __future__ import annotations
 
@@ -26,20 +26,19 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from app.model.live_eval import stop_token
-from app.run.drafter_group import BundleWaits, DrafterGroup
-from app.run.evaluation import eval_spec
-from app.run.failures import RunFailed
-from app.run.final_tau import FinalTau, TauResult
-from app.run.extra_gpus import ExtraGpus
-from app.run.growth import Grower
-from app.run.monitor import RunMonitor
+from app.run.supervise.drafters import BundleWaits, DrafterGroup
+from app.run.evaluate.schedule import eval_spec
+from app.run.supervise.events import RunFailed
+from app.run.evaluate.final_tau import FinalTau, TauResult
+from app.run.elastic.extra_shell import ExtraGpus
+from app.run.elastic.grow_shell import Grower
+from app.run.outputs.monitor import RunMonitor
 from app.run.plan import RunPlan
-from app.run.pool_client import PoolClient, PoolDied
-from app.run.resplit import Resplitter
-from app.run.supervision import (Fail, GiveUpTarget, KillStalledTarget, PoolFailed, RebuildDrafters, RecreatePool,
-                                  RequestStop, RestartTarget, StopSignal, SupervisionPolicy, TargetFailed,
-                                  TargetStarted, TargetState, Tick)
-from app.run.targets import Targets
+from app.run.supervise.pool_client import PoolClient, PoolDied
+from app.run.elastic.resplit_shell import Resplitter
+from app.run.supervise.events import (Fail, GiveUpTarget, KillStalledTarget, PoolFailed, RebuildDrafters, RecreatePool, RequestStop, RestartTarget, StopSignal, TargetFailed, TargetStarted, Tick)
+from app.run.supervise.policy import SupervisionPolicy, TargetState
+from app.run.supervise.targets import Targets
 from app.run.topology import Topology
 
 LOOP_WAIT_S = 0.5  # each loop turn waits this long for the drafters to finish
@@ -302,7 +301,7 @@ class Supervisor:
 
     def evaluate(self, export_dir: str | None) -> TauResult:
         """tau of a fresh drafter and of the exported one on live targets, with the code and spec of
-        the evaluations during the run; never raises (see app/run/final_tau.py)."""
+        the evaluations during the run; never raises (see app/run/evaluate/final_tau.py)."""
         final = FinalTau(self.eval_spec, self.cfg.eval.timeout_s, self.clock, self.log)
         return final.measure(self.alive_targets(), export_dir, self.outcome.steps)
 

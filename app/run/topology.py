@@ -54,11 +54,11 @@ class Topology:
 
         self.cfg, self.plan, self.run_name = cfg, plan, run_name
         # Which bundle each actor sits in: targets first, then drafters, until a re-split moves a
-        # bundle to the other role (app/run/rebalance.py): the placement group itself never changes.
+        # bundle to the other role (app/run/elastic/resplit.py): the placement group itself never changes.
         self.target_bundles: dict[int, int] = {i: plan.target_bundle(i) for i in range(plan.num_targets)}
         self.drafter_bundles: list[int] = [plan.drafter_bundle(r) for r in range(plan.num_drafters)]
         self.pg = placement_group(plan.bundles, strategy=cfg.topology.strategy, name=f"dflash-{run_name}")
-        # Extra bundles (topology.max_extra_gpus, app/run/extra_gpus.py): one single-bundle placement
+        # Extra bundles (topology.max_extra_gpus, app/run/elastic/extra_shell.py): one single-bundle placement
         # group each; a bundle index past the main group's names (that group, its bundle 0).
         self.extra: dict[int, tuple[Any, dict[str, float]]] = {}
         try:
@@ -121,7 +121,7 @@ class Topology:
         A resource-free probe task per bundle runs as soon as the bundle is placed on a live node."""
         import ray
 
-        probe = ray.remote(num_cpus=0, max_retries=-1)(_bundle_probe)
+        probe = ray.remote(num_cpus=0, max_retries=-1)(bundle_probe)
         refs = {b: probe.options(scheduling_strategy=self.strategy(b)).remote() for b in bundles}
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
         return [b for b, ref in refs.items() if ref not in ready]
@@ -130,7 +130,6 @@ class Topology:
         import ray
 
         from actors.hs_pool import HSPoolActor, pool_max_concurrency
-        from app.run.extra import max_extra_actors
 
         topo = self.cfg.topology
         # Sized at creation for every actor the run may hold: the extra ones too (topology.max_extra_gpus).
@@ -181,6 +180,14 @@ class Topology:
             remove_placement_group(pg)
 
 
-def _bundle_probe() -> bool:
+def max_extra_actors(topo) -> int:
+    """The most extra actors max_extra_gpus can give (for sizing the pool's concurrency at its creation)."""
+    if topo.max_extra_gpus <= 0:
+        return 0
+    smallest = min(topo.gpus_per_target or 1.0, topo.gpus_per_drafter or 1.0)
+    return int(topo.max_extra_gpus / smallest + 1e-9)
+
+
+def bundle_probe() -> bool:
     """Runs in a bundle to show it is placed on a live node (see Topology.wait_bundles)."""
     return True

@@ -26,7 +26,7 @@ from app.pool.ledger import ids_from_state as ledger_ids, to_json as ledger_json
 from app.storage import fetch_dir, is_uri, open_storage, read_text
 
 PREFIX = "ckpt-"
-GENERATION_KEY = "group_generation"  # `extra` entry: the drafter group that wrote it (app/run/drafter_group.py)
+GENERATION_KEY = "group_generation"  # `extra` entry: the drafter group that wrote it (app/run/supervise/drafters.py)
 
 
 @dataclass

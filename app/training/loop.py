@@ -2,8 +2,8 @@
 
 `RankLoop.run()` is a generator: it yields typed effect requests (the dataclasses below) and receives
 their results; whoever drives it maps each effect to an operation. Three drivers share it:
-`actors/drafter.py` (Ray calls, the trainer, the real collective), `app/bench/sched.py` (Ray actors that
-sleep instead of computing) and `app/bench/simulate.py` (a virtual clock around the pure pool). The
+`actors/drafter.py` (Ray calls, the trainer, the real collective), `app/bench/feeding/sched.py` (Ray actors that
+sleep instead of computing) and `app/bench/feeding/simulate.py` (a virtual clock around the pure pool). The
 first two use `drive` (every operation returns its result); the simulation uses `Runner`, whose
 operations may answer `LATER` and resume the rank from its event heap.
 

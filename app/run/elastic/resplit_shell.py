@@ -1,0 +1,160 @@
+"""The Ray shell of an automatic re-split: carries out what `app/run/elastic/resplit.py` decides.
+
+`Resplitter.observe` feeds the trigger each loop turn (the advisor's estimate, the training tokens)
+and, on a `Resplit`, checks that the bundles can swap roles and asks the pool to stop: rank 0 then
+checkpoints at the next step boundary and the group returns (the stop path every SIGTERM takes, so
+no trained work is lost and the checkpoint's ledger holds the last step's jobs). `carry_out` is called
+with that stopped group:
+1. the ranks are gone and the stop's checkpoint found (`DrafterGroup.stop_for_rebuild`);
+2. targets giving their bundle to the drafters leave the pool (`remove_target`: their in-flight jobs go
+   back to the queue, a late answer is dropped) and are killed; drafter bundles given to the targets get
+   new target slots, started without blocking the loop;
+3. the pool rolls back to the checkpoint's ledger (held acks acked, prefetched leases re-queued: none
+   trained), its stop flag is cleared, and a group of the new size resumes from the checkpoint (elastic
+   resume: the ledger is per job, the LR schedule runs on jobs), telling the pool its rank count.
+Every job is trained once: the checkpoint's weights hold exactly its ledger's jobs, and only jobs
+outside it are issued again. A growth (`app/run/elastic/grow_shell.py`: bundles lost with a node placed again) is
+the same stop and rebuild without moves: `stopped_for_change`, `stop_at_checkpoint`, `resume_pool`.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from app.run.elastic.resplit import Rebalancer, Resplit, ResplitMeasured
+
+
+def same_shape(bundles: list[dict[str, float]], a: int, b: int) -> str:
+    """'' when bundles `a` and `b` may swap roles (the same GPUs; the CPUs go with the bundle), else why not."""
+    ga, gb = bundles[a].get("GPU", 0), bundles[b].get("GPU", 0)
+    if ga != gb:
+        return (f"target and drafter bundles differ in shape (GPU {ga:g} vs {gb:g}); only bundles of the same "
+                "shape swap roles: set topology.gpus_per_target = topology.gpus_per_drafter, or change the split "
+                "by hand (resubmit with other topology.num_*)")
+    return ""
+
+
+def stopped_for_change(sup, results) -> bool:
+    """True when the group's return is the stop a change of the group asked for (not the run's end,
+    not a SIGTERM, not a non-finite loss)."""
+    return sup.policy.stop_deadline is None and all(r.stopped and not r.nonfinite for r in results)
+
+
+def stop_at_checkpoint(sup):
+    """The group stopped at a step boundary: its ranks gone, (checkpoint or None, that checkpoint's ledger)."""
+    ckpt, ledger = sup.group.stop_for_rebuild()
+    sup.group.drain_records()  # the stopped group's last reports belong before the new group's start
+    return ckpt, ledger
+
+
+def resume_pool(sup, ledger: list[int], kind: str) -> int:
+    """The pool back to the checkpoint's ledger, its stop flag cleared, the change counted in
+    dflash_restarts_total{kind}; returns how many leased jobs go out again."""
+    requeued = sup.pool.rollback(ledger)
+    sup.pool.clear_stop()
+    sup.pool.report_restart(kind)
+    return requeued
+
+
+class Resplitter:
+    """The trigger, the stop in progress, and the moves of one re-split."""
+
+    def __init__(self, sup, log: Callable[[str], None]) -> None:
+        self.sup, self.log = sup, log
+        self.trigger = Rebalancer.for_topology(sup.cfg.topology)
+        self.stopping: Resplit | None = None  # asked the group to stop for this re-split
+        sup.monitor.rebalancer = self.trigger
+        self.next_target_id = sup.cfg.topology.num_targets
+
+    # ---- each loop turn --------------------------------------------------------------------
+
+    def observe(self) -> None:
+        sup = self.sup
+        now = sup.clock()
+        for measured in self.trigger.tokens(sup.monitor.train_tokens, now):
+            self._measured(measured)
+        advisor = sup.monitor.advisor
+        if advisor is None or sup.changing_group():
+            return
+        est = advisor.estimate(stable=True) if advisor.enough_samples() else None
+        for rs in self.trigger.observe(est, now):
+            self._begin(rs)
+
+    def wants(self, results) -> bool:
+        """True when the group's return is this re-split's stop (not the run's end, not a SIGTERM)."""
+        return self.stopping is not None and stopped_for_change(self.sup, results)
+
+    # ---- a re-split ------------------------------------------------------------------------
+
+    def _begin(self, rs: Resplit) -> None:
+        sup = self.sup
+        why = self._why_not(rs)
+        text = (f"re-split {rs.old[0]}/{rs.old[1]} -> {rs.new[0]}/{rs.new[1]} targets/drafters (target "
+                f"{rs.target_tok_s:.0f} tok/s, drafter rank {rs.drafter_tok_s:.0f} tok/s, estimated "
+                f"{100 * rs.gain_estimated:+.0f}% tokens/s)")
+        if why:
+            self.trigger.refused(why)
+            sup.monitor.resplit_event("resplit_refused", **rs.to_dict(), reason=why)
+            self.log(f"{text} not done: {why}")
+            return
+        self.stopping = rs
+        sup.monitor.resplit_event("resplit", **rs.to_dict())
+        self.log(f"{text}: checkpointing at the next step boundary (topology.rebalance=auto, "
+                 f"{rs.number}/{self.trigger.max_rebalances})")
+        sup.pool.request_stop()
+
+    def _why_not(self, rs: Resplit) -> str:
+        topo = self.sup.topo
+        tids = sorted(topo.target_bundles)
+        if not tids or not topo.drafter_bundles:
+            return "no target or no drafter bundle to move"
+        group = self.sup.group.in_use if self.sup.group is not None else topo.drafter_bundles
+        if len(group) < len(topo.drafter_bundles):  # a lost node's bundles: the growth comes first
+            return (f"the drafter group runs on {len(group)} of its {len(topo.drafter_bundles)} bundles (a node "
+                    "was lost); it grows back when they are placed again")
+        shapes = {b: topo.shape(b) for b in (topo.target_bundles[tids[0]], topo.drafter_bundles[0])}
+        return same_shape(shapes, topo.target_bundles[tids[0]], topo.drafter_bundles[0])
+
+    def carry_out(self):
+        """The group stopped for the re-split: move the bundles and resume a group of the new size.
+        Returns the group's start event (DrafterGroupStarted, or DrafterGroupFailed) for the policy."""
+        sup, rs = self.sup, self.stopping
+        topo, group = sup.topo, sup.group
+        ckpt, ledger = stop_at_checkpoint(sup)
+        old_t, old_d = len(topo.target_bundles), len(topo.drafter_bundles)
+        new_t, new_d = rs.new
+        moved: list[str] = []
+        for _ in range(max(0, old_t - new_t)):  # targets -> drafters: the newest target slots go
+            tid = max(topo.target_bundles)
+            requeued = sup.pool.remove_target(tid)
+            sup.fleet.retire(tid)
+            sup.policy.retire_target(tid)
+            topo.drafter_bundles.append(topo.target_bundles.pop(tid))
+            moved.append(f"target {tid} -> drafter ({len(requeued)} in-flight jobs re-queued)")
+        new_targets = []
+        for _ in range(max(0, old_d - new_d)):  # drafters -> targets: the last drafter bundles go
+            tid, self.next_target_id = self.next_target_id, self.next_target_id + 1
+            topo.target_bundles[tid] = topo.drafter_bundles.pop()
+            sup.policy.add_target(tid)
+            new_targets.append(tid)
+            moved.append(f"drafter bundle {topo.target_bundles[tid]} -> target {tid}")
+        requeued = resume_pool(sup, ledger, "resplit")  # dflash_restarts_total{kind="resplit"}
+        for tid in new_targets:  # after the old ranks are gone: their bundles are free
+            sup.fleet.add(tid)
+        split = (len(topo.target_bundles), len(topo.drafter_bundles))
+        sup.monitor.advisor.resplit(*split)
+        sup.monitor.resplit_event("resplit_done", number=rs.number, old=[old_t, old_d], new=list(split),
+                                  checkpoint=ckpt.name if ckpt else None, requeued=requeued, moved=moved)
+        self.log(f"re-split {old_t}/{old_d} -> {split[0]}/{split[1]} from {ckpt.name if ckpt else 'scratch'}: "
+                 f"{'; '.join(moved)}; {requeued} leased jobs re-issued")
+        started = group.start(str(ckpt) if ckpt else None, rebuilding=True, bundles=list(topo.drafter_bundles))
+        # The measured window starts once the new group trains: the rebuild's own time is its cost,
+        # paid once, not the new split's rate (the run's tokens/s in summary.json include it).
+        self.trigger.done(*split, now=sup.clock(), tokens=sup.monitor.train_tokens)
+        self.stopping = None
+        return started
+
+    def _measured(self, m: ResplitMeasured) -> None:
+        self.sup.monitor.resplit_event("resplit_measured", **m.to_dict())
+        self.log(f"re-split {m.number} ({m.old[0]}/{m.old[1]} -> {m.new[0]}/{m.new[1]}): training "
+                 f"{m.before_tok_s:.0f} -> {m.after_tok_s:.0f} tok/s ({100 * m.gain_measured:+.0f}% measured, "
+                 f"{100 * m.gain_estimated:+.0f}% estimated)")

@@ -1,0 +1,130 @@
+"""What a run leaves beside its checkpoints, wired into the driver in one place.
+
+- `timeline.jsonl`: step records, pool snapshots, faults, evaluations (app/run/outputs/timeline.py);
+- the split advice on the status line and in summary.json (app/run/elastic/advisor.py);
+- evaluations during the run every `eval.every_steps`, `tau_history`, `drafter-best/` (app/run/evaluate/runner.py);
+- `report.html` at the end of every run, finished or stopped (app/run/outputs/report.py).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from app.run.elastic.advisor import SplitAdvisor
+from app.run.outputs.timeline import FILE_NAME as TIMELINE, Timeline, adopt_remote, iter_timeline
+
+
+class RunOutputs:
+    """Listeners of the run's monitor, and what they add to the summary at the end."""
+
+    def __init__(self, cfg, run_name: str, monitor, resumed_step: int, log=print) -> None:
+        from app.storage import is_uri, local_cache_dir
+
+        self.cfg, self.monitor, self.log = cfg, monitor, log
+        # A URI checkpoint.dir: the files live in its local cache and are uploaded by close().
+        self.uri = is_uri(cfg.checkpoint.dir)
+        self.run_dir = local_cache_dir(cfg.checkpoint.dir) if self.uri else cfg.checkpoint.dir
+        if self.uri:  # resumed on another machine: the remote timeline first, or close() would upload over it
+            from app.storage import open_storage
+
+            adopt_remote(open_storage(cfg.checkpoint.dir), self.run_dir)
+        # Evaluations of earlier starts of this run (a resume): the tau history and best go on from them.
+        # Streamed, evaluations only: the file holds every step row of every earlier start.
+        self.earlier_evals = list(iter_timeline(self.run_dir, kinds=("eval",)))
+        self.timeline = Timeline(self.run_dir, pool_every_s=min(2.0, cfg.logging.status_every_s))
+        self.timeline.start(cfg.topology, run_name, resumed_step)
+        # topology.rebalance_half_life_s: recency weights (the re-split simulation's), 0 = since the start
+        monitor.advisor = SplitAdvisor.for_topology(cfg.topology, half_life_s=cfg.topology.rebalance_half_life_s or None)
+        monitor.listeners += [monitor.advisor, self.timeline]
+        self.evals = None
+
+    def attach(self, sup) -> None:
+        """Once the supervisor has started the pool and the targets: evaluations during the run."""
+        from app.config.checks import read_target_info
+        from app.run.evaluate.runner import EvalRunner
+
+        info = read_target_info(sup.plan.model_dir)
+        self.evals = EvalRunner(sup, self.monitor, self.timeline, self.log,
+                                info.eos_token_ids[0] if info.eos_token_ids else None, self.earlier_evals)
+        self.monitor.listeners.append(self.evals)
+
+    def finish(self, final_step: int, export_dir: str | None) -> dict:
+        """The last evaluation (of the exported drafter/), then the summary fields: tau_history,
+        tau_best, split_advice."""
+        if self.evals is not None:
+            self.evals.finish(final_step, export_dir)
+        out = self.evals.summary() if self.evals is not None else {}
+        rebalance = self.monitor.rebalancer.summary() if self.monitor.rebalancer is not None else {}
+        growth = self.monitor.grower.summary() if getattr(self.monitor, "grower", None) is not None else {}
+        extra = self.monitor.extra.summary() if getattr(self.monitor, "extra", None) is not None else {}
+        return {**out, "split_advice": self.monitor.split_advice(), **rebalance, **growth, **extra}
+
+    def close(self) -> None:
+        """Close the timeline and write report.html (a report that cannot be drawn is a warning, not a failure)."""
+        from app.run.outputs.report import write_report
+
+        from app.storage import open_storage
+
+        self.timeline.close()
+        try:
+            path = write_report(self.run_dir)
+            if self.uri:
+                store = open_storage(self.cfg.checkpoint.dir)
+                for name in (TIMELINE, "report.html"):
+                    store.upload_file(name, Path(self.run_dir) / name)  # streamed: never the whole file in memory
+        except (OSError, ValueError, RuntimeError) as exc:
+            self.log(f"WARNING: report.html not written ({type(exc).__name__}: {exc}); "
+                     f"python -m app.report {self.run_dir} retries")
+            return
+        self.log(f"report: {path}")
+
+
+def serving_outputs(cfg, model_dir: str, export_dir: str | None, tau: float | None, log=print) -> dict:
+    """After the export: `drafter-speculators/` beside `drafter/` (app/model/serving.py), the vLLM and
+    SGLang launch lines with the run's real paths and `block_size - 1`, and the decode speed estimate
+    from `tau`. The summary fields `serve` and `serving_estimate`; {} when nothing was exported. A
+    speculators folder that cannot be written is a warning: `drafter/` is what the lines serve."""
+    from app.model.serving import SPECULATORS_DIR, cost_ratio, launch_lines, speed_estimate
+    from app.storage import fetch_dir
+
+    if not export_dir:
+        return {}
+    local = fetch_dir(export_dir, cache=False)  # a URI export: this node's one cached copy (app/local_cache.py)
+    spec_dir = None
+    try:
+        spec_dir = _write_speculators(cfg.checkpoint.dir, export_dir, local, model_dir)
+    except (OSError, ValueError, KeyError) as exc:
+        log(f"WARNING: {SPECULATORS_DIR}/ not written ({type(exc).__name__}: {exc})")
+    lines = launch_lines(model_dir, export_dir, cfg.drafter.block_size, spec_dir)
+    hf = json.loads((local / "config.json").read_text())
+    ratio = cost_ratio(model_dir, local, int(hf["vocab_size"]), int(hf["hidden_size"]))
+    estimate = speed_estimate(tau, ratio)
+    return {"serve": lines, "serving_estimate": estimate}
+
+
+def print_serving(summary: dict, log=print) -> None:
+    """The launch lines (and the estimate) at the end of a run, one per line."""
+    for engine, line in (summary.get("serve") or {}).items():
+        log(f"serve with {engine}: {line}")
+    est = summary.get("serving_estimate")
+    if est:
+        log(f"expected decode speedup {est['speedup']:.2f}x ({est['formula']}, tau {est['tau']:.2f}, verify/draft "
+            f"cost ratio {est['ratio']:.1f} from {est['ratio_basis']})")
+
+
+def _write_speculators(root: str, export_dir: str, local: Path, model_dir: str) -> str:
+    """The speculators-format folder `<root>/drafter-speculators` from the export (`local`: its files on
+    this node), published as the export is (atomic locally, config.json last on a URI)."""
+    import os
+
+    from app.model.export import publish_export
+    from app.model.serving import SPECULATORS_DIR, write_speculators
+    from app.storage import is_uri, open_storage
+
+    if not is_uri(root):
+        return str(publish_export(os.path.join(root, SPECULATORS_DIR),
+                                  lambda tmp: write_speculators(export_dir, tmp, model_dir)))
+    store = open_storage(root)
+    with store.scratch(SPECULATORS_DIR) as tmp:  # in this user's cache root: a SIGKILL's leftover is cleaned
+        write_speculators(local, tmp, model_dir)
+        return store.upload_dir(tmp, SPECULATORS_DIR, last="config.json")
