@@ -18,9 +18,10 @@ import torch
 
 from app.training.checkpoint import TrainState, load_checkpoint, restore_rng, rng_state, save_checkpoint, state_checksum
 from app.training.checkpoint import GENERATION_KEY
-from app.training.loop import (AwaitPull, Checkpoint, Compute, Fetched, Gather, LoopConfig, NonFinite, OfferEval,
-                               PullAnswered, RankLoop, ReadStop, Reduce, SendAcks, Sleep, StartPull, StepDone,
-                               StepStart, Updated, drive)
+from app.training.effects import (AwaitPull, Checkpoint, Compute, Fetched, Gather, LoopConfig, NonFinite, OfferEval,
+                                  PullAnswered, ReadStop, Reduce, SendAcks, Sleep, StartPull, StepDone, StepStart,
+                                  Updated)
+from app.training.loop import RankLoop, drive
 from app.payload.nixl_receive import NixlReceiver
 from app.training.rendezvous import Rendezvous
 from app.training.step_log import StepLog

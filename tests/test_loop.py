@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import deque
 
 from app.messages import Drained, EndOfStream, ItemMeta, PulledItem
-from app.training.loop import (LATER, LoopConfig, LoopOutcome, QuietHooks, RankLoop, Reduce, Runner, StepTotals,
-                               drive, sum_votes)
+from app.training.effects import LoopConfig, LoopOutcome, Reduce, StepTotals, sum_votes
+from app.training.loop import LATER, QuietHooks, RankLoop, Runner, drive
 
 
 def item(job_id: int) -> PulledItem:
@@ -79,7 +79,7 @@ class RankOps(QuietHooks):
         return self.answer is not None
 
     def await_pull(self, eff):
-        from app.training.loop import Fetched
+        from app.training.effects import Fetched
 
         self._poll()
         assert self.answer is not None, f"rank {self.rank} blocks in a pull nothing can answer: deadlock"

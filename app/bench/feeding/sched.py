@@ -36,8 +36,9 @@ import numpy as np
 from app.config.schema import PoolConfig
 from app.messages import EndOfStream, HiddenBatch, ItemMeta, JobSpec, PulledItem
 from app.pool.measures import BacklogMeter, bucket_counts, shares_of, step_tv, step_tv_floor, tail_single
-from app.training.loop import (AwaitPull, Compute, Fetched, Gather, LoopConfig, PullAnswered, QuietHooks, RankLoop,
-                               Reduce, SendAcks, Sleep, StartPull, StepTotals, drive, sum_votes)
+from app.training.effects import (AwaitPull, Compute, Fetched, Gather, LoopConfig, PullAnswered, Reduce, SendAcks,
+                                  Sleep, StartPull, StepTotals, sum_votes)
+from app.training.loop import QuietHooks, RankLoop, drive
 
 NUM_TARGETS, NUM_DRAFTERS, ACCUM = 5, 3, 4
 DRAFTER_COST = [0.30, 0.25, 0.20, 0.15, 0.10, 0.05]  # s per item by bucket (short sequences: more rows)

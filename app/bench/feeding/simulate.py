@@ -23,8 +23,9 @@ from app.messages import ItemMeta, JobSpec, PulledItem
 from app.pool.measures import BacklogMeter, bucket_counts, shares_of, step_tv, step_tv_floor, tail_single
 from app.pool.hs_pool import HSPool
 from app.pool.pull_policy import PullPolicy
-from app.training.loop import (LATER, AwaitPull, Compute, Fetched, Gather, LoopConfig, PullAnswered, QuietHooks,
-                               RankLoop, Reduce, Runner, SendAcks, Sleep, StartPull, StepDone, sum_votes)
+from app.training.effects import (AwaitPull, Compute, Fetched, Gather, LoopConfig, PullAnswered, Reduce, SendAcks,
+                                  Sleep, StartPull, StepDone, sum_votes)
+from app.training.loop import LATER, QuietHooks, RankLoop, Runner
 
 
 @dataclass(frozen=True)
