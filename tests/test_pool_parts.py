@@ -8,9 +8,9 @@ import pytest
 from app.messages import ItemMeta, JobSpec
 from app.pool.budget import Budget
 from app.pool.buffer import BucketBuffer, Item
-from app.pool.inflight import InFlight
 from app.pool.leases import LeaseTable
 from app.pool.ledger import Ledger
+from app.pool.production import InFlight
 from app.pool.pull_policy import PullContext, RoundRobin, make_pull_policy
 from app.pool.queue import JobQueue
 from app.pool.states import JobState, JobStates

@@ -2,9 +2,10 @@
 
 `HSPool` is the facade the actor (`actors/hs_pool.py`) wraps; its parts each live in their own
 module: jobs entering (`intake.py`), the job queue (`queue.py`) over the catalog of added jobs
-(`catalog.py`), jobs on targets (`production.py` over `inflight.py`), the bucket buffer (`buffer.py`),
-the lease table with its generation fences (`leases.py`), the capacity budget in items and bytes
-(`budget.py`), the ledger of acked jobs (`ledger.py`), the explicit job states (`states.py`), the
+(`catalog.py`), jobs on targets (`production.py`), the bucket buffer (`buffer.py`), the leases
+(`lending.py` over `leases.py`, with its generation fences), releases and rollbacks (`recovery.py`),
+the capacity budget in items and bytes (`budget.py`), the ledger of acked jobs (`ledger.py`), the
+explicit job states (`states.py`), the
 bucket choice of a pull (`pull_policy.py`), which global step a pull belongs to (`rounds.py`), and
 the counters and meters behind `stats()` (`telemetry.py`, with the mixing measures of `measures.py`).
 The actor's own state (targets, pauses, eval offers, the stop flag, step records) is `control.py`.
@@ -42,8 +43,9 @@ from app.pool.ledger import Ledger
 from app.pool.production import Production
 from app.pool.pull_policy import PullContext, PullPolicy, make_pull_policy
 from app.pool.queue import JobQueue
+from app.pool.recovery import Recovery
 from app.pool.rounds import RoundTracker
-from app.pool.states import JobState, JobStates
+from app.pool.states import JobStates
 from app.pool.stats import PoolStats
 from app.pool.telemetry import PoolTelemetry
 
@@ -88,6 +90,9 @@ class HSPool:
         self._production = Production(cfg.jobs_in_flight_per_target, self._queue, self._states, self._buffer,
                                       self._budget, self._tel, clock, self._wake, broken_after)
         self._eos_drafters: set[int] = set()
+        self._recovery = Recovery(self._lending, self._rounds, self.policy, self._eos_drafters, self._production,
+                                  self._states, self._catalog, self._queue, self._buffer, self._budget,
+                                  self._ledger, self._wake, self._buffer_changed)
         self._event = asyncio.Event()
 
     # ---- producing side -------------------------------------------------------------------
@@ -138,14 +143,9 @@ class HSPool:
         return self._production.failed(target_id, job_id)
 
     def job_raised(self, target_id: int, job_id: int, error: str) -> bool:
-        """The job's forward raised on a live target: re-tried first on another target, or, once it
-        raised on two different targets, quarantined: a poison job (a token id beyond the vocabulary,
-        an OOM on the one largest job) would otherwise fail on every target for the rest of the run.
-        A quarantined job is never trained nor acked; `stats().quarantined` maps its id to the last
-        error. A target that raises `broken_after` times in a row is broken instead (a poisoned CUDA
-        context): it gets no more jobs, its jobs are not charged, `stats().broken_targets` lists it
-        (rules: `strikes.py`). A target dying is not counted here (`job_failed`): the job that happened
-        to be in flight is not to blame."""
+        """The job's forward raised on a live target: re-tried on another target, quarantined (listed
+        in `stats().quarantined`), or not charged when the target is broken (`stats().broken_targets`);
+        the rules: `Production.raised`. A target dying is `job_failed` instead."""
         return self._production.raised(target_id, job_id, error)
 
     @property
@@ -233,74 +233,27 @@ class HSPool:
         back to the front of the queue to be recomputed, without rebuilding the drafter group. A call
         from an older incarnation than `generation(drafter_id)` is refused: the job id may now be
         leased to the new incarnation under the same drafter id, and re-queueing it would train it twice."""
-        if not self._lending.lost(drafter_id, job_id, generation):
-            return False
-        self._rounds.untake(drafter_id)  # it pulls again for the same micro-batch
-        self._wake()
-        return True
+        return self._recovery.payload_lost(drafter_id, job_id, generation)
 
     def release(self, drafter_id: int) -> list[int]:
         """Return all the drafter's unacked jobs to the front of the queue (payloads dropped,
         recomputed later) and fence its waiting pulls."""
-        ids = self._lending.release(drafter_id)
-        self._rounds.restart(drafter_id)
-        self._wake()
-        return ids
+        return self._recovery.release(drafter_id)
 
     def reset_drafters(self) -> list[int]:
         """For a drafter-group rebuild: release every drafter and forget who got end-of-stream,
         so the new group's drafters get it too. Returns the requeued job ids."""
-        ids: list[int] = []
-        for d in self._leases.drafters():
-            ids += self.release(d)
-        self._leases.bump_group()
-        self._eos_drafters.clear()
-        self._rounds.reset()
-        self.policy.reset()
-        self._wake()
-        return ids
+        return self._recovery.reset_drafters()
 
     def set_ranks(self, ranks: int | None) -> None:
         """The drafter group now has `ranks` ranks (a rebuild on fewer GPUs): steps are that big."""
         self._rounds.ranks = ranks
 
     def rollback(self, keep_ids: Iterable[int]) -> int:
-        """A drafter group rebuilt from a checkpoint whose ledger is `keep_ids`: every lease and every
-        job acked after that checkpoint goes back to the front of the queue (in schedule order),
-        since the restored weights never saw them. A lease whose job is in `keep_ids` was trained
-        into the checkpoint before its ack reached the pool (acks ride on the next pull): it is acked
-        now, not re-queued. So is every other id of `keep`, whatever its state (pending after an earlier
-        rollback, in flight, buffered): the restored weights trained it, and issuing it again would
-        train it twice. Returns how many were re-queued."""
-        keep = set(keep_ids)
-        self._lending.ack_kept(keep)
-        n = len(self.reset_drafters())
-        undo = [j for j in self._ledger.not_in(keep) if j in self._catalog]  # sorted: schedule order
-        for job_id in undo:
-            self._ledger.discard(job_id)
-            self._states.move(job_id, JobState.PENDING)
-        self._queue.push_front(undo)  # schedule order at the front
-        self._ack_unacked(keep)
-        self._wake()
-        return n + len(undo)
-
-    def _ack_unacked(self, keep: set[int]) -> None:
-        """Ack the ids of a kept ledger that are not acked (quarantined ones stay: never trained)."""
-        queued: set[int] = set()
-        for job_id in keep:
-            state = self._states.get(job_id)
-            if state in (None, JobState.ACKED, JobState.QUARANTINED, JobState.LEASED):
-                continue  # leases were acked or released just before; unknown ids are not this run's
-            if state is JobState.BUFFERED:
-                item = self._buffer.remove(job_id, self._catalog.bucket(job_id))
-                assert item is not None, f"job {job_id} buffered but not in its bucket"
-                self._budget.unbuffer(item.meta.nbytes)
-            elif not self._production.take_back(job_id):
-                queued.add(job_id)
-            self._states.move(job_id, JobState.ACKED)
-            self._ledger.add(job_id)
-        self._queue.remove(queued)
-        self._buffer_changed()
+        """A drafter group rebuilt from a checkpoint whose ledger is `keep_ids`: jobs it never saw go
+        back to the front of the queue, jobs it saw are acked whatever their state (the rules:
+        `Recovery.rollback`). Returns how many were re-queued."""
+        return self._recovery.rollback(keep_ids)
 
     # ---- queries --------------------------------------------------------------------------
 

@@ -3,21 +3,69 @@ bucket, or failed back to the FRONT of the queue (the hidden states are recomput
 
 A job whose forward raised waits among the re-tries (issued before the queue, to a target that did
 not fail it yet); one that raised on two targets is quarantined, and a target that raises on every
-job is broken instead, without charging its jobs (the rules: `strikes.py`).
+job is broken instead, without charging its jobs (the rules: `strikes.py`). `InFlight` records which
+target runs each job, since when, and the bytes reserved for its payload.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from app.messages import ItemMeta, JobSpec
 from app.pool.budget import Budget
 from app.pool.buffer import BucketBuffer, Item
-from app.pool.inflight import InFlight
 from app.pool.queue import JobQueue
 from app.pool.states import JobState, JobStates
 from app.pool.strikes import Strikes, Verdict
 from app.pool.telemetry import PoolTelemetry
+
+
+@dataclass
+class InFlightJob:
+    """A job on a target: which target, since when, and the bytes reserved for its payload."""
+
+    job: JobSpec
+    target_id: int
+    start: float
+    reserved_bytes: int
+
+
+class InFlight:
+    """job id -> InFlightJob, with per-target counts for the job slots."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[int, InFlightJob] = {}
+        self._per_target: dict[int, int] = {}
+
+    def start(self, job: JobSpec, target_id: int, now: float, reserved_bytes: int) -> None:
+        assert job.job_id not in self._jobs, f"job {job.job_id} issued twice"
+        self._jobs[job.job_id] = InFlightJob(job, target_id, now, reserved_bytes)
+        self._per_target[target_id] = self._per_target.get(target_id, 0) + 1
+
+    def get(self, job_id: int) -> InFlightJob | None:
+        return self._jobs.get(job_id)
+
+    def pop(self, job_id: int) -> InFlightJob:
+        fl = self._jobs.pop(job_id)
+        self._per_target[fl.target_id] -= 1
+        return fl
+
+    def of_target(self, target_id: int) -> list[int]:
+        return [jid for jid, fl in self._jobs.items() if fl.target_id == target_id]
+
+    def count(self, target_id: int) -> int:
+        return self._per_target.get(target_id, 0)
+
+    def by_target(self) -> dict[int, list[tuple[int, float]]]:
+        """target -> [(job id, start)], for stats and the watchdog."""
+        out: dict[int, list[tuple[int, float]]] = {}
+        for jid, fl in self._jobs.items():
+            out.setdefault(fl.target_id, []).append((jid, fl.start))
+        return out
+
+    def __len__(self) -> int:
+        return len(self._jobs)
 
 
 class Production:
@@ -88,7 +136,13 @@ class Production:
         return True
 
     def raised(self, target_id: int, job_id: int, error: str) -> bool:
-        """Re-tried, quarantined, or not charged when the target is broken (see HSPool.job_raised)."""
+        """The job's forward raised on a live target: re-tried first on another target, or, once it
+        raised on two different targets, quarantined: a poison job (a token id beyond the vocabulary,
+        an OOM on the one largest job) would otherwise fail on every target for the rest of the run.
+        A quarantined job is never trained nor acked; `quarantined` maps its id to the last error. A
+        target that raises `broken_after` times in a row is broken instead (a poisoned CUDA context):
+        it gets no more jobs and its jobs are not charged (rules: `strikes.py`). A target dying is not
+        counted here (`failed`): the job that happened to be in flight is not to blame."""
         if not self._runs_on(target_id, job_id):
             return False
         if self.strikes.raised(target_id, job_id) is not Verdict.QUARANTINE:
