@@ -75,7 +75,7 @@ class Reader:
         """Pull one item (the last one's ack riding along) and read it; its job id, or the end marker."""
         import torch
 
-        from actors.drafter import fetch_next
+        from actors.drafter_ops import fetch_next
 
         checked = {}
 

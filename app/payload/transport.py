@@ -14,7 +14,7 @@ What this changes (measured on CPU with Ray 2.60 and nixl 1.5.1, issue 27):
   memory instead of the object store's (app/config/checks.py `check_target_memory`, app/pool/budget.py);
 - a target's death loses its unconsumed payloads (the ref's owner died): the drafter's fetch raises
   `OwnerDiedError`, an `ObjectLostError`, and that job goes back to the queue as a payload lost with a
-  node does (actors/drafter.py fetch_next, README faults table);
+  node does (actors/drafter_ops.py fetch_next, README faults table);
 - the NIXL ref is put inside the target and handed on as a value: a `@ray.method(tensor_transport=...)`
   return handed on before it exists fails (NotImplementedError); `await` on such a ref is not supported,
   so the drafter gets it with a blocking `ray.get` in its prefetch thread;

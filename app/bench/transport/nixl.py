@@ -27,6 +27,8 @@ import time
 
 import numpy as np
 
+from app.bench.common import own_cluster, print_result
+
 WARMUP = 2  # jobs per size before the timed ones (imports, NIXL's first use, the buffers' first touch)
 
 
@@ -116,7 +118,7 @@ class PathConsumer:
         return populate_object_store()
 
     def take_one(self, pool, generation: int) -> dict:
-        from actors.drafter import fetch_next
+        from actors.drafter_ops import fetch_next
 
         marks: dict[str, float] = {}
 
@@ -196,17 +198,16 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     from app.config.checks import NIXL_INSTALL, nixl_installed
-    from app.ray_cluster import start_own_cluster
 
     if not nixl_installed():
         print(f"nixl is not installed: {NIXL_INSTALL}")
         return 2
     sizes, width, repeats, store = chosen_sizes(args)
-    start_own_cluster(num_cpus=4, object_store_memory=store, _system_config={"preallocate_plasma_memory": True},
-                      **({"num_gpus": 2} if args.device == "cuda" else {}))
+    own_cluster(4, object_store_memory=store, _system_config={"preallocate_plasma_memory": True},
+                **({"num_gpus": 2} if args.device == "cuda" else {}))
     print(f"object store vs nixl, one job at a time, {repeats} timed jobs per size after {WARMUP} warm-ups; "
           f"device {args.device}; pid {os.getpid()}")
-    fields = []
+    fields: dict[str, str] = {}
     for label, (b, s) in sizes.items():
         st = run_size(ray, label, b, s, width, repeats, args.device, "object_store")
         nx = run_size(ray, label, b, s, width, repeats, args.device, "nixl")
@@ -218,12 +219,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label} nixl: payloads landed outside the receive buffers {nx['copied']}, "
               f"still held by the producer at the end {nx['held_at_end']} (the last, never acked)")
         k = label.lower()
-        fields += [f"store_{k}_median_gbps={st['median_gbps']:.2f}", f"store_{k}_p99_gbps={st['p99_gbps']:.2f}",
-                   f"nixl_{k}_median_gbps={nx['median_gbps']:.2f}", f"nixl_{k}_p99_gbps={nx['p99_gbps']:.2f}",
-                   f"nixl_{k}_over_store={nx['median_gbps'] / st['median_gbps']:.2f}",
-                   f"nixl_{k}_ratio={nx['ratio']:.3f}", f"nixl_{k}_seal_ms={nx['produce_seal_ms']:.0f}",
-                   f"nixl_{k}_fetch_ms={nx['fetch_ms']:.0f}", f"nixl_{k}_staging_ms={nx['staging_ms']:.0f}",
-                   f"store_{k}_fetch_ms={st['fetch_ms']:.1f}", f"nixl_{k}_held_at_end={nx['held_at_end']}"]
+        fields.update({f"store_{k}_median_gbps": f"{st['median_gbps']:.2f}", f"store_{k}_p99_gbps": f"{st['p99_gbps']:.2f}",
+                       f"nixl_{k}_median_gbps": f"{nx['median_gbps']:.2f}", f"nixl_{k}_p99_gbps": f"{nx['p99_gbps']:.2f}",
+                       f"nixl_{k}_over_store": f"{nx['median_gbps'] / st['median_gbps']:.2f}",
+                       f"nixl_{k}_ratio": f"{nx['ratio']:.3f}", f"nixl_{k}_seal_ms": f"{nx['produce_seal_ms']:.0f}",
+                       f"nixl_{k}_fetch_ms": f"{nx['fetch_ms']:.0f}", f"nixl_{k}_staging_ms": f"{nx['staging_ms']:.0f}",
+                       f"store_{k}_fetch_ms": f"{st['fetch_ms']:.1f}", f"nixl_{k}_held_at_end": f"{nx['held_at_end']}"})
     ray.shutdown()
-    print(f"RESULT device={args.device} " + " ".join(fields))
+    print_result({"device": args.device, **fields})
     return 0

@@ -12,7 +12,7 @@ The path, end to end, one job at a time (no overlap, so each part is timed alone
 - fetch: `ray.get` of the payload ref (a read-only view of the store on the same node);
 - staging: the drafter's `PayloadStager` copies the features out of the store into its staging buffer
   (pinned on CUDA; on CUDA the host-to-device copy follows and is timed too).
-Both sides use the drafter's real `fetch_next` (actors/drafter.py) and stager (app/payload/staging.py).
+Both sides use the drafter's real `fetch_next` (actors/drafter_ops.py) and stager (app/payload/staging.py).
 
 memcpy: `np.copyto` of the same number of bytes between two warm buffers, one thread, in the same run:
 the best one copy can do on this machine. The path makes at least two host copies (into the store, out of
@@ -44,6 +44,8 @@ import os
 import time
 
 import numpy as np
+
+from app.bench.common import own_cluster, print_result
 
 # 5 target layers x 4096 hidden x 2 bytes per token: the default shapes (conf/default.yaml).
 DEFAULT_WIDTH = 5 * 4096
@@ -136,7 +138,7 @@ class TransportConsumer:
     def take_one(self, pool, generation: int, mode: str = "copy") -> dict:
         """Pull one item and stage it with `mode`'s stager; returns its job id, bytes and the times
         (perf_counter, one clock for every process on this machine)."""
-        from actors.drafter import fetch_next
+        from actors.drafter_ops import fetch_next
 
         marks: dict[str, float] = {}
         stager = self.stagers[mode]
@@ -284,12 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import ray
 
-    from app.ray_cluster import start_own_cluster
-
     sizes, width, repeats, store = chosen_sizes(args)
     system = {"preallocate_plasma_memory": args.prefault == "on"}
-    start_own_cluster(num_cpus=4, object_store_memory=store, _system_config=system,
-                      **({"num_gpus": 2} if args.device == "cuda" else {}))
+    own_cluster(4, object_store_memory=store, _system_config=system,
+                **({"num_gpus": 2} if args.device == "cuda" else {}))
     print(f"payload path, one job at a time, {repeats} timed jobs per size after {WARMUP} warm-ups; object store "
           f"{store / 2**20:.0f} MiB, pre-fault {args.prefault}, populate {args.populate}; device {args.device}; "
           f"pid {os.getpid()}")
@@ -322,26 +322,26 @@ def main(argv: list[str] | None = None) -> int:
         if r["feature_dtype"] == "bfloat16":
             r["memcpy_gbps"] = r["nbytes"] / float(np.median(memcpy[r["label"]])) / 1e9
             r["ratio"] = r["median_gbps"] / r["memcpy_gbps"]
-    fields = []
+    fields: dict[str, str] = {}
     for r in results:
         k = ("fp8_" if r["feature_dtype"] == "float8_e4m3" else "") + r["label"].lower()
         k = {"mt": "mt_", "view": "view_"}.get(r["mode"], "") + k
-        fields += [f"{k}_median_gbps={r['median_gbps']:.2f}", f"{k}_p99_gbps={r['p99_gbps']:.2f}",
-                   f"{k}_ratio={r['ratio']:.3f}", f"{k}_memcpy_gbps={r['memcpy_gbps']:.2f}",
-                   f"{k}_seal_ms={r['produce_seal_ms']:.0f}", f"{k}_produce_ms={r['produce_ms']:.0f}",
-                   f"{k}_fetch_ms={r['fetch_ms']:.1f}",
-                   f"{k}_staging_ms={r['staging_ms']:.0f}"]
+        fields.update({f"{k}_median_gbps": f"{r['median_gbps']:.2f}", f"{k}_p99_gbps": f"{r['p99_gbps']:.2f}",
+                       f"{k}_ratio": f"{r['ratio']:.3f}", f"{k}_memcpy_gbps": f"{r['memcpy_gbps']:.2f}",
+                       f"{k}_seal_ms": f"{r['produce_seal_ms']:.0f}", f"{k}_produce_ms": f"{r['produce_ms']:.0f}",
+                       f"{k}_fetch_ms": f"{r['fetch_ms']:.1f}",
+                       f"{k}_staging_ms": f"{r['staging_ms']:.0f}"})
         if r["feature_dtype"] == "float8_e4m3":
-            fields += [f"{k}_mb={r['nbytes'] / 1e6:.0f}", f"{k}_features_gbps={r['features_gbps']:.2f}"]
+            fields.update({f"{k}_mb": f"{r['nbytes'] / 1e6:.0f}", f"{k}_features_gbps": f"{r['features_gbps']:.2f}"})
         elif r["mode"] != "copy":
-            fields += [f"{k}_p99_over_median={r['p99_e2e_ms'] / r['e2e_ms']:.2f}"]
+            fields.update({f"{k}_p99_over_median": f"{r['p99_e2e_ms'] / r['e2e_ms']:.2f}"})
             if r["mode"] == "view":
-                fields += [f"{k}_direct={r['direct']}/{repeats}"]
+                fields.update({f"{k}_direct": f"{r['direct']}/{repeats}"})
         elif r["label"] in base:  # the same size without populate, measured just before in this run
             b0 = base[r["label"]]
-            fields += [f"base_{k}_median_gbps={b0['median_gbps']:.2f}", f"base_{k}_p99_gbps={b0['p99_gbps']:.2f}",
-                       f"base_{k}_ratio={b0['ratio']:.3f}", f"{k}_p99_over_median={r['p99_e2e_ms'] / r['e2e_ms']:.2f}",
-                       f"{k}_first_seal_ms={r['first_seal_ms']:.0f}", f"base_{k}_first_seal_ms={b0['first_seal_ms']:.0f}",
-                       f"base_{k}_p99_over_median={b0['p99_e2e_ms'] / b0['e2e_ms']:.2f}"]
-    print(f"RESULT prefault={args.prefault} populate={args.populate} threads={args.threads} " + " ".join(fields))
+            fields.update({f"base_{k}_median_gbps": f"{b0['median_gbps']:.2f}", f"base_{k}_p99_gbps": f"{b0['p99_gbps']:.2f}",
+                           f"base_{k}_ratio": f"{b0['ratio']:.3f}", f"{k}_p99_over_median": f"{r['p99_e2e_ms'] / r['e2e_ms']:.2f}",
+                           f"{k}_first_seal_ms": f"{r['first_seal_ms']:.0f}", f"base_{k}_first_seal_ms": f"{b0['first_seal_ms']:.0f}",
+                           f"base_{k}_p99_over_median": f"{b0['p99_e2e_ms'] / b0['e2e_ms']:.2f}"})
+    print_result({"prefault": args.prefault, "populate": args.populate, "threads": args.threads, **fields})
     return 0

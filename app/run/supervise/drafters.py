@@ -235,7 +235,7 @@ class DrafterGroup:
         check_probe(self.cfg.checkpoint.dir, name, token, where)
 
     def _setup(self, resume_from: str | None, bundles: list[int] | None):
-        from actors.drafter import DrafterSetup
+        from app.training.drafter_io import DrafterSetup
 
         p, cfg = self.plan, self.cfg
         return DrafterSetup(
