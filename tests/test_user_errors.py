@@ -28,6 +28,22 @@ def _train_cli(*overrides: str, cwd: Path = ROOT) -> subprocess.CompletedProcess
                           cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
+def _train_main(capsys, *overrides: str) -> str:
+    """`app.train.main` in this process (what `python -m app.train` runs, less the interpreter start): it
+    returns 2 and wrote exactly one line to stderr and nothing to stdout; that line. The exit-code
+    contract of the real command line is checked by the subprocess tests here (`_train_cli`)."""
+    from app.train import main
+
+    capsys.readouterr()
+    code = main(["--config", str(ROOT / "conf/tiny.yaml"), *overrides])
+    captured = capsys.readouterr()
+    assert code == 2, captured.out[-2000:] + captured.err[-2000:]
+    assert not captured.out.strip(), captured.out[-2000:]
+    err = [line for line in captured.err.splitlines() if line.strip()]
+    assert len(err) == 1, err
+    return err[0]
+
+
 def _one_line(proc: subprocess.CompletedProcess) -> str:
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
@@ -114,8 +130,8 @@ CLI_CASES = [
 
 
 @pytest.mark.parametrize("override, line", CLI_CASES, ids=[c[0].split("=")[0] + "=" for c in CLI_CASES])
-def test_hostile_or_broken_cli_value_is_one_line(override: str, line: str) -> None:
-    got = _one_line(_train_cli(override))
+def test_hostile_or_broken_cli_value_is_one_line(override: str, line: str, capsys, no_ray) -> None:
+    got = _train_main(capsys, override)
     assert got == line
     assert "topsecret" not in got
 
@@ -130,8 +146,8 @@ def test_malformed_yaml_file_cli_one_line(tmp_path) -> None:
 
 
 @pytest.mark.slow  # reuses (or builds) the tiny target
-def test_directory_named_jsonl_cli_one_line(tmp_path) -> None:
+def test_directory_named_jsonl_cli_one_line(tmp_path, capsys, no_ray) -> None:
     folder = tmp_path / "train.jsonl"
     folder.mkdir()
-    line = _one_line(_train_cli(f"data.train_files=[{folder}]", TINY_CACHE, f"checkpoint.dir={tmp_path / 'run'}"))
+    line = _train_main(capsys, f"data.train_files=[{folder}]", TINY_CACHE, f"checkpoint.dir={tmp_path / 'run'}")
     assert line == f"data error: data file '{folder}' is a directory; list the files in it in data.train_files"
