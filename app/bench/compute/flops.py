@@ -20,19 +20,19 @@ tensors at full size under a dispatch mode that tracks live storage bytes (weigh
 before the mode starts). Attention is a stand-in with flash-attention's footprint (its output only) in
 both paths, so neither is charged an S x S score matrix that a GPU kernel never materialises.
 
-Drafter: `app/bench/compute/flops_drafter.py` (the drafter side's bench) is run when present and its
-`drafter_attn_flops_ratio` is passed on; otherwise n/a.
+Drafter: `app/bench/compute/flops_drafter.py` (the drafter side's bench) is run and its
+`drafter_attn_flops_ratio` is passed on.
 """
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
-import re
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from app.bench.common import SHAPES_ONLY, bench_config, parse_result, print_result
 
 LAYER_IDS = [1, 9, 17, 25, 33]
 TILE = 128  # flash-attention's query/key tile: varlen causal attention computes whole tiles
@@ -106,19 +106,11 @@ def synthetic_lengths(n: int = 20000, seed: int = 0, max_length: int = 3072) -> 
 
 def default_jobs(lengths: np.ndarray) -> list[list[int]]:
     """Every job of epoch 0 under conf/default.yaml's data section, as lists of sequence lengths."""
-    from app.config.load import load_config
     from app.data.schedule import bucket_jobs
 
-    # The data section only; the default target and data paths need not exist here.
-    cfg = load_config(_root() / "conf/default.yaml", ["model.target=tiny", "data.train_files=[]"])
+    cfg = bench_config("default", SHAPES_ONLY)  # the data section only
     per_bucket = bucket_jobs(lengths, cfg.data, epoch=0)
     return [[int(lengths[i]) for i in job] for jobs in per_bucket for job in jobs]
-
-
-def _root():
-    from pathlib import Path
-
-    return Path(__file__).resolve().parents[3]
 
 
 # --- peak memory on meta tensors --------------------------------------------------------------------------
@@ -211,17 +203,14 @@ def peak_bytes(model, lengths: list[int], path: str) -> int:
 # --- the drafter side -------------------------------------------------------------------------------------
 
 def drafter_ratio(argv: list[str]) -> tuple[str, str]:
-    """(ratio, its bench's output) from app/bench/compute/flops_drafter.py when it exists; ("n/a", why) otherwise."""
-    if importlib.util.find_spec("app.bench.compute.flops_drafter") is None:
-        return "n/a", "app/bench/compute/flops_drafter.py is not there yet: drafter attention FLOPs not measured"
+    """(ratio, its bench's output) from app/bench/compute/flops_drafter.py, the drafter side's bench."""
     from app.bench.compute import flops_drafter
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         flops_drafter.main(argv)
     text = buf.getvalue()
-    m = re.search(r"drafter_attn_flops_ratio=([0-9.]+)", text)
-    return (m.group(1) if m else "n/a"), text
+    return parse_result(text)["drafter_attn_flops_ratio"], text
 
 
 def main(argv: list[str]) -> int:
@@ -251,7 +240,7 @@ def main(argv: list[str]) -> int:
           f"{new_b / 2**30:.2f} GiB (ratio {new_b / old_b:.3f})")
     d_ratio, d_text = drafter_ratio(argv)
     print("drafter: " + d_text.strip().replace("\n", "\n  "))
-    print(f"RESULT target_flops_ratio={totals['packed'] / totals['needed']:.3f} drafter_attn_flops_ratio={d_ratio} "
-          f"target_peak_vs_full={new_b / old_b:.3f} target_flops_ratio_old={totals['old'] / totals['needed']:.3f} "
-          f"target_flops_ratio_padded={totals['padded'] / totals['needed']:.3f}")
+    print_result({"target_flops_ratio": totals["packed"] / totals["needed"], "drafter_attn_flops_ratio": d_ratio,
+                  "target_peak_vs_full": new_b / old_b, "target_flops_ratio_old": totals["old"] / totals["needed"],
+                  "target_flops_ratio_padded": totals["padded"] / totals["needed"]})
     return 0

@@ -17,11 +17,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-import numpy as np
-
-ROOT = Path(__file__).resolve().parents[3]
+from app.bench.common import SHAPES_ONLY, bench_config, print_result
 
 
 def job_attention_flops(job, heads: int, head_dim: int, layers: int) -> dict[str, float]:
@@ -51,7 +48,7 @@ def drafter_attention_flops(config: str | None = None) -> dict:
     from app.bench.compute.drafter_jobs import bucket_job, default_arch
     from app.config.load import load_config
 
-    cfg = load_config(config or str(ROOT / "conf/default.yaml"), ["model.target=tiny", "data.train_files=[]"])
+    cfg = load_config(config, SHAPES_ONLY) if config else bench_config("default", SHAPES_ONLY)
     arch = default_arch(cfg)
     per_bucket = {}
     for b, bound in enumerate(cfg.data.bucket_boundaries):
@@ -77,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"default-shape job ({len(job.lengths)} seqs up to {int(job.lengths.max())} tokens, {job.rows} rows): "
           f"old {f['old'] / f['needed']:.2f}x, flex {f['flex'] / f['needed']:.2f}x, tiled {f['tiled'] / f['needed']:.2f}x "
           f"of needed; row-weighted over buckets: old {mix['old']:.2f}x, flex {mix['flex']:.2f}x, tiled {mix['tiled']:.2f}x")
-    print(f"RESULT drafter_attn_flops_ratio={f['flex'] / f['needed']:.3f} old_ratio={f['old'] / f['needed']:.3f} "
-          f"tiled_ratio={f['tiled'] / f['needed']:.3f} mix_ratio={mix['flex']:.3f} mix_old_ratio={mix['old']:.3f}")
+    print_result({"drafter_attn_flops_ratio": f["flex"] / f["needed"], "old_ratio": f["old"] / f["needed"],
+                  "tiled_ratio": f["tiled"] / f["needed"], "mix_ratio": mix["flex"], "mix_old_ratio": mix["old"]})
     return 0
 
 

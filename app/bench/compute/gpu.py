@@ -35,6 +35,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from app.bench.common import print_result
+
 PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0}
 NO_CUDA = ("bench gpu: needs a CUDA GPU and torch sees none (torch.cuda.is_available() is False); run it on a GPU "
            "machine, or pass --small for the CPU rehearsal of the same code path")
@@ -82,20 +84,20 @@ def peak_flops(device: torch.device, given: float) -> float:
 
 
 def make_setup(args) -> Setup:
-    from app.bench.compute.flops import LAYER_IDS, Shape, _root, synthetic_lengths
-    from app.config.load import load_config
+    from app.bench.common import SHAPES_ONLY, bench_config
+    from app.bench.compute.flops import LAYER_IDS, Shape, synthetic_lengths
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     compile_ = ["train.compile=off"] if args.no_compile else []
     if args.small:
-        cfg = load_config(_root() / "conf/tiny.yaml", compile_)
+        cfg = bench_config("tiny", compile_)
         shape = Shape(hidden=64, intermediate=128, layers=6, heads=4, kv_heads=2, head_dim=16, vocab=512)
         lengths = synthetic_lengths(400, max_length=cfg.data.max_length) // 6 + 8
         jobs = mixed_jobs(_jobs_for(lengths, cfg.data), args.jobs + 2)
         return Setup(device, torch.bfloat16 if cuda else torch.float32, shape, [1, 2, 3], jobs,
                      args.drafter_jobs, cfg.drafter, cfg.train, 3, peak_flops(device, args.peak_tflops))
-    cfg = load_config(_root() / "conf/default.yaml", ["model.target=tiny", "data.train_files=[]", *compile_])
+    cfg = bench_config("default", [*SHAPES_ONLY, *compile_])
     jobs = mixed_jobs(_jobs_for(synthetic_lengths(), cfg.data), args.jobs + 2)
     return Setup(device, torch.bfloat16, Shape(), list(LAYER_IDS), jobs, args.drafter_jobs, cfg.drafter, cfg.train,
                  cfg.drafter.mask_token_id, peak_flops(device, args.peak_tflops))
@@ -307,7 +309,7 @@ def main(argv: list[str]) -> int:
     print(gpu_transport.line(tr))
     print(f"memory: weights {weights / 2**30:.1f} GiB, target phase peak {target_peak / 2**30:.1f} GiB, overall peak "
           f"{peak / 2**30:.1f} GiB; wall {time.perf_counter() - t_start:.0f} s")
-    print(f"RESULT target_tok_s={t['tok_s']:.0f} target_mfu={t['mfu']:.3f} drafter_tok_s={d['tok_s']:.0f} "
-          f"drafter_mfu={d['mfu']:.3f} peak_gib={peak / 2**30:.1f} copy_overlap={t['overlap']:.2f} "
-          f"{gpu_transport.fields(tr)} device={'cuda' if s.device.type == 'cuda' else 'cpu-small'}")
+    print_result({"target_tok_s": f"{t['tok_s']:.0f}", "target_mfu": t["mfu"], "drafter_tok_s": f"{d['tok_s']:.0f}",
+                  "drafter_mfu": d["mfu"], "peak_gib": f"{peak / 2**30:.1f}", "copy_overlap": f"{t['overlap']:.2f}",
+                  **gpu_transport.fields(tr), "device": "cuda" if s.device.type == "cuda" else "cpu-small"})
     return 0

@@ -18,18 +18,17 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from app.bench.common import ROOT, SHAPES_ONLY, bench_config, print_result
+
 README_PEAK_GIB = 75.0  # README, "python -m app.bench memory": the drafter's max predicted peak per rank
-ROOT = Path(__file__).resolve().parents[3]
 
 
 def result(check: str, status: str, **kv) -> None:
-    extra = "".join(f" {k}={v}" for k, v in kv.items())
-    print(f"RESULT check={check} status={status}{extra}", flush=True)
+    print_result({"check": check, "status": status, **kv})
 
 
 def environment(_ctx) -> tuple[str, dict]:
@@ -71,10 +70,9 @@ def drafter_memory(ctx) -> tuple[str, dict]:
     """One compiled micro-batch and step per bucket at the real shapes; peak beyond the target's own
     decoder weights (the bench counts the frozen embedding and LM head, not the rest of the target)."""
     from app.bench.compute.drafter_jobs import bucket_job
-    from app.config.load import load_config
 
     s, model = ctx["setup"], ctx["model"]
-    cfg = load_config(ROOT / "conf/default.yaml", ["model.target=tiny", "data.train_files=[]"])
+    cfg = bench_config("default", SHAPES_ONLY)
     trainer, arch = _trainer(s, model)
     target_rest = sum(p.numel() * p.element_size() for p in model.parameters()) - \
         sum(p.numel() * p.element_size() for p in (model.model.embed_tokens.weight, model.lm_head.weight))

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 
+from app.bench.common import print_result
 
 def _rss_mb() -> float:
     with open("/proc/self/statm") as f:
@@ -80,10 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     same = same and abs(weighted["grad_norm"] - full["grad_norm"]) <= 1e-3 * full["grad_norm"]
     ratio = full["peak_mb"] / max(chunked["peak_mb"], 1e-9)
     print(f"full/chunked peak memory: {ratio:.1f}x; losses agree: {same}")
-    print(f"RESULT chunked_peak_mb={chunked['peak_mb']:.1f} full_peak_mb={full['peak_mb']:.1f} ratio={ratio:.2f} "
-          f"chunked_s={chunked['seconds']:.2f} full_s={full['seconds']:.2f} losses_agree={int(same)} "
-          f"weighted_peak_mb={weighted['peak_mb']:.1f} weighted_s={weighted['seconds']:.2f} "
-          f"recompute_cost={chunked['seconds'] / max(weighted['seconds'], 1e-9):.2f}")
+    print_result({"chunked_peak_mb": f"{chunked['peak_mb']:.1f}", "full_peak_mb": f"{full['peak_mb']:.1f}",
+                  "ratio": f"{ratio:.2f}", "chunked_s": f"{chunked['seconds']:.2f}", "full_s": f"{full['seconds']:.2f}",
+                  "losses_agree": int(same), "weighted_peak_mb": f"{weighted['peak_mb']:.1f}",
+                  "weighted_s": f"{weighted['seconds']:.2f}",
+                  "recompute_cost": f"{chunked['seconds'] / max(weighted['seconds'], 1e-9):.2f}"})
     return 0
 
 

@@ -23,8 +23,8 @@ peak = max(fixed + saved + backward working set + CE chunk workspace, fixed + st
   staged payloads = two jobs' device payloads (the one being trained and the one staged next; bf16
     features, int64 ids, fp32 loss mask, padded as the target sends them), of the largest bucket.
 saved_bytes_per_row = (saved bytes of the sub-batch - those of a one-block run) / query rows,
-the worst bucket. rank_cost_spread comes from `app.bench.feeding.pull_policies` when it offers one; else it
-is simulated here from the pull policy as it stands (said in the output).
+the worst bucket. rank_cost_spread is `app.bench.feeding.pull_policies.rank_cost_spread`: the pool's
+dealing of the bucket mix to the ranks, on the discrete-event simulation.
 Ends `RESULT max_peak_gib=... saved_bytes_per_row=... legacy_saved_bytes_per_row=... ratio=...
 rank_cost_spread=... ce_recompute=0|1 step_extra_gib=... staged_payload_gib=...`.
 """
@@ -38,10 +38,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[3]
+from app.bench.common import ROOT, SHAPES_ONLY, print_result
+
 GIB = 2**30
 LEGACY_COMMIT = "d1f587d"
 LEGACY_FILES = ("layers", "mask", "drafter", "chunked_ce")
@@ -176,35 +176,6 @@ def payload_bytes(arch, job) -> int:
     return N * S * (arch.feature_dim * 2 + 8 + 4) + N * 8
 
 
-def rank_cost_spread(cfg) -> tuple[float, str]:
-    """Max over steps of (max - min) / mean per-rank drafter cost (rows), and where it came from."""
-    try:
-        mod = importlib.import_module("app.bench.feeding.pull_policies")
-        fn = getattr(mod, "rank_cost_spread", None)
-        if fn is not None:
-            return float(fn(cfg)), "app.bench.feeding.pull_policies.rank_cost_spread (the pool's dealing)"
-    except ImportError:
-        pass
-    return _simulated_spread(cfg), "simulated here: each rank pulls bucket-stratified jobs independently"
-
-
-def _simulated_spread(cfg, steps: int = 400, seed: int = 0) -> float:
-    """Ranks draw jobs with each bucket's share (independent draws per rank, as the pull policy
-    serves whichever rank asks); cost = query rows. Mean over steps of (max - min) / mean."""
-    from app.bench.compute.drafter_jobs import bucket_job
-
-    nb = len(cfg.data.bucket_boundaries)
-    rows = np.array([bucket_job(cfg, b).rows for b in range(nb)], dtype=np.float64)
-    share = np.ones(nb) / nb
-    rng = np.random.default_rng(seed)
-    W, G = cfg.topology.num_drafters, cfg.train.grad_accum
-    spreads = []
-    for _ in range(steps):
-        cost = np.array([rows[rng.choice(nb, size=G, p=share)].sum() for _ in range(W)])
-        spreads.append((cost.max() - cost.min()) / cost.mean())
-    return float(np.mean(spreads))
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m app.bench memory", description=__doc__.splitlines()[2])
     p.add_argument("--config", default=str(ROOT / "conf/default.yaml"))
@@ -212,10 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--legacy-commit", default=LEGACY_COMMIT, help="git commit of the old path ('' = skip)")
     args = p.parse_args(argv)
     from app.bench.compute.drafter_jobs import bucket_job, default_arch
+    from app.bench.feeding.pull_policies import rank_cost_spread
     from app.config.load import load_config
     from app.model.packing import split_rows
 
-    cfg = load_config(args.config, ["model.target=tiny", "data.train_files=[]"])
+    cfg = load_config(args.config, SHAPES_ONLY)
     arch = default_arch(cfg)
     fixed, step_extra = fixed_bytes(arch)
     chunk, V = cfg.drafter.ce_chunk_rows, arch.vocab_size
@@ -250,17 +222,17 @@ def main(argv: list[str] | None = None) -> int:
             legacy_peaks.append(old_peak)
             line += f" | {old / GIB:>8.1f} {old_row / 1e6:>8.3f}M {old_peak / GIB:>8.1f}"
         print(line, flush=True)
-    spread, source = rank_cost_spread(cfg)
+    spread = float(rank_cost_spread(cfg))
     worst, old_worst = max(per_rows), (max(legacy_rows) if legacy_rows else float("nan"))
     print(f"worst saved bytes per query row: {worst / 1e6:.3f} MB now vs {old_worst / 1e6:.3f} MB before "
           f"({worst / old_worst:.2f}x); max peak {max(peaks) / GIB:.1f} GiB now"
           + (f" vs {max(legacy_peaks) / GIB:.1f} GiB before" if legacy_peaks else ""))
-    print(f"rank cost spread {spread:.3f}: {source}")
-    print(f"RESULT max_peak_gib={max(peaks) / GIB:.1f} saved_bytes_per_row={worst:.0f} "
-          f"legacy_saved_bytes_per_row={old_worst:.0f} ratio={worst / old_worst:.2f} "
-          f"legacy_max_peak_gib={(max(legacy_peaks) if legacy_peaks else float('nan')) / GIB:.1f} "
-          f"rank_cost_spread={spread:.3f} ce_recompute=0 step_extra_gib={step_extra / GIB:.1f} "
-          f"staged_payload_gib={staged / GIB:.2f}")
+    print(f"rank cost spread {spread:.3f}: app.bench.feeding.pull_policies.rank_cost_spread (the pool's dealing)")
+    print_result({"max_peak_gib": f"{max(peaks) / GIB:.1f}", "saved_bytes_per_row": f"{worst:.0f}",
+                  "legacy_saved_bytes_per_row": f"{old_worst:.0f}", "ratio": f"{worst / old_worst:.2f}",
+                  "legacy_max_peak_gib": f"{(max(legacy_peaks) if legacy_peaks else float('nan')) / GIB:.1f}",
+                  "rank_cost_spread": spread, "ce_recompute": 0, "step_extra_gib": f"{step_extra / GIB:.1f}",
+                  "staged_payload_gib": f"{staged / GIB:.2f}"})
     return 0
 
 

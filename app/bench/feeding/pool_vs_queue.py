@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from actors.hs_pool import HSPoolActor, pool_max_concurrency
+from app.bench.common import own_cluster, print_result
 from app.config.schema import PoolConfig
 from app.messages import Drained, EndOfStream, HiddenBatch, ItemMeta, JobSpec, PulledItem
 
@@ -198,11 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--batches", default="1,4", help="items per consumer call; the last one gives RESULT's ratio")
     args = ap.parse_args(argv)
-    import ray
-
-    from app.ray_cluster import start_own_cluster
-
-    start_own_cluster(num_cpus=16)  # never another cluster on the machine (RAY_ADDRESS, ray start)
+    ray = own_cluster(16)  # never another cluster on the machine (RAY_ADDRESS, ray start)
     floats = args.kib * 1024 // 4
     # The same producer and consumer actors serve both layouts (only the middle differs).
     prods = [ray.remote(BenchProducer).remote(t, floats) for t in range(args.producers)]
@@ -225,7 +222,6 @@ def main(argv: list[str] | None = None) -> int:
     ray.shutdown()
     last = list(best)[-1]
     pool_best, queue_best = best[last]
-    others = " ".join(f"ratio_b{b}={p / q:.3f}" for b, (p, q) in best.items() if b != last)
-    print(f"RESULT pool_pairs_per_s={pool_best:.1f} queue_pairs_per_s={queue_best:.1f} ratio={pool_best / queue_best:.3f}"
-          + (f" {others}" if others else ""))
+    print_result({"pool_pairs_per_s": f"{pool_best:.1f}", "queue_pairs_per_s": f"{queue_best:.1f}",
+                  "ratio": pool_best / queue_best, **{f"ratio_b{b}": p / q for b, (p, q) in best.items() if b != last}})
     return 0

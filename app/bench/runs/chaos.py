@@ -33,7 +33,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.storage import redact
+from app.bench.common import own_cluster, print_result
+from app.storage.roots import redact
 
 FAULT_KINDS = ("target", "drafter")  # repeated; "pool", "driver" and "sticky" are added once each
 GAP_STEPS = (2, 6)  # optimizer steps between faults (after the run trains again), drawn uniformly
@@ -93,14 +94,10 @@ def chaos_overrides(args) -> list[str]:
 
 
 def run_chaos(config: str, overrides: list[str], run_dir: Path, n_faults: int, seed: int, num_targets: int = 1) -> int:
-    import ray
-
-    from app.ray_cluster import start_own_cluster
     from app.training.step_log import FILE_NAME, count_trained
 
-    # Logical CPUs: the tiny topology's fractional shares fit even a 2-core machine. The drivers it
-    # starts join this cluster with its token (inherited environment).
-    start_own_cluster(num_cpus=max(os.cpu_count() or 1, 8))
+    # The drivers it starts join this cluster with its token (inherited environment).
+    ray = own_cluster()
     state = ChaosState()
     rng = random.Random(seed)
     kinds = plan_faults(n_faults, rng)
@@ -146,7 +143,7 @@ def run_chaos(config: str, overrides: list[str], run_dir: Path, n_faults: int, s
               "quarantined": quarantined, "tau_untrained": summary.get("tau_untrained"),
               "tau_trained": summary.get("tau_trained")}
     _say("fired: " + ", ".join(state.fired))
-    print("RESULT " + " ".join(f"{k}={_fmt(v)}" for k, v in result.items()), flush=True)
+    print_result({k: _fmt(v) for k, v in result.items()})
     ok = survived and counts["trained_twice"] == 0 and counts["never_trained"] == 0
     return 0 if ok else 1
 

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from app.bench.common import own_cluster, print_result
+
 
 def write_records(out: Path, n: int, seed: int = 0) -> list[str]:
     """n synthetic conversations: the first half as JSONL, the rest as Parquet (row groups of 4096)."""
@@ -70,7 +72,8 @@ def tokenizer_dir(out: Path) -> str:
     return str(path)
 
 
-def bench_config(files: list[str], out: Path):
+def records_config(files: list[str], out: Path):
+    """The config the data path runs under: the tiny target's tokenizer, wider buckets, bad records skipped."""
     from app.config.schema import CheckpointConfig, Config, DataConfig, DrafterConfig, ModelConfig
 
     data = replace(DataConfig(), train_files=files, max_length=512, bucket_boundaries=[64, 128, 192, 256, 384, 512],
@@ -186,7 +189,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from app.data import cache
     from app.data.pipeline import data_cache_key, load_or_tokenize, tokenize_files
-    from app.ray_cluster import start_own_cluster
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.keep or tmp)
@@ -194,14 +196,14 @@ def main(argv: list[str] | None = None) -> int:
         files = write_records(out, args.records)
         model_dir = tokenizer_dir(out)
         tok = AutoTokenizer.from_pretrained(model_dir)
-        cfg = bench_config(files, out)
+        cfg = records_config(files, out)
         load1 = os.getloadavg()[0]
 
         t0 = time.perf_counter()
         single = tokenize_files(cfg.data, cfg.drafter.block_size, model_dir, tok, files, workers=1)
         tokenize_s = time.perf_counter() - t0
 
-        start_own_cluster(num_cpus=os.cpu_count())  # never another cluster on the machine; token auth
+        own_cluster(os.cpu_count())  # never another cluster on the machine; token auth
         t0 = time.perf_counter()
         parallel = tokenize_files(cfg.data, cfg.drafter.block_size, model_dir, tok, files, workers=args.workers)
         parallel_s = time.perf_counter() - t0
@@ -231,8 +233,8 @@ def main(argv: list[str] | None = None) -> int:
           f"holding every JobSpec; pool: {per_queued:.1f} bytes of heap per queued job (+ {pool['schedule']:.1f} "
           f"bytes per job of schedule arrays, shared in the object store once per node), ledger {per_acked:.1f} "
           f"bytes per acked job; load average {load1:.1f} at start, {load2:.1f} at end on {os.cpu_count()} cores")
-    print(f"RESULT single_rec_s={n / tokenize_s:.0f} parallel_rec_s={n / parallel_s:.0f} "
-          f"speedup={tokenize_s / parallel_s:.2f} cache_load_s={cache_load_s:.3f} tokenize_s={tokenize_s:.1f} "
-          f"pool_bytes_per_job={per_queued:.1f} schedule_bytes_per_job={pool['schedule']:.1f} "
-          f"driver_peak_mb={driver['peak_mb']:.0f}")
+    print_result({"single_rec_s": f"{n / tokenize_s:.0f}", "parallel_rec_s": f"{n / parallel_s:.0f}",
+                  "speedup": f"{tokenize_s / parallel_s:.2f}", "cache_load_s": cache_load_s, "tokenize_s": f"{tokenize_s:.1f}",
+                  "pool_bytes_per_job": f"{per_queued:.1f}", "schedule_bytes_per_job": f"{pool['schedule']:.1f}",
+                  "driver_peak_mb": f"{driver['peak_mb']:.0f}"})
     return 0

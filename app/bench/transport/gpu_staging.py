@@ -115,9 +115,10 @@ def line(r: dict) -> str:
             f"equal={r['equal']}")
 
 
-def fields(r: dict) -> str:
-    return (f"transport_copy_gbps={r['copy_gbps']:.2f} transport_direct_gbps={r['direct_gbps']:.2f} "
-            f"transport_direct_jobs={r['direct_jobs']}/{r['jobs']} transport_equal={int(r['equal'])}")
+def fields(r: dict) -> dict[str, str]:
+    """The transport part's RESULT fields of `python -m app.bench gpu`."""
+    return {"transport_copy_gbps": f"{r['copy_gbps']:.2f}", "transport_direct_gbps": f"{r['direct_gbps']:.2f}",
+            "transport_direct_jobs": f"{r['direct_jobs']}/{r['jobs']}", "transport_equal": int(r["equal"])}
 
 
 def available() -> bool:
