@@ -86,3 +86,21 @@ def test_parameter_names_are_zlabs():
         expected |= {f"{pre}mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
     assert names == expected
     assert d.fc.weight.shape == (arch.hidden_size, 2 * arch.hidden_size)  # [H, k*H]
+
+
+def test_zero_features_makes_the_drafter_blind_to_the_target_and_leaves_fc_untrained():
+    d, arch = _drafter()
+    emb, feats, anchors = _inputs(arch)
+    with torch.no_grad():
+        seen = d(emb, feats, anchors)
+        d.zero_features = True
+        blind = d(emb, feats, anchors)
+        assert torch.equal(blind, d(emb, torch.randn_like(feats), anchors))  # any features: the same output
+        assert torch.equal(blind, d(emb, torch.zeros_like(feats), anchors))  # = zeroed features
+        d.zero_features = False
+        assert torch.equal(d(emb, torch.zeros_like(feats), anchors), blind)  # the switch is the zeroing, no more
+        assert (seen - blind).abs().max() > 1e-3
+    d.zero_features = True
+    d(emb, feats, anchors).square().sum().backward()
+    assert d.fc.weight.grad is None or torch.count_nonzero(d.fc.weight.grad) == 0  # nothing to learn from
+    assert torch.count_nonzero(d.layers[0].mlp.down_proj.weight.grad) > 0  # the rest still trains

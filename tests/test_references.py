@@ -1,7 +1,7 @@
 """The quality bench's references: tau replayed on greedy output, the n-gram drafter, copy shares (no model)."""
 from __future__ import annotations
 
-from app.tiny.references import NgramDrafter, copy_shares, tau_on_greedy
+from app.model.references import NgramDrafter, copy_shares, tau_on_greedy
 
 
 def oracle(greedy, prompt_len):
@@ -54,3 +54,36 @@ def test_copy_shares_count_prompt_and_self_repetition():
     assert from_context == 1  # only the last token: its trigram (5, 6, 5) was generated before
     n, from_prompt, _ = copy_shares(prompt, [1, 2, 3])  # trigrams (3,4,1), (4,1,2), (1,2,3): the last is in the prompt
     assert (n, from_prompt) == (3, 1)
+
+
+def test_prompt_lookup_takes_the_longest_suffix_at_its_most_recent_occurrence():
+    from app.model.references import prompt_lookup
+
+    ctx = [1, 2, 3, 9, 1, 2, 3, 8, 7, 4, 2, 3]
+    # n=4 (4, 2, 3 preceded by 7) never occurred; n=3 (4, 2, 3) neither; n=2 (2, 3): most recent at index 5 -> 8, 7, 4, 2, 3
+    assert prompt_lookup(ctx, 3) == [8, 7, 4]
+    assert prompt_lookup([5, 1, 2, 3, 6, 0, 1, 2, 3, 7, 9, 9, 1, 2, 3], 2) == [7, 9]  # n=3 wins; the later match
+    # a longer match beats a more recent shorter one: (1, 2) at index 0 vs (2,) at index 3
+    assert prompt_lookup([1, 2, 5, 2, 6, 1, 2], 1) == [5]
+
+
+def test_prompt_lookup_falls_back_to_shorter_matches_and_stops_at_the_end():
+    from app.model.references import prompt_lookup, prompt_lookup_proposer
+
+    assert prompt_lookup([4, 5, 6, 7], 5) == []  # no token repeats
+    assert prompt_lookup([], 5) == [] and prompt_lookup([3], 5) == []
+    assert prompt_lookup([4, 5, 6, 5], 15) == [6, 5]  # only (5,) matches; two tokens follow before the end
+    assert prompt_lookup([7, 7, 7], 15) == [7]  # (7, 7) at 0 overlaps the suffix: one token follows it
+    assert prompt_lookup([1, 2, 3, 1, 2, 3, 1, 2], 4) == [3, 1, 2]  # guesses end where the context ends
+    assert prompt_lookup([1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4], 15, max_n=1) == [1, 2, 3, 4]  # n capped at 1
+    assert prompt_lookup_proposer(max_n=2)([9, 1, 2, 8, 1, 2], 1) == [8]
+
+
+def test_prompt_lookup_replayed_on_greedy_accepts_a_copied_span():
+    from app.model.references import prompt_lookup_proposer
+
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    greedy = [3, 4, 5, 6, 7, 8, 99]  # the target copies the prompt's tail, then stops at EOS 99
+    per = tau_on_greedy(prompt_lookup_proposer(), prompt, greedy, block_size=16, max_new_tokens=64)
+    # prefill gives 3; (3,) matches index 2 -> 4 5 6 7 8 proposed; all accepted, then the target's 99
+    assert per == [6]

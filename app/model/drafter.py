@@ -20,6 +20,9 @@ class DFlashDrafter(nn.Module):
     `forward_packed` is the training path (flat blocks, packed context, block-sparse attention);
     `forward` keeps the batched [N, A*B] interface (speculative decoding, tests) and packs for it.
     `activation_checkpointing` recomputes each layer in backward instead of keeping its activations.
+    `zero_features` is an ablation: the target features are replaced by zeros wherever the drafter reads
+    them (training and drafting alike), so the drafter sees only its block's tokens; what it then
+    reaches is what the features do not buy (`python -m app.bench quality --target smol`).
     """
 
     def __init__(self, arch: DrafterArch) -> None:
@@ -30,6 +33,7 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(arch.feature_dim, arch.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.activation_checkpointing = False
+        self.zero_features = False
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -47,6 +51,8 @@ class DFlashDrafter(nn.Module):
 
         Takes the features in whatever dtype they arrive (bf16 on GPU): no fp32 copy of the context;
         under autocast the matmul runs in the compute dtype against the fp32 master weight."""
+        if self.zero_features:
+            context_feats_TD = torch.zeros_like(context_feats_TD)
         return self.hidden_norm(self.fc(context_feats_TD))
 
     def forward_packed(self, block_embeds_RH: torch.Tensor, context_feats_TD: torch.Tensor, sub) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """What a trained drafter's tau is measured against: reference drafters and how repetitive the text is.
 
 Pure functions over token lists, no model: `python -m app.bench quality` feeds them the target's greedy
-outputs on the held-out prompts.
+outputs on the held-out prompts (the tiny corpora and the real target alike).
 
 - `tau_on_greedy`: tau of any proposer replayed against the target's greedy output. Greedy speculative
   decoding is lossless, so every verify forward's argmax is the greedy token at its slot; replaying a
@@ -9,6 +9,9 @@ outputs on the held-out prompts.
   first token from the prefill, same draft truncation at the token budget, same stop at EOS).
 - `NgramDrafter`: the reference a learned drafter must beat: longest-suffix lookup (order `n` down to
   1) in a table of the training responses' continuations, its own guesses fed back for the block.
+- `prompt_lookup`: the training-free reference engines ship (vLLM's n-gram proposer): the last n = 4..1
+  tokens of prompt + output so far, matched at their most recent earlier occurrence; what followed it
+  is the guess.
 - `copy_shares`: the share of generated tokens whose trigram (the token and the two before it) occurs
   in the prompt, and in the prompt or the earlier output. A drafter that only learned to copy scores
   high where these are high; read tau next to them.
@@ -76,6 +79,27 @@ class NgramDrafter:
             out.append(self.next_token(ids))
             ids.append(out[-1])
         return out
+
+
+def prompt_lookup(context: Sequence[int], count: int, max_n: int = 4, min_n: int = 1) -> list[int]:
+    """Up to `count` guesses: the tokens that followed the most recent earlier occurrence of the context's
+    last n tokens, for the largest n in max_n..min_n that occurs; [] when none does.
+
+    The match may overlap the suffix itself (a run of one token proposes more of it); the guesses stop
+    where the context ends, so fewer than `count` may come back."""
+    ids = list(context)
+    end = len(ids)
+    for n in range(min(max_n, end - 1), min_n - 1, -1):
+        suffix = ids[end - n:]
+        for start in range(end - n - 1, -1, -1):  # most recent first; the suffix's own place excluded
+            if ids[start:start + n] == suffix:
+                return ids[start + n:start + n + count]
+    return []
+
+
+def prompt_lookup_proposer(max_n: int = 4, min_n: int = 1) -> Proposer:
+    """`prompt_lookup` as a `Proposer` for `tau_on_greedy`."""
+    return lambda prefix, count: prompt_lookup(prefix, count, max_n, min_n)
 
 
 def copy_shares(prompt: Sequence[int], generated: Sequence[int]) -> tuple[int, int, int]:

@@ -1,0 +1,95 @@
+"""The bench's speculative decoding: the drafter replayed on greedy output, and the greedy-vs-spec race."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import app.model.spec_bench as sb
+import app.model.spec_decode as sd
+from app.model.drafter import DFlashDrafter
+from app.model.features import target_features
+from app.model.references import tau_on_greedy
+from app.model.target_head import TargetHead
+from tests.toy import tiny_arch
+
+B = 4
+LAYERS = (0, 2)
+PROMPTS = [[5, 9, 17, 2], [100, 3], [7, 7, 7, 7, 7, 7, 40]]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target):
+    model, path = tiny_target
+    return model, TargetHead.load(path)
+
+
+def _oracle_drafter(model, prompts, n_new):
+    """A draft_block stand-in that knows greedy continuations: it drafts 2 right tokens, then wrong ones."""
+    seqs = [p + sd.greedy_reference(model, p, n_new) for p in prompts]
+
+    def draft(drafter, head, context, anchor_token, block_size):
+        n = context.shape[0]
+        seq = next(s for s in seqs if len(s) > n and s[n] == anchor_token)
+        cont = seq[n + 1:n + block_size]
+        return (cont[:2] + [(t + 1) % 128 for t in cont[2:]] + [0] * block_size)[:block_size - 1]
+
+    return draft
+
+
+def test_replayed_drafter_drafts_what_spec_decoding_drafts(target):
+    model, head = target
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(tiny_arch(model.config, block_size=B, target_layer_ids=LAYERS)).eval()
+    for p in drafter.parameters():  # larger than the 0.02 init, so the drafts depend on the features
+        p.data.normal_(0, 0.3)
+    for prompt in PROMPTS:
+        spec = sd.spec_generate(model, drafter, head, prompt, 24, LAYERS, B)
+        seq = torch.tensor([prompt + spec.tokens])
+        with torch.no_grad():
+            feats = target_features(model, seq, torch.ones_like(seq), LAYERS)[0]
+        per = tau_on_greedy(sb.drafter_proposer(drafter, head, feats, B), prompt, spec.tokens, B, 24)
+        assert per == spec.accepted_per_forward
+
+
+def test_race_checks_identical_outputs_alternates_order_and_times_both(target, monkeypatch):
+    model, head = target
+    now, calls = [0.0], []
+    real_greedy, real_spec = sb.greedy_reference, sb.spec_generate
+
+    def greedy(*a, **k):
+        calls.append("greedy")
+        now[0] += 0.3  # plain greedy takes 0.3 s a prompt here, speculative 0.1 s
+        return real_greedy(*a, **k)
+
+    def spec(*a, **k):
+        calls.append("spec")
+        now[0] += 0.1
+        return real_spec(*a, **k)
+
+    monkeypatch.setattr(sb, "greedy_reference", greedy)
+    monkeypatch.setattr(sb, "spec_generate", spec)
+    monkeypatch.setattr(sd, "draft_block", _oracle_drafter(model, PROMPTS, 16))
+    outputs: list = []
+    res = sb.race(model, None, head, PROMPTS, 16, LAYERS, B, warmup=1, clock=lambda: now[0], outputs=outputs)
+    assert calls == ["greedy", "spec"] + ["greedy", "spec", "spec", "greedy", "greedy", "spec"]  # warm-up, then alternating
+    assert res.identical and res.differing_prompts == [] and outputs == [real_greedy(model, p, 16) for p in PROMPTS]
+    assert res.greedy_tokens == res.spec_tokens == 48
+    assert res.greedy_s == pytest.approx(0.9) and res.spec_s == pytest.approx(0.3)
+    assert res.speedup == pytest.approx(3.0)
+    assert res.accepted_per_forward == [3] * 15 and res.tau == 3.0  # 2 right drafts + the target's token; 5 x 3 = 15 after the prefill
+
+
+def test_race_reports_a_prompt_whose_outputs_differ(target, monkeypatch):
+    model, head = target
+    real_spec = sb.spec_generate
+
+    def off_by_one(*a, **k):
+        out = real_spec(*a, **k)
+        if a[3] == PROMPTS[1]:
+            out.tokens[-1] += 1
+        return out
+
+    monkeypatch.setattr(sb, "spec_generate", off_by_one)
+    monkeypatch.setattr(sd, "draft_block", _oracle_drafter(model, PROMPTS, 12))
+    res = sb.race(model, None, head, PROMPTS, 12, LAYERS, B, warmup=0)
+    assert not res.identical and res.differing_prompts == [1]
