@@ -19,9 +19,14 @@ from app.config.schema import TINY_TARGET, Config, TopologyConfig, resolve_layer
 
 def check_paths(cfg: Config) -> None:
     """The target folder, the training files and the eval prompts exist."""
-    if cfg.model.target != TINY_TARGET and not Path(cfg.model.target).is_dir():
+    from app.model.gguf_target import check_gguf_target, is_gguf_target
+
+    if is_gguf_target(cfg.model.target):  # a .gguf file or the embedded SmolLM2: converted once when resolved
+        check_gguf_target(cfg.model.target)
+    elif cfg.model.target != TINY_TARGET and not Path(cfg.model.target).is_dir():
         raise ConfigError(
-            f"model.target={cfg.model.target!r} does not exist; give a Hugging Face model folder or 'tiny'"
+            f"model.target={cfg.model.target!r} does not exist; give a Hugging Face model folder, a .gguf file, "
+            "'smollm2-135m-instruct' or 'tiny'"
         )
     if cfg.model.target != TINY_TARGET and not cfg.data.train_files:
         raise ConfigError("data.train_files=[] is empty; list JSONL/Parquet files (only model.target=tiny generates data)")

@@ -93,8 +93,13 @@ def ensure_tiny_target(tiny: TinyConfig, build=None) -> TinyArtifacts:
 def resolve_target(cfg: Config) -> ResolvedTarget:
     """For target=tiny build/reuse the tiny artifacts (config paths still win); else pass paths on."""
     if cfg.model.target != TINY_TARGET:
+        from app.model.gguf_target import converted_dir, is_gguf_target
+
+        # A GGUF target (a .gguf file or the embedded SmolLM2) is converted once to an HF folder; every consumer
+        # then loads that folder as it loads any HF target.
+        model_dir = str(converted_dir(cfg.model.target)) if is_gguf_target(cfg.model.target) else cfg.model.target
         return ResolvedTarget(
-            model_dir=cfg.model.target,
+            model_dir=model_dir,
             train_files=list(cfg.data.train_files),
             eval_prompts_file=cfg.data.eval_prompts,
             mask_token_id=None,
