@@ -5,8 +5,8 @@ line each (app/bench/compute/gpu_acceptance.py).
 
 One script for a machine with one CUDA GPU, no downloads: a random-weight Qwen3-8B-shaped target in bf16
 and the default drafter (conf/default.yaml's `drafter` and `train` sections) built around the target's own
-embedding and LM head. Measures, with the code the actors run (`app.data.batching.start_job`,
-`DrafterTrainer.micro_step`):
+embedding and LM head. Measures, with the code the actors run (`app.data.batching.start_job`; the
+drafter's step loop, app/bench/compute/alone.py):
 - target prefill tokens/s over jobs of the default schedule (synthetic chat-like lengths, as
   `python -m app.bench flops`), and MFU = needed FLOPs / time / peak (decoder layers up to the deepest
   requested one over the real tokens, causal attention);
@@ -240,9 +240,9 @@ def drafter_train_flops(arch, hb, num_anchors: int) -> float:
 
 
 def bench_drafter(s: Setup, model, batches) -> dict:
+    from app.bench.compute.alone import step_alone
     from app.model.arch import DrafterArch
     from app.model.drafter import DFlashDrafter
-    from app.model.loss import TrainBatch
     from app.model.target_head import TargetHead
     from app.training.trainer import DrafterTrainer
 
@@ -253,20 +253,16 @@ def bench_drafter(s: Setup, model, batches) -> dict:
     head = TargetHead(model.model.embed_tokens.weight, model.lm_head.weight)  # shared, not copied
     autocast = s.dtype if s.dtype != torch.float32 else None
     trainer = DrafterTrainer(drafter, head, dcfg, s.tcfg, total_steps=1000, device=s.device, autocast=autocast)
-    hidden_dtype = s.dtype
     order = [batches[i % len(batches)] for i in range(2 + s.drafter_jobs)]
+    # Through the step loop the actor drives: train.grad_accum micro-batches a step (a group of one).
+    pairs = [(i, hb) for i, hb in enumerate(order)]  # each its own job id: a repeated batch is a new job
     t_compile = time.perf_counter()
-    for hb in order[:2]:  # warm-up: compiles on CUDA (dynamic shapes: once for all sub-batch sizes)
-        trainer.micro_step(TrainBatch.from_hidden_batch(hb, s.device, hidden_dtype), hb.job_id)
-        trainer.finish_step()
+    step_alone(trainer, pairs[:2], 1, s.device, s.dtype)  # warm-up: compiles on CUDA (dynamic shapes: once)
     _sync(s.device)
     warm_s = time.perf_counter() - t_compile
-    tokens, flops = 0, 0.0
+    flops = sum(drafter_train_flops(arch, hb, dcfg.num_anchors) for hb in order[2:])
     t0 = time.perf_counter()
-    for hb in order[2:]:
-        trainer.micro_step(TrainBatch.from_hidden_batch(hb, s.device, hidden_dtype), hb.job_id)
-        tokens += trainer.finish_step().tokens
-        flops += drafter_train_flops(arch, hb, dcfg.num_anchors)
+    tokens = step_alone(trainer, pairs[2:], s.tcfg.grad_accum, s.device, s.dtype)
     _sync(s.device)
     dt = time.perf_counter() - t0
     return {"tok_s": tokens / dt, "mfu": flops / dt / s.peak_flops, "warm_s": warm_s, "step_s": dt / len(order[2:])}

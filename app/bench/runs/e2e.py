@@ -2,7 +2,8 @@
 
 Runs the real driver on conf/tiny.yaml (5 targets / 3 drafters, shortened), then steps the same
 drafter alone on batches of the same schedule with the same torch thread count, in the same
-process run. ratio = per-replica tokens/s inside the pipeline / standalone tokens/s: 1.0 means the
+process run, through the drafter's own step protocol (`app/training/loop.py`'s RankLoop, a group of
+one whose pulls are answered from the precomputed batches). ratio = per-replica tokens/s inside the pipeline / standalone tokens/s: 1.0 means the
 pipeline costs the drafter nothing (no waiting for data, no contention). On a CPU box the actors
 share the cores, so read the ratio next to data_wait: the share of step time spent waiting on the pool.
 
@@ -13,6 +14,7 @@ costs training nothing) and the drafters' data-wait share of the runs with evalu
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import tempfile
@@ -21,28 +23,29 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[3]  # the repository root (app/bench/runs/e2e.py)
+from app.bench.common import add_overrides, bench_config, print_result
+
 DEFAULTS = ["train.epochs=2", "eval.num_prompts=2", "eval.max_new_tokens=16", "logging.status_every_s=5"]
 
 
 def pipeline(overrides: list[str], run_dir: Path) -> dict:
-    from app.config.load import load_config
     from app.run.driver import run
 
-    cfg = load_config(ROOT / "conf/tiny.yaml", [*DEFAULTS, f"checkpoint.dir={run_dir}", *overrides])
+    cfg = bench_config("tiny", [*DEFAULTS, f"checkpoint.dir={run_dir}", *overrides])
     code = run(cfg)
     assert code == 0, f"pipeline run failed with exit code {code}"
     return json.loads((run_dir / "summary.json").read_text()) | {"cfg": cfg}
 
 
 def standalone(cfg, num_jobs: int = 24, threads: int = 1) -> float:
-    """Tokens/s of one drafter replica stepping alone on precomputed batches of epoch 0."""
+    """Tokens/s of one drafter replica stepping alone on precomputed batches of epoch 0, through the step
+    protocol the actor drives (app/bench/compute/alone.py)."""
     from transformers import AutoModelForCausalLM
 
     from app.data.batching import job_hidden_batch
     from app.model.build import build_or_load_drafter
-    from app.model.loss import TrainBatch
     from app.run.plan import plan_run
+    from app.bench.compute.alone import step_alone
     from app.training.trainer import DrafterTrainer
 
     torch.set_num_threads(threads)
@@ -51,18 +54,13 @@ def standalone(cfg, num_jobs: int = 24, threads: int = 1) -> float:
     batches = []
     for job in plan.jobs[:num_jobs]:
         seqs = [plan.dataset.sequence(i) for i in job.seq_indices]
-        hb = job_hidden_batch(target, seqs, job.job_id, plan.layer_ids, torch.device("cpu"))
-        batches.append((job.job_id, TrainBatch.from_hidden_batch(hb, "cpu", torch.float32)))
+        batches.append((job.job_id, job_hidden_batch(target, seqs, job.job_id, plan.layer_ids, torch.device("cpu"))))
     drafter, head, _ = build_or_load_drafter(plan.model_dir, None, cfg.drafter, plan.layer_ids, plan.mask_token_id,
                                             torch.device("cpu"), torch.float32, cfg.train.seed)
     trainer = DrafterTrainer(drafter, head, cfg.drafter, cfg.train, plan.total_steps, torch.device("cpu"))
-    for job_id, batch in batches[:2]:  # warm-up
-        trainer.micro_step(batch, job_id)
-        trainer.finish_step()
-    tokens, t0 = 0, time.perf_counter()
-    for job_id, batch in batches:
-        trainer.micro_step(batch, job_id)
-        tokens += trainer.finish_step().tokens
+    step_alone(trainer, batches[:2], cfg.train.grad_accum)  # warm-up
+    t0 = time.perf_counter()
+    tokens = step_alone(trainer, batches, cfg.train.grad_accum)
     return tokens / (time.perf_counter() - t0)
 
 
@@ -96,25 +94,25 @@ def eval_cost(every: int, argv: list[str], repeats: int = 1) -> int:
     wait_none = max(p["none"]["data_wait"] for p in pairs)
     print(f"median ratio over {repeats} pair(s): {ratio:.3f} (pairs: {[round(p['ratio'], 3) for p in pairs]}); "
           f"highest data-wait share with evaluation {wait_eval:.4f}, without {wait_none:.4f}")
-    print(f"RESULT eval_every={every} repeats={repeats} ratio={ratio:.3f} "
-          f"train_tok_s_eval={statistics.median(p['eval']['train_tok_s'] for p in pairs):.1f} "
-          f"train_tok_s_none={statistics.median(p['none']['train_tok_s'] for p in pairs):.1f} "
-          f"data_wait_eval={wait_eval:.4f} data_wait_none={wait_none:.4f} "
-          f"evals={min(len(p['eval'].get('tau_history') or []) for p in pairs)}")
+    print_result({"eval_every": every, "repeats": repeats, "ratio": ratio,
+                  "train_tok_s_eval": f"{statistics.median(p['eval']['train_tok_s'] for p in pairs):.1f}",
+                  "train_tok_s_none": f"{statistics.median(p['none']['train_tok_s'] for p in pairs):.1f}",
+                  "data_wait_eval": f"{wait_eval:.4f}", "data_wait_none": f"{wait_none:.4f}",
+                  "evals": min(len(p["eval"].get("tau_history") or []) for p in pairs)})
     return 0
 
 
 def main(argv: list[str]) -> int:
-    if "--eval-every" in argv:
-        i = argv.index("--eval-every")
-        every, rest = int(argv[i + 1]), argv[:i] + argv[i + 2:]
-        repeats = 1
-        if "--repeats" in rest:
-            j = rest.index("--repeats")
-            repeats, rest = int(rest[j + 1]), rest[:j] + rest[j + 2:]
-        return eval_cost(every, rest, repeats)
+    ap = argparse.ArgumentParser(prog="python -m app.bench e2e", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--eval-every", type=int, default=0,
+                    help="instead: training tokens/s with evaluation every N steps vs none, side by side")
+    ap.add_argument("--repeats", type=int, default=1, help="with --eval-every: pairs, the order alternating")
+    add_overrides(ap)
+    args = ap.parse_args(argv)
+    if args.eval_every:
+        return eval_cost(args.eval_every, args.overrides, args.repeats)
     with tempfile.TemporaryDirectory() as tmp:
-        s = pipeline(list(argv), Path(tmp) / "run")
+        s = pipeline(args.overrides, Path(tmp) / "run")
     cfg = s.pop("cfg")
     alone = standalone(cfg, threads=max(1, int(cfg.topology.cpus_per_drafter)))
     inside = float(s["replica_tok_s"])
@@ -124,6 +122,6 @@ def main(argv: list[str]) -> int:
     print(f"ratio pipeline/standalone per replica: {inside / alone:.3f}; all replicas together / one alone: "
           f"{s['train_tok_s'] / alone:.3f}. With data_wait near 0 the gap is CPU sharing (8 actors on this "
           "machine's cores), not the pipeline starving the drafters.")
-    print(f"RESULT pipeline_tok_s={inside:.1f} standalone_tok_s={alone:.1f} ratio={inside / alone:.3f} "
-          f"data_wait={s['data_wait']:.4f}")
+    print_result({"pipeline_tok_s": f"{inside:.1f}", "standalone_tok_s": f"{alone:.1f}", "ratio": inside / alone,
+                  "data_wait": f"{s['data_wait']:.4f}"})
     return 0
