@@ -224,7 +224,9 @@ def supervise(plan, use_gpu: bool, stop: threading.Event) -> int:
 
 
 def build_summary(plan, sup, monitor: RunMonitor, outcome, tau, elapsed: float) -> dict:
-    ledger = sup.ledger_report()
+    from app.run.supervise.pool_watch import ledger_report
+
+    ledger = ledger_report(sup.pool.stats())
     checksums = {round(r.weights_checksum, 6) for r in outcome.drafter_results}
     return {
         "epochs": plan.cfg.train.epochs,

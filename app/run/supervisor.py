@@ -4,7 +4,8 @@ The decisions (restart or give up a target, rebuild the drafter group, watchdog 
 fail) live in `app/run/supervise/policy.py`, a pure class. `Supervisor` is the loop between it and the
 actors, each behind a helper that returns the events it saw:
 - the pool behind `PoolClient` (app/run/supervise/pool_client.py): retried idempotent calls, a dead pool is
-  `RunFailed` with one line;
+  `RunFailed` with one line; what each of its snapshots says (new target failures and quarantined jobs,
+  the policy's `Tick`) is `PoolWatch` (app/run/supervise/pool_watch.py);
 - the targets behind `Targets` (app/run/supervise/targets.py): start, restart, liveness. A target crash: the
   pool has already put its jobs back; the policy says restart (a new actor in the same bundle,
   started without blocking the loop) or give up; a replacement whose `__init__` fails counts
@@ -28,21 +29,21 @@ from typing import Any, Callable
 from app.model.live_eval import stop_token
 from app.run.supervise.drafters import BundleWaits, DrafterGroup
 from app.run.evaluate.schedule import eval_spec
-from app.run.supervise.events import RunFailed
 from app.run.evaluate.final_tau import FinalTau, TauResult
 from app.run.elastic.extra_shell import ExtraGpus
 from app.run.elastic.grow_shell import Grower
 from app.run.outputs.monitor import RunMonitor
 from app.run.plan import RunPlan
 from app.run.supervise.pool_client import PoolClient, PoolDied
+from app.run.supervise.pool_watch import PoolWatch
 from app.run.elastic.resplit_shell import Resplitter
-from app.run.supervise.events import (Fail, GiveUpTarget, KillStalledTarget, PoolFailed, RebuildDrafters, RecreatePool, RequestStop, RestartTarget, StopSignal, TargetFailed, TargetStarted, Tick)
+from app.run.supervise.events import (Fail, GiveUpTarget, KillStalledTarget, PoolFailed, RebuildDrafters, RecreatePool,
+                                      RequestStop, RestartTarget, RunFailed, StopSignal, TargetFailed, TargetStarted)
 from app.run.supervise.policy import SupervisionPolicy, TargetState
 from app.run.supervise.targets import Targets
 from app.run.topology import Topology
 
 LOOP_WAIT_S = 0.5  # each loop turn waits this long for the drafters to finish
-POOL_NAME_FREE_S = 30.0  # how long a recreated pool waits for the dead one's actor name to be released
 
 
 @dataclass
@@ -65,8 +66,7 @@ class Supervisor:
         self.clock = clock
         self.policy = SupervisionPolicy(self.cfg.supervision, self.cfg.topology.num_targets, now=clock())
         self.outcome = Outcome()
-        self.seen_failures = 0
-        self.quarantined_seen: set[int] = set()
+        self.watch = PoolWatch(self.cfg.pool.min_ready)  # what each pool snapshot says, reported once
         self.last_status = 0.0
         self.on_status: Callable[[dict], None] | None = None  # the driver's wandb logger
         # Every tau of the run decodes with this one spec, the EOS of the target included.
@@ -162,11 +162,10 @@ class Supervisor:
         self._feed(failed)
         self._feed_all(self._log_restarted(self.fleet.poll_starts()))
         self._note_quarantined(stats)
-        for failure in stats.target_failures[self.seen_failures:]:
-            self.seen_failures += 1
-            self._feed(TargetFailed(failure.target_id, str(failure)))
+        for failure in self.watch.new_failures(stats):
+            self._feed(failure)
         self._feed_all(self.fleet.watch_idle(stats.oldest_in_flight_age_s))
-        self._feed(self._tick(stats))
+        self._feed(self.watch.tick(stats, self.monitor.step, self.group.progress()))
         self.resplit.observe()
         self.grow.observe()
         self.extra.observe()
@@ -178,9 +177,9 @@ class Supervisor:
         self.log(f"{action.reason.split('; the run stops here')[0]}; recreating it from the latest checkpoint "
                  f"({action.attempt}/{action.budget}, supervision.max_restarts_pool)")
         ckpt, ledger = self.group.stop_for_rebuild()
-        self.pool.replace(self._new_pool())
+        self.pool.recreate(lambda: self.topo.make_pool(len(self.cfg.data.bucket_boundaries)), self.clock)
         self._fill_pool(ledger)
-        self.seen_failures = 0  # the new pool's failure list starts empty
+        self.watch.new_pool()  # the new pool's failure list starts empty
         self._hand_over_targets()
         if self.changing_group():
             self.pool.request_stop()  # the dead pool's stop flag went with it
@@ -201,21 +200,6 @@ class Supervisor:
                 if state is TargetState.STARTING:
                     self._feed(TargetStarted(tid))
 
-    def _new_pool(self) -> Any:
-        """A pool actor in the dead one's place (a silent one is killed first: its name must be free)."""
-        import ray
-
-        ray.kill(self.pool.handle, no_restart=True)
-        deadline = self.clock() + POOL_NAME_FREE_S
-        while True:
-            try:
-                return self.topo.make_pool(len(self.cfg.data.bucket_boundaries))
-            except ValueError as exc:  # the name is still taken: the GCS has not released it yet
-                if self.clock() > deadline:
-                    raise RunFailed(f"the pool could not be recreated ({exc}); resubmit the same command to "
-                                    "resume from the latest checkpoint") from None
-                time.sleep(0.5)
-
     def _finish(self, results: list[Any]) -> None:
         self.outcome.drafter_results = results
         self.outcome.stopped = any(r.stopped for r in results)
@@ -232,18 +216,10 @@ class Supervisor:
 
     def _note_quarantined(self, stats) -> None:
         """A poison job (its forward failed twice) is set aside by the pool; say so once, with its error."""
-        for jid, error in sorted(stats.quarantined.items()):
-            if jid not in self.quarantined_seen:
-                self.quarantined_seen.add(jid)
-                self.monitor.note(f"job {jid} quarantined after failing twice: {error}")
-                self.log(f"WARNING: job {jid} quarantined (its forward failed twice: {error}); it is never "
-                         "trained; the run goes on (listed in summary.json quarantined_jobs)")
-
-    def _tick(self, stats) -> Tick:
-        # Servable: a pull could be served now; prefetched leases alone are not "data waiting".
-        servable = stats.buffered >= self.cfg.pool.min_ready or (stats.producing_finished and stats.buffered > 0)
-        return Tick(dict(stats.oldest_in_flight_age_s), servable, self.monitor.step, self.group.progress(),
-                    quarantined=len(stats.quarantined), total_jobs=stats.total_jobs)
+        for jid, error in self.watch.new_quarantined(stats):
+            self.monitor.note(f"job {jid} quarantined after failing twice: {error}")
+            self.log(f"WARNING: job {jid} quarantined (its forward failed twice: {error}); it is never "
+                     "trained; the run goes on (listed in summary.json quarantined_jobs)")
 
     # ---- policy ----------------------------------------------------------------------------
 
@@ -304,12 +280,6 @@ class Supervisor:
         the evaluations during the run; never raises (see app/run/evaluate/final_tau.py)."""
         final = FinalTau(self.eval_spec, self.cfg.eval.timeout_s, self.clock, self.log)
         return final.measure(self.alive_targets(), export_dir, self.outcome.steps)
-
-    def ledger_report(self) -> dict[str, Any]:
-        stats = self.pool.stats()
-        return {"jobs_acked": stats.acked, "jobs_acked_twice": stats.acked_twice, "jobs_total": stats.total_jobs,
-                "jobs_quarantined": len(stats.quarantined),
-                "quarantined_jobs": [{"job_id": j, "error": e} for j, e in sorted(stats.quarantined.items())]}
 
     def shutdown(self) -> None:
         import ray

@@ -5,7 +5,8 @@ pool's answer. Ray raises ActorUnavailableError for a connection that blips (see
 node-loss runs) without saying whether the call ran, so only the calls that are safe to send twice
 are retried, after a pause that doubles each time. A pool that died or stays silent raises `PoolDied`
 (a `RunFailed`: one line saying where a resubmission resumes from); the supervisor recreates the pool
-while `supervision.max_restarts_pool` lasts (`replace` swaps the handle every helper reaches it by).
+while `supervision.max_restarts_pool` lasts (`recreate` makes the new actor once the dead one's name is
+free; `replace` swaps the handle every helper reaches it by).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from app.run.supervise.events import RunFailed
 CALL_TIMEOUT_S = 60.0  # a live pool answers in milliseconds; a minute of silence means it is gone
 RETRIES = 5  # for idempotent calls only
 BACKOFF_S = 0.5  # the first pause; doubled per retry (0.5 + 1 + 2 + 4 + 8 = 15.5 s at most)
+NAME_FREE_S = 30.0  # how long a recreated pool waits for the dead one's actor name to be released
 
 # Calls that change nothing when they run twice: a retry after an unknown outcome is safe.
 IDEMPOTENT = frozenset({"stats", "request_stop", "finish_adding", "pause_target", "resume_target", "set_ranks",
@@ -39,6 +41,23 @@ class PoolClient:
     def replace(self, handle: Any) -> None:
         """A recreated pool: every later call (targets, drafter group, evaluations) goes to `handle`."""
         self.handle = handle
+
+    def recreate(self, make_pool: Callable[[], Any], clock: Callable[[], float]) -> None:
+        """A pool actor from `make_pool` in the dead one's place (a silent one is killed first: its name must
+        be free), then `replace`d. Raises RunFailed when the name stays taken for NAME_FREE_S."""
+        import ray
+
+        ray.kill(self.handle, no_restart=True)
+        deadline = clock() + NAME_FREE_S
+        while True:
+            try:
+                self.replace(make_pool())
+                return
+            except ValueError as exc:  # the name is still taken: the GCS has not released it yet
+                if clock() > deadline:
+                    raise RunFailed(f"the pool could not be recreated ({exc}); resubmit the same command to "
+                                    "resume from the latest checkpoint") from None
+                self._sleep(0.5)
 
     # ---- waited calls ----------------------------------------------------------------------
 
