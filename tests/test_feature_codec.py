@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from actors.target import batch_nbytes
-from app.bench.transport.object_store import FixedTrunk
+from app.bench.transport.path_ends import FixedTrunk
 from app.config.schema import ModelConfig, PoolConfig
 from app.data.batching import start_job
 from app.messages import ItemMeta, JobSpec
