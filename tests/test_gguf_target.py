@@ -159,3 +159,51 @@ def test_converted_folder_gives_the_gguf_logits() -> None:
     cfg = json.loads((folder / "config.json").read_text())
     assert "quantization_config" not in cfg and cfg["num_hidden_layers"] == 30 and cfg["hidden_size"] == 576
     assert os.path.getsize(folder / "model.safetensors") > 400e6  # float32, dequantized
+
+
+# --------------------------------------------------------------------------- serving
+
+
+@pytest.mark.parametrize("target, want", [("smollm2-135m-instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+                                          ("smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+                                          ("OWN", "OWN")])
+def test_export_names_the_verifier_engines_load(tmp_path: Path, target: str, want: str) -> None:
+    """The converted folder is this machine's cache: the export names the upstream checkpoint for the embedded
+    GGUF, the user's own .gguf path for theirs, in the speculators config, the launch lines and the summary."""
+    import shlex
+    from types import SimpleNamespace
+
+    import torch
+
+    from app.model.drafter import DFlashDrafter
+    from app.model.export import export_drafter
+    from app.run.outputs.run_outputs import print_serving, serving_outputs
+    from tests.toy import save_tiny_target, tiny_arch, tiny_qwen3_config
+
+    own = tmp_path / "my model.Q8_0.gguf"
+    target, want = (str(own), str(own)) if target == "OWN" else (target, want)
+    converted = tmp_path / "cache" / "abc-v1"  # what resolve_target hands the run
+    save_tiny_target(converted)
+    torch.manual_seed(0)
+    arch = tiny_arch(tiny_qwen3_config(), num_layers=1, block_size=4, target_layer_ids=(0, 2), mask_token_id=7)
+    root = tmp_path / "run"
+    export = export_drafter(DFlashDrafter(arch).eval(), arch, root / "drafter")
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(dir=str(root)), drafter=SimpleNamespace(block_size=4))
+    summary = serving_outputs(cfg, str(converted), str(export), tau=2.0, log=lambda _: None,
+                              verifier=gt.serving_name(target, str(converted)))
+    spec = json.loads((root / "drafter-speculators" / "config.json").read_text())
+    verifier = spec["speculators_config"]["verifier"]
+    assert verifier == {"name_or_path": want, "architectures": ["Qwen3ForCausalLM"]}
+    for engine in ("vllm", "sglang", "vllm_speculators"):
+        assert str(converted) not in summary["serve"][engine]
+    assert shlex.split(summary["serve"]["vllm"])[:3] == ["vllm", "serve", want]
+    assert shlex.split(summary["serve"]["sglang"])[4] == want  # --model-path
+    assert summary["verifier"] == want
+    printed: list[str] = []
+    print_serving(summary, printed.append)
+    assert printed[0] == f"verifier (the target engines load, named in drafter-speculators/config.json): {want}"
+
+
+def test_a_plain_folder_target_is_its_own_verifier(tmp_path: Path) -> None:
+    assert gt.serving_name("/models/Qwen3-8B", "/models/Qwen3-8B") == "/models/Qwen3-8B"
+    assert gt.serving_name("tiny", "/c/tiny/abc/model") == "/c/tiny/abc/model"

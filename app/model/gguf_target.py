@@ -160,3 +160,9 @@ def load_target(target: str = EMBEDDED_NAME, cache_root: str | Path | None = Non
     folder = converted_dir(target, cache_root)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     return model.eval(), AutoTokenizer.from_pretrained(folder)
+
+
+def serving_name(target: str, model_dir: str) -> str:
+    """The verifier an export names for `model.target`: `verifier_name` for a GGUF target (its converted
+    folder is this machine's cache, not something an engine should load), else the target folder itself."""
+    return verifier_name(target) if is_gguf_target(target) else str(model_dir)

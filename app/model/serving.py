@@ -80,9 +80,12 @@ def speculators_config(hf_config: dict[str, Any], target_name: str = "", target_
     }
 
 
-def write_speculators(export_dir: str | Path, out_dir: str | Path, target_dir: str | Path | None = None) -> Path:
+def write_speculators(export_dir: str | Path, out_dir: str | Path, target_dir: str | Path | None = None,
+                      target_name: str | None = None) -> Path:
     """`out_dir` as the speculators format of the z-lab export at `export_dir`: the same weights
-    (hard-linked when the filesystem allows, else copied) and the speculators config.json."""
+    (hard-linked when the filesystem allows, else copied) and the speculators config.json. Its verifier is
+    `target_name` (what engines load, e.g. an HF id for a converted GGUF), else `target_dir`; the
+    architectures come from `target_dir`'s config.json."""
     import os
     import shutil
 
@@ -98,7 +101,7 @@ def write_speculators(export_dir: str | Path, out_dir: str | Path, target_dir: s
         os.link(src / "model.safetensors", weights)
     except OSError:
         shutil.copyfile(src / "model.safetensors", weights)
-    cfg = speculators_config(hf, str(target_dir or ""), arches)
+    cfg = speculators_config(hf, str(target_name or target_dir or ""), arches)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")  # last: a reader sees complete weights
     return out
 

@@ -171,6 +171,7 @@ def install_stop_handler():
 
 def supervise(plan, use_gpu: bool, stop: threading.Event) -> int:
     from app.run.supervise.events import RunFailed
+    from app.model.gguf_target import serving_name
     from app.run.outputs.run_outputs import RunOutputs, print_serving, serving_outputs
     from app.run.plan import run_name
     from app.run.supervisor import Supervisor
@@ -208,7 +209,8 @@ def supervise(plan, use_gpu: bool, stop: threading.Event) -> int:
         summary.update(outputs.finish(outcome.steps, export_dir))  # tau_history, tau_best, split_advice
         summary.update(serving_outputs(cfg, plan.model_dir, export_dir,  # launch lines, drafter-speculators/
                                        tau.trained if tau.trained is not None else
-                                       (summary.get("tau_best") or {}).get("tau"), log))
+                                       (summary.get("tau_best") or {}).get("tau"), log,
+                                       verifier=serving_name(cfg.model.target, plan.model_dir)))
         write_summary(cfg, summary)
         wandb.finish(summary)
         log(f"exported drafter to {export_dir}")

@@ -79,11 +79,14 @@ class RunOutputs:
         self.log(f"report: {path}")
 
 
-def serving_outputs(cfg, model_dir: str, export_dir: str | None, tau: float | None, log=print) -> dict:
+def serving_outputs(cfg, model_dir: str, export_dir: str | None, tau: float | None, log=print,
+                    verifier: str | None = None) -> dict:
     """After the export: `drafter-speculators/` beside `drafter/` (app/model/serving.py), the vLLM and
     SGLang launch lines with the run's real paths and `block_size - 1`, and the decode speed estimate
     from `tau`. The summary fields `serve` and `serving_estimate`; {} when nothing was exported. A
-    speculators folder that cannot be written is a warning: `drafter/` is what the lines serve."""
+    speculators folder that cannot be written is a warning: `drafter/` is what the lines serve. `verifier`: the
+    target the engines load, when it is not `model_dir` (a GGUF target: its HF id or .gguf path; the summary's
+    `verifier`)."""
     from app.model.serving import SPECULATORS_DIR, cost_ratio, launch_lines, speed_estimate
     from app.storage import fetch_dir
 
@@ -92,18 +95,21 @@ def serving_outputs(cfg, model_dir: str, export_dir: str | None, tau: float | No
     local = fetch_dir(export_dir, cache=False)  # a URI export: this node's one cached copy (app/local_cache.py)
     spec_dir = None
     try:
-        spec_dir = _write_speculators(cfg.checkpoint.dir, export_dir, local, model_dir)
+        spec_dir = _write_speculators(cfg.checkpoint.dir, export_dir, local, model_dir, verifier)
     except (OSError, ValueError, KeyError) as exc:
         log(f"WARNING: {SPECULATORS_DIR}/ not written ({type(exc).__name__}: {exc})")
-    lines = launch_lines(model_dir, export_dir, cfg.drafter.block_size, spec_dir)
+    verifier = verifier or model_dir
+    lines = launch_lines(verifier, export_dir, cfg.drafter.block_size, spec_dir)
     hf = json.loads((local / "config.json").read_text())
     ratio = cost_ratio(model_dir, local, int(hf["vocab_size"]), int(hf["hidden_size"]))
     estimate = speed_estimate(tau, ratio)
-    return {"serve": lines, "serving_estimate": estimate}
+    return {"serve": lines, "serving_estimate": estimate, "verifier": verifier}
 
 
 def print_serving(summary: dict, log=print) -> None:
     """The launch lines (and the estimate) at the end of a run, one per line."""
+    if summary.get("verifier"):
+        log(f"verifier (the target engines load, named in drafter-speculators/config.json): {summary['verifier']}")
     for engine, line in (summary.get("serve") or {}).items():
         log(f"serve with {engine}: {line}")
     est = summary.get("serving_estimate")
@@ -112,7 +118,7 @@ def print_serving(summary: dict, log=print) -> None:
             f"cost ratio {est['ratio']:.1f} from {est['ratio_basis']})")
 
 
-def _write_speculators(root: str, export_dir: str, local: Path, model_dir: str) -> str:
+def _write_speculators(root: str, export_dir: str, local: Path, model_dir: str, verifier: str | None = None) -> str:
     """The speculators-format folder `<root>/drafter-speculators` from the export (`local`: its files on
     this node), published as the export is (atomic locally, config.json last on a URI)."""
     import os
@@ -123,8 +129,8 @@ def _write_speculators(root: str, export_dir: str, local: Path, model_dir: str) 
 
     if not is_uri(root):
         return str(publish_export(os.path.join(root, SPECULATORS_DIR),
-                                  lambda tmp: write_speculators(export_dir, tmp, model_dir)))
+                                  lambda tmp: write_speculators(export_dir, tmp, model_dir, verifier)))
     store = open_storage(root)
     with store.scratch(SPECULATORS_DIR) as tmp:  # in this user's cache root: a SIGKILL's leftover is cleaned
-        write_speculators(local, tmp, model_dir)
+        write_speculators(local, tmp, model_dir, verifier)
         return store.upload_dir(tmp, SPECULATORS_DIR, last="config.json")
