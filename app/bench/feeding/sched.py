@@ -1,5 +1,6 @@
 """`python -m app.bench sched`: does each step mix the buckets as the data does, does a bucket pile up,
-do the drafters stay fed? Four layouts on the same sleeping actors, same schedule, one run each:
+do the drafters stay fed? Four layouts on the same sleeping actors (app/bench/feeding/sleepers.py), same
+schedule, one run each:
   stratified: the HSPoolActor with its default pull policy (each bucket at its own rate);
   rr:         the HSPoolActor with per-drafter round-robin over non-empty buckets;
   random:     the HSPoolActor with uniformly random pulls over buffered items;
@@ -31,16 +32,12 @@ from __future__ import annotations
 import argparse
 import time
 
-import numpy as np
-
+from app.bench.common import own_cluster, print_result
+from app.bench.feeding.sleepers import ACCUM, NUM_DRAFTERS, NUM_TARGETS, Barrier, SleepDrafter, SleepTarget
 from app.config.schema import PoolConfig
-from app.messages import EndOfStream, HiddenBatch, ItemMeta, JobSpec, PulledItem
+from app.messages import EndOfStream, JobSpec
 from app.pool.measures import BacklogMeter, bucket_counts, shares_of, step_tv, step_tv_floor, tail_single
-from app.training.effects import (AwaitPull, Compute, Fetched, Gather, LoopConfig, PullAnswered, Reduce, SendAcks,
-                                  Sleep, StartPull, StepTotals, sum_votes)
-from app.training.loop import QuietHooks, RankLoop, drive
 
-NUM_TARGETS, NUM_DRAFTERS, ACCUM = 5, 3, 4
 DRAFTER_COST = [0.30, 0.25, 0.20, 0.15, 0.10, 0.05]  # s per item by bucket (short sequences: more rows)
 FAST_COST = [0.080, 0.068, 0.056, 0.044, 0.032, 0.020]  # --fast: 20-80 ms
 MIXES = {  # jobs per bucket: conf/tiny.yaml's own mix (the longest bucket dominates) and a middle-heavy one
@@ -60,137 +57,6 @@ def costs(mix: list[int], scale: float, fast: bool = False) -> tuple[list[float]
     mean_shape = sum(m * s for m, s in zip(mix, shape)) / sum(mix)
     per_job = NUM_TARGETS * mean / (NUM_DRAFTERS * SUPPLY)
     return drafter, [per_job * s / mean_shape for s in shape]
-
-
-def _payload(job: JobSpec, target_id: int, cost: float) -> tuple[ItemMeta, HiddenBatch]:
-    hb = HiddenBatch(job.job_id, np.zeros((1, 4, 4), np.float32), "float32",
-                     np.zeros((1, 4), np.int64), np.ones((1, 4), np.uint8), np.array([4]))
-    return ItemMeta(job.job_id, job.bucket, 1, 4, 4, 64, target_id, cost), hb
-
-
-class SleepTarget:
-    """Sleeps its cost per job; serves the pool (forward) or its queue (produce); logs when each lands."""
-
-    def __init__(self, target_id: int, target_cost: list[float], seed: int) -> None:
-        import random
-
-        self.target_id, self.cost, self.rng = target_id, target_cost, random.Random(seed)
-        self.log: list[tuple[int, int, float]] = []  # (job id, bucket, time done)
-
-    def ready(self) -> bool:
-        return True
-
-    def forward(self, job: JobSpec):
-        cost = self.cost[job.bucket] * (0.85 + 0.3 * self.rng.random())
-        time.sleep(cost)
-        self.log.append((job.job_id, job.bucket, time.time()))
-        return _payload(job, self.target_id, cost)
-
-    def produce(self, queue, jobs: list[JobSpec]) -> int:
-        for job in jobs:
-            got = self.forward(job)
-            queue.put(got)
-            self.log[-1] = (job.job_id, job.bucket, time.time())  # in the buffer once the put returns
-        return len(jobs)
-
-    def take_log(self) -> list[tuple[int, int, float]]:
-        out, self.log = self.log, []
-        return out
-
-
-class Barrier:
-    """The step's collectives (the all-reduce, the all-gather): every rank's value, once all arrived."""
-
-    def __init__(self, ranks: int) -> None:
-        self.ranks, self.rounds = ranks, {}
-
-    async def arrive(self, key: tuple[str, int], rank: int, value) -> list:
-        import asyncio
-
-        st = self.rounds.setdefault(key, {"values": [None] * self.ranks, "n": 0, "ev": asyncio.Event()})
-        st["values"][rank] = value
-        st["n"] += 1
-        if st["n"] == self.ranks:
-            st["ev"].set()
-        await st["ev"].wait()
-        return st["values"]
-
-
-class _SleepOps(QuietHooks):
-    """The loop's operations of one sleeping rank: Ray pulls (or a queue), sleeps, the barrier actor."""
-
-    def __init__(self, source, is_pool: bool, rank: int, cost: list[float], barrier) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.source, self.is_pool, self.rank, self.cost, self.barrier = source, is_pool, rank, cost, barrier
-        self.ex, self.pending = ThreadPoolExecutor(1), None
-        self.reduces, self.optimizer_steps = 0, 0
-        self.items: list = []  # (step, job id, bucket, time received)
-        self.waits: list = []  # (start, end) of each wait for a pull
-
-    def _fetch(self, acks: tuple[int, ...]):
-        import ray
-
-        if not self.is_pool:
-            got = self.source.get()
-            return (got if isinstance(got, EndOfStream) else PulledItem(got[0], None)), time.time()
-        got = ray.get(self.source.pull.remote(self.rank, 0, list(acks)))
-        if isinstance(got, PulledItem):
-            ray.get(got.payload_ref)
-        return got, time.time()
-
-    def start_pull(self, eff: StartPull) -> None:
-        self.pending = self.ex.submit(self._fetch, eff.acks)
-
-    def pull_answered(self, _: PullAnswered) -> bool:
-        return self.pending.done()
-
-    def await_pull(self, _: AwaitPull) -> Fetched:
-        t0 = time.time()
-        got, t_received = self.pending.result()
-        self.waits.append((t0, time.time()))
-        return Fetched(got, t_received, self.waits[-1][1] - t0)
-
-    def compute(self, eff: Compute) -> None:
-        meta = eff.item.meta
-        self.items.append((self.reduces, meta.job_id, meta.bucket, eff.payload))
-        time.sleep(self.cost[meta.bucket])
-
-    def send_acks(self, eff: SendAcks) -> None:
-        import ray
-
-        if self.is_pool:
-            ray.get(self.source.ack.remote(self.rank, list(eff.job_ids)))
-
-    def reduce(self, eff: Reduce) -> StepTotals:
-        import ray
-
-        votes = ray.get(self.barrier.arrive.remote(("reduce", self.reduces), self.rank, eff))
-        totals = sum_votes(votes, self.optimizer_steps)
-        self.reduces, self.optimizer_steps = self.reduces + 1, totals.step
-        return totals
-
-    def sleep(self, eff: Sleep) -> None:
-        time.sleep(eff.seconds)
-
-    def gather(self, eff: Gather) -> list:
-        import ray
-
-        return ray.get(self.barrier.arrive.remote(("gather", self.reduces), self.rank, list(eff.job_ids)))
-
-
-class SleepDrafter:
-    """One lockstep rank: the drafter's own step protocol (app/training/loop.py, which actors/drafter.py
-    drives) with a sleep of the item's cost for compute and a barrier actor for the collectives."""
-
-    def ready(self) -> bool:
-        return True
-
-    def run(self, source, is_pool: bool, rank: int, cost: list[float], barrier) -> dict:
-        ops = _SleepOps(source, is_pool, rank, cost, barrier)
-        drive(RankLoop(LoopConfig(rank, NUM_DRAFTERS, ACCUM)), ops)
-        ops.ex.shutdown(wait=False)
-        return {"items": ops.items, "waits": ops.waits}
 
 
 def run_layout(ray, layout: str, targets, drafters, jobs: list[JobSpec], dcost: list[float]) -> dict:
@@ -296,14 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, dict] = {}
     ray = None
     if not args.sim:
-        import ray
-
-        from app.ray_cluster import start_own_cluster
-
-        start_own_cluster(num_cpus=16)  # never another cluster on the machine (RAY_ADDRESS, ray start)
         import sys
 
+        from app.bench.feeding import sleepers
+
+        ray = own_cluster(16)  # never another cluster on the machine (RAY_ADDRESS, ray start)
         ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+        ray.cloudpickle.register_pickle_by_value(sleepers)
         drafters = [ray.remote(SleepDrafter).options(max_concurrency=2).remote() for _ in range(NUM_DRAFTERS)]
     for mix_name in mixes:
         mix = MIXES[mix_name]
@@ -336,8 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     r = res[mixes[0]]
     s = r["stratified"]
     q = r.get("queue", {"busy_min": float("nan")})
-    print(f"RESULT step_tv={s['step_tv']:.3f} step_tv_floor={s['step_tv_floor']:.3f} backlog={s['backlog']:.3f} "
-          f"tail_single={s['tail_single']:.3f} busy_min={s['busy_min']:.3f} rr_step_tv={r['rr']['step_tv']:.3f} "
-          f"rr_backlog={r['rr']['backlog']:.3f} random_step_tv={r['random']['step_tv']:.3f} "
-          f"queue_busy_min={q['busy_min']:.3f}")
+    print_result({"step_tv": s["step_tv"], "step_tv_floor": s["step_tv_floor"], "backlog": s["backlog"],
+                  "tail_single": s["tail_single"], "busy_min": s["busy_min"], "rr_step_tv": r["rr"]["step_tv"],
+                  "rr_backlog": r["rr"]["backlog"], "random_step_tv": r["random"]["step_tv"],
+                  "queue_busy_min": q["busy_min"]})
     return 0
