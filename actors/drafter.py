@@ -62,7 +62,7 @@ class DrafterActor:
         must see one folder, app/run/supervise/drafters.py `check_probe`). Returns where, on which node."""
         import ray
 
-        from app.storage import is_uri, open_storage
+        from app.storage.roots import is_uri, open_storage
 
         where = open_storage(self.cfg.checkpoint.dir).write_file(name, token.encode())
         return f"{where if is_uri(where) else os.path.abspath(where)} on node {ray.util.get_node_ip_address()}"
@@ -154,7 +154,7 @@ class DrafterActor:
     def export(self) -> str:
         """Rank 0: the drafter as an HF folder at `<checkpoint.dir>/drafter` (uploaded when a URI)."""
         from app.model.export import export_drafter, export_dtype, publish_export
-        from app.storage import is_uri, open_storage
+        from app.storage.roots import is_uri, open_storage
 
         root, dtype = self.cfg.checkpoint.dir, export_dtype(self.cfg.checkpoint.export_dtype)  # bf16 by default
         if not is_uri(root):  # a temp sibling exchanged in: a reader never sees new weights beside an old config

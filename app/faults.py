@@ -10,7 +10,7 @@ import os
 import time
 from pathlib import Path
 
-from app.storage import local_cache_dir
+from app.storage.roots import local_cache_dir
 
 
 def fire_once(run_dir: str | Path, name: str) -> bool:

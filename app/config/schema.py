@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from omegaconf import MISSING
 
 from app.config.values import at_least, fail, finite, one_of, positive
-from app.storage import has_credentials, redact
+from app.storage.roots import has_credentials, redact
 
 TINY_TARGET = "tiny"
 # Token ids the tiny tokenizer reserves before its words (special tokens and role words);

@@ -31,7 +31,7 @@ import numpy as np
 from app.config.schema import Config, DataConfig
 from app.data.dataset import DataSummary, TokenizedDataset
 from app.data.shards import file_kind
-from app.storage import local_cache_dir
+from app.storage.roots import local_cache_dir
 
 CACHE_VERSION = 2  # bump when the tokenizer path changes what it writes for the same inputs
 _ARRAYS = ("tokens", "loss_mask", "offsets")
@@ -44,7 +44,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 def cache_root(cfg: Config) -> Path:
     """`data.cache_dir`, or `<checkpoint.dir>/data-cache` when it is empty. The cache is memory-mapped,
     so it must be a local (or mounted) path: with a URI `checkpoint.dir` (s3://...) the default is
-    `data-cache` in the run's folder of this user's private cache root (`app.storage.local_cache_dir`),
+    `data-cache` in the run's folder of this user's private cache root (`app.storage.roots.local_cache_dir`),
     which outlives the job's copy of the working directory, so a resubmitted job reuses it."""
     if cfg.data.cache_dir:
         return Path(cfg.data.cache_dir)
