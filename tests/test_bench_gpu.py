@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.bench.compute import gpu
+from app.bench.compute import gpu, gpu_drafter
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
@@ -44,11 +44,11 @@ def test_drafter_training_flops_count_only_valid_anchors():
     arch = SimpleNamespace(hidden_size=8, block_size=4, num_heads=2, num_kv_heads=1, head_dim=4, intermediate_size=16,
                            feature_dim=24, num_layers=2, vocab_size=50)
     hb = SimpleNamespace(lengths_B=np.array([10, 3]), loss_mask_BS=np.ones((2, 10), np.uint8))
-    one = gpu.drafter_train_flops(arch, hb, num_anchors=100)
+    one = gpu_drafter.drafter_train_flops(arch, hb, num_anchors=100)
     # Row 1 (length 3 < block 4) has no anchor; row 0 has positions 0..6 -> 7 anchors.
     hb1 = SimpleNamespace(lengths_B=np.array([10]), loss_mask_BS=np.ones((1, 10), np.uint8))
-    assert one == gpu.drafter_train_flops(arch, hb1, num_anchors=100) > 0
-    assert gpu.drafter_train_flops(arch, hb1, num_anchors=3) < one  # fewer anchors, less work
+    assert one == gpu_drafter.drafter_train_flops(arch, hb1, num_anchors=100) > 0
+    assert gpu_drafter.drafter_train_flops(arch, hb1, num_anchors=3) < one  # fewer anchors, less work
 
 
 @pytest.mark.slow
