@@ -11,7 +11,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     from app.run.outputs.report import fetch_run_files, publish_report, write_report
-    from app.storage import redact
+    from app.storage.roots import redact
     from app.run.outputs.timeline import FILE_NAME, iter_timeline
 
     p = argparse.ArgumentParser(prog="python -m app.report", description=__doc__.splitlines()[0])

@@ -174,7 +174,7 @@ def test_a_uri_checkpoint_dir_keeps_the_cache_on_local_disk(tmp_path) -> None:
 
     cfg = _cfg(tmp_path, [])
     assert cache_root(cfg) == tmp_path / "run" / "data-cache"
-    from app.storage import cache_root as user_cache_root
+    from app.storage.local_cache import cache_root as user_cache_root
 
     # A URI run's cache lives in this user's private root, not in the job's throwaway working-dir copy.
     uri_cache = cache_root(replace(cfg, checkpoint=CheckpointConfig(dir="s3://bucket/run")))

@@ -5,8 +5,9 @@ Layers, top to bottom:
   anything;
 - `actors/`: thin Ray shells over the layer below; never import `app/run/`, `app/bench/` or entry points;
 - everything else in `app/` (config, data, pool, model, training, tiny and the shared leaves at the top:
-  messages, devices, faults, storage): never imports `actors/` or anything above it. A shared leaf
-  imports no other project module but another shared leaf (faults keeps its markers where storage says).
+  messages, devices, faults, and every module of the storage package): never imports `actors/` or
+  anything above it. A shared leaf imports no other project module but another shared leaf (faults
+  keeps its markers where storage says).
 No import cycles anywhere.
 """
 from __future__ import annotations
@@ -16,8 +17,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY_POINTS = {"app.train", "app.prepare", "app.regenerate", "app.evaluate", "app.advise", "app.report"}
-TOP_LEVEL_LEAVES = {"app", "app.messages", "app.devices", "app.faults", "app.ray_cluster", "app.storage", "app.local_cache",
-                    "app.metric_names"}
+LEAF_PACKAGES = ("app.storage",)  # packages at app/'s top whose every module is a shared leaf
+TOP_LEVEL_LEAVES = {"app", "app.messages", "app.devices", "app.faults", "app.ray_cluster", "app.metric_names",
+                    "app.storage", "app.storage.roots", "app.storage.publish", "app.storage.uri_storage",
+                    "app.storage.fetch", "app.storage.local_cache"}
 UPPER_PACKAGES = ("app.run", "app.bench")
 
 
@@ -103,6 +106,8 @@ def test_no_import_cycles():
 def test_app_top_level_holds_only_entry_points_and_shared_leaves():
     top = {module_name(p) for p in (ROOT / "app").glob("*.py")}
     assert top <= ENTRY_POINTS | TOP_LEVEL_LEAVES, sorted(top - ENTRY_POINTS - TOP_LEVEL_LEAVES)
+    in_leaf_packages = {m for m in all_modules() if m.startswith(tuple(f"{p}." for p in LEAF_PACKAGES))}
+    assert in_leaf_packages <= TOP_LEVEL_LEAVES, sorted(in_leaf_packages - TOP_LEVEL_LEAVES)
     assert leaf_imports_outside_leaves(graph()) == {}
 
 

@@ -118,7 +118,7 @@ def test_uri_run_gets_its_speculators_folder_uploaded(run, tmp_path):
     """A URI checkpoint.dir (file:// here, the same UriStorage path as s3://): the folder is uploaded beside drafter/."""
     from pathlib import Path
 
-    from app.storage import open_storage
+    from app.storage.roots import open_storage
 
     _, target, export, _, _ = run
     root = (tmp_path / "bucket").as_uri()

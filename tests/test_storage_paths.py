@@ -1,4 +1,4 @@
-"""Where a run's local files go for a local or a URI `checkpoint.dir` (app/storage.py), and the users of
+"""Where a run's local files go for a local or a URI `checkpoint.dir` (app/storage/), and the users of
 that one rule: fault markers (app/faults.py) and the tokenized-data cache (app/data/cache.py). No Ray."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from app.faults import fire_once
-from app.storage import is_uri, local_cache_dir, local_path
+from app.storage.roots import is_uri, local_cache_dir, local_path
 
 URI = "s3://bucket/runs/qwen?endpoint_override=127.0.0.1:9000&scheme=http"
 
@@ -50,7 +50,7 @@ def test_faults_fire_once_per_run_dir_local_and_uri(tmp_path: Path, tmp_temp_dir
 @pytest.mark.parametrize("as_uri", [False, True])
 def test_an_export_uploaded_over_an_older_one_leaves_none_of_its_files(tmp_path: Path, as_uri: bool) -> None:
     """An engine loads every *.safetensors in drafter/: an older run's shards must not outlive it."""
-    from app.storage import open_storage
+    from app.storage.roots import open_storage
 
     root = tmp_path / "run"
     store = open_storage(f"file://{root}" if as_uri else root)

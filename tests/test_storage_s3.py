@@ -12,7 +12,8 @@ import torch
 
 from app.training.checkpoint import TrainState, latest_checkpoint, list_checkpoints, load_checkpoint, read_ledger, \
     save_checkpoint
-from app.storage import MARKER, open_storage, root_name
+from app.storage.publish import MARKER
+from app.storage.roots import open_storage, root_name
 
 pytest.importorskip("moto", reason="moto[server] is a dev dependency (pip install -e .[dev])")
 
@@ -84,7 +85,7 @@ def test_files_and_names_through_storage(s3, tmp_path: Path) -> None:
 
 
 def test_export_folder_upload_is_plain_and_config_comes_last(s3, tmp_path: Path) -> None:
-    from app.storage import fetch_dir
+    from app.storage.fetch import fetch_dir
 
     local = tmp_path / "export"
     local.mkdir()
@@ -106,7 +107,7 @@ def test_export_folder_upload_is_plain_and_config_comes_last(s3, tmp_path: Path)
 def test_tiny_run_checkpoints_to_s3_and_resumes_from_it(ray_cluster, s3, tmp_path: Path) -> None:
     import json
 
-    from app.storage import fetch_dir
+    from app.storage.fetch import fetch_dir
     from tests.e2e_helpers import run_in_process, sigterm_and_wait, start_driver, wait_for
 
     root = s3.uri("tiny-run")

@@ -24,7 +24,7 @@ def private_tmp(tmp_path: Path, monkeypatch) -> Path:
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))  # the SIGKILLed subprocess stages there too
-    from app.storage import cache_root
+    from app.storage.local_cache import cache_root
 
     return cache_root()
 
@@ -47,7 +47,7 @@ def _tiny_drafter(seed: int, layers: int = 1):
 def _upload_export(tmp_path: Path, uri: str, seed: int, layers: int = 1) -> dict:
     """Export a drafter and upload it to `<uri>/drafter` as the driver does (in place, config.json last)."""
     from app.model.export import export_drafter
-    from app.storage import open_storage
+    from app.storage.roots import open_storage
 
     drafter, arch = _tiny_drafter(seed, layers)
     local = export_drafter(drafter, arch, tmp_path / f"export-{seed}")
@@ -62,7 +62,7 @@ def test_loading_a_uri_export_again_reuses_its_one_copy(s3, tmp_path: Path, priv
     is checked against the remote listing (keys, sizes, mtimes); S3 keeps mtimes in whole seconds, so the
     rewrite here is one of another size, as a same-size one within the same second would look unchanged."""
     from app.model.export import load_drafter
-    from app.storage import open_storage
+    from app.storage.roots import open_storage
 
     uri = s3.uri("export-reuse")
     first = _upload_export(tmp_path, uri, seed=1)
@@ -82,7 +82,7 @@ def test_only_the_newest_checkpoint_versions_stay_cached(s3, private_tmp: Path) 
     """(a) every checkpoint version a node loaded stayed in its cache (five resumes: five copies of the
     weights and optimizer). Now at most KEEP_VERSIONS per run root, the newest loaded ones, and a
     checkpoint loaded twice is downloaded once."""
-    from app.local_cache import KEEP_VERSIONS
+    from app.storage.local_cache import KEEP_VERSIONS
     from app.training.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 
     uri = s3.uri("versions")
@@ -101,10 +101,10 @@ def test_a_sigkilled_stager_s_folder_is_removed_on_the_next_start(tmp_path: Path
     """(a) a process killed mid-save (SIGKILL: no finally runs) left its staging folder in the cache
     forever (the export's upload folder too, in /tmp). The next process that stages or downloads removes
     them; a live process's staging, a planted symlink's target and other folders stay."""
-    from app import local_cache
+    from app.storage import local_cache
 
     uri = f"file://{tmp_path / 'bucket' / 'run'}"
-    code = ("import os, signal; from app.storage import open_storage\n"
+    code = ("import os, signal; from app.storage.roots import open_storage\n"
             f"store = open_storage({uri!r})\n"
             "p = store.stage('ckpt-00000007'); (p / 'drafter.safetensors').write_bytes(b'x' * 1000); print(p)\n"
             "with store.scratch('drafter') as q:  # the export's folder before its upload\n"
@@ -136,7 +136,9 @@ def test_a_uri_save_and_load_stream_in_chunks(tmp_path: Path, private_tmp: Path)
     import hashlib
     import tracemalloc
 
-    from app.storage import CHUNK, fetch_dir, open_storage
+    from app.storage.fetch import fetch_dir
+    from app.storage.roots import open_storage
+    from app.storage.uri_storage import CHUNK
 
     size = 64 << 20
     store = open_storage(f"file://{tmp_path / 'bucket' / 'run'}")

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 from pyarrow.fs import FileSelector
 
-from app.storage import MARKER, fetch_dir, open_storage, safe_destination
+from app.storage.fetch import fetch_dir, safe_destination
+from app.storage.publish import MARKER
+from app.storage.roots import open_storage
 
 
 # ---- item 11: path traversal from the bucket ------------------------------------------------------
@@ -344,7 +346,8 @@ def test_uri_caches_live_in_a_private_per_user_root(tmp_path: Path, monkeypatch)
     import os
     import stat
 
-    from app.storage import cache_root, local_cache_dir
+    from app.storage.local_cache import cache_root
+    from app.storage.roots import local_cache_dir
 
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     folder = local_cache_dir("s3://b/runs/x")

@@ -100,9 +100,9 @@ def make_readable(folder: str | Path) -> None:
 def publish_export(out_dir: str | Path, write: Callable[[Path], None],
                    keep_existing: Callable[[Path], bool] | None = None) -> Path | None:
     """`write(tmp)` fills a fresh temp sibling of `out_dir`, which then replaces `out_dir` atomically
-    (app/storage.py LocalStorage.publish). `keep_existing(out_dir)`, asked under a lock at swap time:
+    (app/storage/publish.py LocalStorage.publish). `keep_existing(out_dir)`, asked under a lock at swap time:
     True keeps the folder there and drops the new one (returns None), e.g. a better best drafter."""
-    from app.storage import LocalStorage
+    from app.storage.publish import LocalStorage
 
     out = Path(out_dir)
     store = LocalStorage(out.parent)
@@ -163,10 +163,10 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu",
                  dtype: torch.dtype | None = None) -> tuple[DFlashDrafter, DrafterArch]:
     """Rebuild a drafter from an exported folder (strict: every tensor must match by name and shape).
 
-    `path` may be a URI (`s3://...`, see app/storage.py): it is downloaded first."""
+    `path` may be a URI (`s3://...`, see app/storage/fetch.py): it is downloaded first."""
     from safetensors.torch import load_file
 
-    from app.storage import fetch_dir
+    from app.storage.fetch import fetch_dir
 
     path = fetch_dir(path, cache=False)  # rewritten in place: a cached copy only while the listing is unchanged
     if not (path / "config.json").exists():

@@ -15,7 +15,7 @@ from app.config.errors import UserError
 from app.pool.budget import check_object_store
 from app.run.outputs.monitor import RunMonitor
 from app.ray_cluster import init_ray
-from app.storage import redact
+from app.storage.roots import redact
 
 
 def log(msg: str) -> None:
@@ -82,7 +82,7 @@ def check_dir_shared(cfg: Config) -> None:
     """A relative checkpoint.dir on an existing cluster (`ray job submit`) resolves in each node's own
     working-dir copy: the driver and rank 0 would write different folders. Refuse it."""
     from app.config.errors import ConfigError
-    from app.storage import is_uri
+    from app.storage.roots import is_uri
 
     address = os.environ.get("RAY_ADDRESS", "")
     if address and address != "local" and not is_uri(cfg.checkpoint.dir) and not os.path.isabs(cfg.checkpoint.dir):
@@ -260,7 +260,7 @@ def build_summary(plan, sup, monitor: RunMonitor, outcome, tau, elapsed: float) 
 
 def write_summary(cfg: Config, summary: dict) -> str:
     """`<checkpoint.dir>/summary.json`, replaced in one step (a local path or a URI)."""
-    from app.storage import open_storage
+    from app.storage.roots import open_storage
 
     data = json.dumps(summary, indent=2, default=str).encode()
     return open_storage(cfg.checkpoint.dir).write_file("summary.json", data)

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Callable
 
 from app.config.errors import UserError
-from app.local_cache import pid_alive
-from app.storage import is_uri, open_storage, redact
+from app.storage.local_cache import pid_alive
+from app.storage.roots import is_uri, open_storage, redact
 
 LEASE_FILE = ".run-lease"
 

@@ -20,7 +20,7 @@ from app.config.checks import (TargetInfo, check_step_fits, check_target, read_t
                                resolved_mask_token_id)
 from app.config.errors import ConfigError
 from app.data.schedule import ScheduledJobs
-from app.storage import redact
+from app.storage.roots import redact
 
 
 @dataclass
@@ -148,7 +148,7 @@ def run_name(cfg: Config) -> str:
     (runs/a/exp, runs/b/exp) thus stay two runs; the same folder resumes under the same one."""
     import hashlib
 
-    from app.storage import is_uri, redact, root_name
+    from app.storage.roots import is_uri, redact, root_name
 
     if cfg.logging.run_name:
         return cfg.logging.run_name

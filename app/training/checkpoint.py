@@ -5,7 +5,7 @@ RNG states), `state.json` (step, epoch, ledger of acked job ids as per-epoch bit
 older checkpoints hold a sorted id list, still read; extra counters). A checkpoint is
 written into a temp folder and renamed into place, so a crash mid-write never leaves a half
 checkpoint that resume would pick up. `<dir>` may also be a URI (`s3://...`): then the files go under
-a fresh prefix and a marker written last publishes them (`app/storage.py`); only marked
+a fresh prefix and a marker written last publishes them (`app/storage/publish.py`); only marked
 checkpoints are listed, and a checkpoint's location is then a URI string instead of a `Path`.
 """
 from __future__ import annotations
@@ -23,7 +23,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from app.pool.ledger import ids_from_state as ledger_ids, to_json as ledger_json
-from app.storage import fetch_dir, is_uri, open_storage, read_text
+from app.storage.fetch import fetch_dir, read_text
+from app.storage.roots import is_uri, open_storage
 
 PREFIX = "ckpt-"
 GENERATION_KEY = "group_generation"  # `extra` entry: the drafter group that wrote it (app/run/supervise/drafters.py)

@@ -30,7 +30,7 @@ class EvalRunner:
         self.spec = eval_spec(self.plan, eos_token_id)
         self.schedule = EvalSchedule(timeout_s=sup.cfg.eval.timeout_s)
         self.book = TauBook()
-        from app.storage import is_uri
+        from app.storage.roots import is_uri
 
         # Targets write drafter-best/ themselves: on a URI checkpoint.dir they have no path to write to.
         self.best_dir = None if is_uri(self.cfg.checkpoint.dir) else str(Path(self.cfg.checkpoint.dir) / BEST_DIR_NAME)

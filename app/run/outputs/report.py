@@ -112,7 +112,7 @@ def fetch_run_files(location: str) -> Path:
     """A run folder for the report: `location` itself when local; for a URI its local cache, with the
     remote timeline.jsonl (the longer copy wins, app/run/outputs/timeline.py adopt_remote) and summary.json in it."""
     from app.run.outputs.timeline import adopt_remote
-    from app.storage import is_uri, local_cache_dir, open_storage
+    from app.storage.roots import is_uri, local_cache_dir, open_storage
 
     if not is_uri(location):
         return Path(location)
@@ -126,7 +126,7 @@ def fetch_run_files(location: str) -> Path:
 
 def publish_report(location: str, page: Path) -> str:
     """Where the report of `location` now is: uploaded beside the run's files for a URI, else `page`."""
-    from app.storage import is_uri, open_storage
+    from app.storage.roots import is_uri, open_storage
 
     if not is_uri(location):
         return str(page)

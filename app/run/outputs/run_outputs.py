@@ -18,14 +18,14 @@ class RunOutputs:
     """Listeners of the run's monitor, and what they add to the summary at the end."""
 
     def __init__(self, cfg, run_name: str, monitor, resumed_step: int, log=print) -> None:
-        from app.storage import is_uri, local_cache_dir
+        from app.storage.roots import is_uri, local_cache_dir
 
         self.cfg, self.monitor, self.log = cfg, monitor, log
         # A URI checkpoint.dir: the files live in its local cache and are uploaded by close().
         self.uri = is_uri(cfg.checkpoint.dir)
         self.run_dir = local_cache_dir(cfg.checkpoint.dir) if self.uri else cfg.checkpoint.dir
         if self.uri:  # resumed on another machine: the remote timeline first, or close() would upload over it
-            from app.storage import open_storage
+            from app.storage.roots import open_storage
 
             adopt_remote(open_storage(cfg.checkpoint.dir), self.run_dir)
         # Evaluations of earlier starts of this run (a resume): the tau history and best go on from them.
@@ -63,7 +63,7 @@ class RunOutputs:
         """Close the timeline and write report.html (a report that cannot be drawn is a warning, not a failure)."""
         from app.run.outputs.report import write_report
 
-        from app.storage import open_storage
+        from app.storage.roots import open_storage
 
         self.timeline.close()
         try:
@@ -88,11 +88,11 @@ def serving_outputs(cfg, model_dir: str, export_dir: str | None, tau: float | No
     target the engines load, when it is not `model_dir` (a GGUF target: its HF id or .gguf path; the summary's
     `verifier`)."""
     from app.model.serving import SPECULATORS_DIR, cost_ratio, launch_lines, speed_estimate
-    from app.storage import fetch_dir
+    from app.storage.fetch import fetch_dir
 
     if not export_dir:
         return {}
-    local = fetch_dir(export_dir, cache=False)  # a URI export: this node's one cached copy (app/local_cache.py)
+    local = fetch_dir(export_dir, cache=False)  # a URI export: this node's one cached copy (app/storage/local_cache.py)
     spec_dir = None
     try:
         spec_dir = _write_speculators(cfg.checkpoint.dir, export_dir, local, model_dir, verifier)
@@ -125,7 +125,7 @@ def _write_speculators(root: str, export_dir: str, local: Path, model_dir: str, 
 
     from app.model.export import publish_export
     from app.model.serving import SPECULATORS_DIR, write_speculators
-    from app.storage import is_uri, open_storage
+    from app.storage.roots import is_uri, open_storage
 
     if not is_uri(root):
         return str(publish_export(os.path.join(root, SPECULATORS_DIR),

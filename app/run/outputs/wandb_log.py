@@ -18,7 +18,7 @@ from typing import Any
 
 from app.config.errors import ConfigError
 from app.config.schema import Config, LoggingConfig
-from app.storage import redact
+from app.storage.roots import redact
 
 # Keys of every step row (the per-position acceptance adds acc_pos1..acc_pos{B-1}).
 STEP_KEYS = ("step", "epoch", "loss", "accuracy", "accept_len", "lr", "grad_norm", "tokens", "data_wait", "ranks")
@@ -84,7 +84,7 @@ class WandbLogger:
             return
         import wandb
 
-        from app.storage import local_cache_dir  # wandb writes local files, even for s3:// runs
+        from app.storage.roots import local_cache_dir  # wandb writes local files, even for s3:// runs
 
         config = asdict(full)
         config["checkpoint"]["dir"] = redact(full.checkpoint.dir)  # wandb uploads its config: no URI credentials

@@ -19,7 +19,7 @@ from app.messages import DrafterPhase
 from app.run.supervise.events import RunFailed, last_line
 from app.run.supervise.events import DrafterGroupFailed, DrafterGroupStarted, RankProgress, RebuildDrafters
 from app.run.supervise.targets import START_TIMEOUT_S
-from app.storage import is_uri, open_storage, redact
+from app.storage.roots import is_uri, open_storage, redact
 from app.training.step_log import FILE_NAME as STEP_LOG_FILE, StepLog
 
 PROGRESS_TIMEOUT_S = 30.0  # a drafter rank that does not answer a progress query this long is unresponsive

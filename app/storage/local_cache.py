@@ -2,7 +2,7 @@
 staging cleaned on start, and the bounded download cache.
 
 A URI `checkpoint.dir` still needs local disk: each checkpoint is staged before its upload, and each
-checkpoint version or export a process loads is downloaded first (`app/storage.py` `fetch_dir`). Left
+checkpoint version or export a process loads is downloaded first (`fetch.py` `fetch_dir`). Left
 alone that disk only grows: a driver or rank killed with SIGKILL leaves its staging folder, every version
 a node ever resumed from stays cached, and an export was copied anew on every load. Here:
 

@@ -1,0 +1,189 @@
+"""The storage interface over a checkpoint root, how an entry (a checkpoint, the export) is published
+atomically, and the local folder's storage.
+
+`open_storage(root)` (`roots.py`) gives a `Storage` over `checkpoint.dir`. A plain path (no `://`) is a local
+folder and keeps the behaviour checkpoints always had: stage in `<root>/.tmp-<name>-<nonce>/`, rename
+into place. Anything else (`s3://bucket/run?endpoint_override=host:port&scheme=http`, `gs://...`,
+`file:///...`) goes through `pyarrow.fs.FileSystem.from_uri` (`UriStorage`, `uri_storage.py`). Object stores have no atomic rename, so
+there an entry is published with a marker instead:
+
+    <root>/<name>/v-<nonce>/...files...     written first, under a fresh prefix nobody reads yet
+    <root>/<name>/COMMITTED                  written last; its content names the live v-<nonce>
+
+A reader trusts only entries whose marker exists, and reads the version the marker names. A single
+object PUT is atomic, so the marker flips from the old version to the new in one step: a crash at any
+point leaves either the old entry, the new one, or (for a first write) nothing readers would pick.
+Deleting unpublishes first (marker, then data), so a half-deleted entry is never picked either. A
+marker whose content is not a version name (`v-` and 12 hex digits) publishes nothing: whoever can
+write the bucket must not get to point readers anywhere.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from app.storage.local_cache import exchange
+
+MARKER = "COMMITTED"
+VERSION = re.compile(r"v-[0-9a-f]{12}")  # what `publish` writes into a marker, and all a reader accepts
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A published entry: its name under the root and where its files are (a path or a URI)."""
+
+    name: str
+    location: str
+
+
+class Storage(Protocol):
+    """A checkpoint root. Entries (checkpoints, the export) are folders published atomically; single
+    files (`rel`, a path under the root) are written, read and removed each in one step. `LocalStorage`
+    and `UriStorage` implement it and inherit `scratch` and `upload_dir`, which it defines."""
+
+    root: str
+
+    def stage(self, name: str) -> Path:
+        """A fresh, empty local folder to write entry `name` into before `publish`."""
+
+    def publish(self, staged: Path, name: str) -> str:
+        """Make the staged folder the entry `name`, atomically; returns its location. Consumes `staged`."""
+
+    def entries(self, prefix: str) -> list[Entry]:
+        """Published entries whose name starts with `prefix` (unordered)."""
+
+    def delete(self, name: str) -> None:
+        """Remove entry `name` (unpublished first, so a crash midway leaves nothing readers pick)."""
+
+    def write_file(self, rel: str, data: bytes) -> str:
+        """Write one file at `<root>/<rel>` (replacing it in one step); returns its location."""
+
+    def read_file(self, rel: str) -> bytes | None:
+        """The bytes of `<root>/<rel>`, or None when it does not exist."""
+
+    def upload_file(self, rel: str, local: Path) -> str:
+        """Copy one local file to `<root>/<rel>` (replacing it in one step, never whole in memory);
+        returns its location."""
+
+    def file_size(self, rel: str) -> int | None:
+        """The size of `<root>/<rel>`, or None when it does not exist."""
+
+    def download_file(self, rel: str, dest: Path) -> None:
+        """`<root>/<rel>` into the local file `dest`, never whole in memory."""
+
+    def files(self, rel: str) -> list[str]:
+        """The files under `<root>/<rel>/`, as paths relative to it (none when it does not exist)."""
+
+    def location(self, rel: str) -> str:
+        """Where `<root>/<rel>` is, as a path or a URI other processes can open."""
+
+    def remove_file(self, rel: str) -> None:
+        """Delete `<root>/<rel>` if it exists."""
+
+    @contextmanager
+    def scratch(self, name: str) -> Iterator[Path]:
+        """A staging folder (`stage`) for files of `name` that are uploaded, not published (the export),
+        removed on exit; where a SIGKILL leaves it, the next process's start removes it (local_cache.py)."""
+        tmp = self.stage(name)
+        try:
+            yield tmp
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def upload_dir(self, local: Path, rel: str, last: str) -> str:
+        """Copy a local folder to `<root>/<rel>/` in place (no versions: the layout stays what readers
+        such as inference engines expect), `last` removed first and written last, so a reader that waits
+        for it never sees a mix of old and new files. Returns the folder's location."""
+        self.remove_file(f"{rel}/{last}")
+        files = {p.relative_to(local).as_posix(): p for p in sorted(Path(local).rglob("*"))
+                 if p.is_file() and p.name != last}
+        for name, file in files.items():
+            self.upload_file(f"{rel}/{name}", file)
+        # An older export's files the new one lacks go before `last` does: an engine loads every
+        # *.safetensors in the folder, so an old run's shards beside a new single file would be read too.
+        for stale in sorted(set(self.files(rel)) - set(files) - {last}):
+            self.remove_file(f"{rel}/{stale}")
+        self.upload_file(f"{rel}/{last}", Path(local) / last)
+        return self.location(rel)
+class LocalStorage(Storage):
+    """A local folder: entries staged next to their final place and renamed into it."""
+
+    def __init__(self, root: Path) -> None:
+        self.path = Path(root)
+        self.root = str(root)
+
+    def stage(self, name: str) -> Path:
+        self.path.mkdir(parents=True, exist_ok=True)
+        tmp = self.path / f".tmp-{name}-{uuid.uuid4().hex[:8]}"  # unique: two writers of one step never share it
+        tmp.mkdir()
+        return tmp
+
+    def publish(self, staged: Path, name: str) -> str:
+        final, old = self.path / name, self.path / f".old-{name}"
+        if final.exists() and exchange(staged, final):  # one atomic swap: never a moment without `name`
+            shutil.rmtree(staged, ignore_errors=True)  # now holds the previous copy
+            return str(final)
+        if final.exists():  # same entry written twice (e.g. a stop right after a periodic save)
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)  # set aside, not deleted, until the new one is in place
+        staged.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+        return str(final)
+
+    def entries(self, prefix: str) -> list[Entry]:
+        if not self.path.is_dir():
+            return []
+        return [Entry(p.name, str(p)) for p in self.path.iterdir() if p.is_dir() and p.name.startswith(prefix)]
+
+    def delete(self, name: str) -> None:
+        shutil.rmtree(self.path / name, ignore_errors=True)
+
+    def write_file(self, rel: str, data: bytes) -> str:
+        path = self.path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+        return str(path)
+
+    def read_file(self, rel: str) -> bytes | None:
+        path = self.path / rel
+        return path.read_bytes() if path.is_file() else None
+
+    def upload_file(self, rel: str, local: Path) -> str:
+        path = self.path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.copyfile(local, tmp)
+        tmp.replace(path)
+        return str(path)
+
+    def file_size(self, rel: str) -> int | None:
+        path = self.path / rel
+        return path.stat().st_size if path.is_file() else None
+
+    def download_file(self, rel: str, dest: Path) -> None:
+        shutil.copyfile(self.path / rel, dest)
+
+    def remove_file(self, rel: str) -> None:
+        (self.path / rel).unlink(missing_ok=True)
+
+    def files(self, rel: str) -> list[str]:
+        folder = self.path / rel
+        return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()) \
+            if folder.is_dir() else []
+
+    def location(self, rel: str) -> str:
+        return str(self.path / rel)
+
+
+def version_name(marker: bytes | None) -> str | None:
+    """The version a marker names, or None when it names none (a `../..` in it would point readers anywhere)."""
+    text = (marker or b"").decode("utf-8", "replace").strip()
+    return text if VERSION.fullmatch(text) else None

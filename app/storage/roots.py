@@ -1,0 +1,70 @@
+"""What a checkpoint root is: a plain path (a local folder) or a URI (`scheme://...`, opened by
+`pyarrow.fs`); the storage over it, its name, its local folders, and its credentials, hidden from
+every printed location.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from app.storage.local_cache import cache_root
+from app.storage.publish import LocalStorage, Storage
+from app.storage.uri_storage import UriStorage
+
+
+def is_uri(root: str | Path) -> bool:
+    """True for `scheme://...` roots (object stores, `file://`); False for plain local paths."""
+    return "://" in str(root)
+
+
+# Credentials a URI can carry: userinfo (`s3://KEY:SECRET@bucket`, a secret with `/` included) and
+# pyarrow's secret query options (`?access_key=..&secret_key=..&session_token=..`).
+_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][\w+.-]*://)(?:[^\s'\"@/?#]*|[^\s'\"@/?#]*:[^\s'\"@]*)@")
+_SECRET_QUERY = re.compile(r"(?P<name>[?&](?:access_key|[\w.-]*(?:secret|token|password|credential)[\w.-]*)=)[^&#\s'\"]*",
+                           re.IGNORECASE)
+
+
+def redact(text: str | Path) -> str:
+    """`text` (a URI, a log line, an error message) with every URI credential replaced by `***`:
+    the one function every printed or logged checkpoint location goes through."""
+    text = _USERINFO.sub(lambda m: f"{m['scheme']}***@", str(text))
+    return _SECRET_QUERY.sub(lambda m: f"{m['name']}***", text)
+
+
+def has_credentials(text: str | Path) -> bool:
+    """True when `text` holds a URI credential that `redact` would hide."""
+    return redact(text) != str(text)
+
+
+def open_storage(root: str | Path) -> Storage:
+    """The storage for a checkpoint root: `LocalStorage` for a path, `UriStorage` for a URI."""
+    return UriStorage(str(root)) if is_uri(root) else LocalStorage(Path(root))
+
+
+def root_name(root: str | Path) -> str:
+    """The last path component of a root (a run's default name), for paths and URIs alike."""
+    if is_uri(root):
+        path = urlsplit(str(root)).path.rstrip("/")
+        return path.rsplit("/", 1)[-1] or urlsplit(str(root)).hostname or "run"
+    return Path(root).resolve().name
+
+
+def local_path(root: str | Path) -> Path | None:
+    """The root as a local folder, or None for a URI (a root with no folder of its own on this machine)."""
+    return None if is_uri(root) else Path(root)
+
+
+def local_cache_dir(root: str | Path) -> Path:
+    """A local folder tied to a root: the root itself when local, else one in this user's cache root.
+
+    For what must stay on a local disk even when checkpoints go to object storage (wandb files,
+    fault markers, downloaded checkpoints, staged uploads)."""
+    if (local := local_path(root)) is not None:
+        return local
+    import hashlib
+
+    digest = hashlib.sha256(str(root).encode()).hexdigest()[:12]
+    path = cache_root() / f"{root_name(root)}-{digest}"
+    path.mkdir(mode=0o700, exist_ok=True)
+    return path

@@ -1,0 +1,157 @@
+"""`UriStorage`: a checkpoint root that `pyarrow.fs` opens (s3://, gs://, file://, ...), where entries
+are published by a marker written last (the protocol: `publish.py`), and files are streamed in
+CHUNK pieces both ways: a multi-GB checkpoint file never sits in memory whole.
+"""
+from __future__ import annotations
+
+import shutil
+import uuid
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from app.storage.local_cache import cache_root, clean_stale_once, owned_tmp
+from app.storage.publish import MARKER, Entry, Storage, version_name
+
+CHUNK = 8 << 20  # bytes a URI upload or download holds at once: checkpoints are multi-GB files
+
+
+class UriStorage(Storage):
+    """A `pyarrow.fs` URI (s3://, gs://, file://, ...): entries published by a marker written last."""
+
+    def __init__(self, root: str) -> None:
+        from pyarrow.fs import FileSystem
+
+        self.root = root.rstrip("/") if "?" not in root else root
+        self.fs, base = FileSystem.from_uri(root)
+        self.base = base.rstrip("/")
+
+    # ---- locations ---------------------------------------------------------------------------
+
+    def location(self, rel: str) -> str:
+        return self.uri(rel)
+
+    def uri(self, rel: str) -> str:
+        """`<root>/<rel>` as a URI with the root's query (endpoint, scheme, ...) kept at the end."""
+        parts = urlsplit(self.root)
+        return urlunsplit(parts._replace(path=parts.path.rstrip("/") + "/" + rel.strip("/")))
+
+    def _path(self, rel: str) -> str:
+        return f"{self.base}/{rel.strip('/')}" if rel else self.base
+
+    # ---- files -------------------------------------------------------------------------------
+
+    def write_file(self, rel: str, data: bytes) -> str:
+        self._parent(rel)
+        with self.fs.open_output_stream(self._path(rel)) as out:  # one PUT: readers see old or new
+            out.write(data)
+        return self.uri(rel)
+
+    def _parent(self, rel: str) -> None:
+        # A file:// root is a real filesystem: its folders must exist. Object stores have none (and a
+        # create_dir there would add a marker object per folder).
+        if self.fs.type_name == "local":
+            self.fs.create_dir(self._path(rel).rsplit("/", 1)[0], recursive=True)
+
+    def upload_file(self, rel: str, local: Path) -> str:
+        """Streamed in CHUNK pieces (an S3 stream sends them as multipart parts): a multi-GB checkpoint
+        file never sits in memory whole. One object, visible once the stream closes."""
+        self._parent(rel)
+        with open(local, "rb") as src, self.fs.open_output_stream(self._path(rel)) as out:
+            copy_stream(src, out)
+        return self.uri(rel)
+
+    def read_file(self, rel: str) -> bytes | None:
+        from pyarrow.fs import FileType
+
+        if self.fs.get_file_info(self._path(rel)).type != FileType.File:
+            return None
+        with self.fs.open_input_stream(self._path(rel)) as src:
+            return src.read()
+
+    def file_size(self, rel: str) -> int | None:
+        """The size of `<root>/<rel>`, or None when it does not exist."""
+        from pyarrow.fs import FileType
+
+        info = self.fs.get_file_info(self._path(rel))
+        return info.size if info.type == FileType.File else None
+
+    def download_file(self, rel: str, dest: Path) -> None:
+        """`<root>/<rel>` into the local file `dest`, streamed in CHUNK pieces."""
+        download(self.fs, self._path(rel), Path(dest))
+
+    def remove_file(self, rel: str) -> None:
+        from pyarrow.fs import FileType
+
+        if self.fs.get_file_info(self._path(rel)).type == FileType.File:
+            self.fs.delete_file(self._path(rel))
+
+    def files(self, rel: str) -> list[str]:
+        from pyarrow.fs import FileSelector, FileType
+
+        base = self._path(rel)
+        infos = self.fs.get_file_info(FileSelector(base, recursive=True, allow_not_found=True))
+        return sorted(i.path[len(base):].lstrip("/") for i in infos if i.type == FileType.File)
+
+    # ---- entries -----------------------------------------------------------------------------
+
+    def stage(self, name: str) -> Path:
+        clean_stale_once()  # a SIGKILLed stager's folder of an earlier process: gone before this one adds its own
+        return owned_tmp(f"stage-{name}-", cache_root())
+
+    def publish(self, staged: Path, name: str) -> str:
+        version = f"v-{uuid.uuid4().hex[:12]}"
+        try:
+            for file in sorted(p for p in staged.rglob("*") if p.is_file()):
+                self.upload_file(f"{name}/{version}/{file.relative_to(staged).as_posix()}", file)
+            self.write_file(f"{name}/{MARKER}", version.encode())  # the commit point
+        finally:
+            shutil.rmtree(staged, ignore_errors=True)
+        self._sweep_versions(name, keep=version)
+        return self.uri(f"{name}/{version}")
+
+    def _sweep_versions(self, name: str, keep: str) -> None:
+        """Drop versions of `name` other than the published one (a rewrite's old data, crashed uploads)."""
+        from pyarrow.fs import FileSelector, FileType
+
+        infos = self.fs.get_file_info(FileSelector(self._path(name), allow_not_found=True))
+        for info in infos:
+            if info.type == FileType.Directory and info.base_name.startswith("v-") and info.base_name != keep:
+                self.fs.delete_dir(info.path)
+
+    def entries(self, prefix: str) -> list[Entry]:
+        from pyarrow.fs import FileSelector, FileType
+
+        found = []
+        for info in self.fs.get_file_info(FileSelector(self.base, allow_not_found=True)):
+            if info.type != FileType.Directory or not info.base_name.startswith(prefix):
+                continue
+            version = version_name(self.read_file(f"{info.base_name}/{MARKER}"))
+            if version:  # unmarked: still being written, or half deleted; or not a version name at all
+                found.append(Entry(info.base_name, self.uri(f"{info.base_name}/{version}")))
+        return found
+
+    def delete(self, name: str) -> None:
+        from pyarrow.fs import FileType
+
+        marker = self._path(f"{name}/{MARKER}")
+        if self.fs.get_file_info(marker).type == FileType.File:
+            self.fs.delete_file(marker)  # unpublish first
+        if self.fs.get_file_info(self._path(name)).type == FileType.Directory:
+            self.fs.delete_dir(self._path(name))
+
+
+def download(fs, path: str, dest: Path) -> None:
+    """One object to a local file, in CHUNK pieces (never the whole object in memory)."""
+    with fs.open_input_stream(path) as src, open(dest, "wb") as out:
+        copy_stream(src, out)
+
+
+def copy_stream(src, out) -> None:
+    """`src` to `out` one CHUNK at a time; the chunk is dropped before the next is read, so a copy
+    holds one chunk, not two."""
+    while True:
+        chunk = src.read(CHUNK)
+        if not chunk:
+            return
+        out.write(chunk)
+        del chunk
