@@ -7,7 +7,7 @@ same plan, schedule, trainer and step size (num_drafters x grad_accum jobs per o
 as the all-reduce sums them) as the Ray run, without the pool's timing-dependent dealing, so a seed
 gives one tau. Every tau comes from `app.model.live_eval.measure_spec` (the run's own tau
 path) on the held-out prompts, except the n-gram reference's, which replays its guesses against the
-target's greedy output (`app.tiny.references.tau_on_greedy`, the same count for a lossless decoder).
+target's greedy output (`app.model.references.tau_on_greedy`, the same count for a lossless decoder).
 
 Beside the trained drafter, on the same target and prompts:
 - untrained: a fresh drafter with the seed's init (what training adds);
@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[3]  # the repository root (app/bench/runs/quality.py)
+from app.bench.common import add_overrides, bench_config, map_in_processes, result_line as format_result
+
 # The python corpus's target needs more training than the markov chain's 200 steps to write more than
 # one repeated token (LM loss 3.95 at 200 x 8, 2.37 at 1200 x 16). Its drafter is data-, depth- and
 # step-limited at the demo's budget (2 layers as narrow as the target, 192 prompts: tau 1.18), so the
@@ -43,11 +44,8 @@ CORPUS_OVERRIDES = {"markov": [], "python": PYTHON_BUDGET}
 
 def corpus_config(corpus: str, seed: int, run_dir: Path, overrides: list[str] = ()):
     """conf/tiny.yaml for `corpus`, with the drafter's seeds (init, anchors, schedule) set to `seed`."""
-    from app.config.load import load_config
-
-    return load_config(ROOT / "conf/tiny.yaml", [f"tiny.corpus={corpus}", *CORPUS_OVERRIDES[corpus], f"train.seed={seed}",
-                                                 f"data.seed={seed}", f"pool.seed={seed}", f"checkpoint.dir={run_dir}",
-                                                 *overrides])
+    return bench_config("tiny", [f"tiny.corpus={corpus}", *CORPUS_OVERRIDES[corpus], f"train.seed={seed}",
+                                 f"data.seed={seed}", f"pool.seed={seed}", f"checkpoint.dir={run_dir}", *overrides])
 
 
 @dataclass
@@ -113,7 +111,7 @@ def drafter_tau(plan, cfg, target, drafter, head, arch) -> tuple[float, list[flo
 def references(plan, cfg, target) -> dict:
     """The n-gram reference's tau and the copy shares of the target's greedy output (seed-independent)."""
     from app.model.spec_decode import greedy_reference
-    from app.tiny.references import NgramDrafter, copy_shares, tau_on_greedy
+    from app.model.references import NgramDrafter, copy_shares, tau_on_greedy
 
     spec = spec_for(plan, cfg)
     ngram = NgramDrafter([plan.dataset.sequence(i) for i in range(len(plan.dataset))])
@@ -177,15 +175,7 @@ def measure_corpus(corpus: str, seeds: list[int], work: Path, overrides: list[st
     """Everything RESULT prints for one corpus; `workers` > 1 trains that many seeds at once, one process each
     (every seed is single-threaded and a function of its seed alone, so the figures do not change)."""
     refs = corpus_references(corpus, seeds[0], work, overrides)  # builds the target once, before any worker
-    if workers > 1:
-        from concurrent.futures import ProcessPoolExecutor
-        from multiprocessing import get_context
-
-        with ProcessPoolExecutor(min(workers, len(seeds)), mp_context=get_context("spawn")) as pool:
-            per_seed = list(pool.map(measure_seed, [corpus] * len(seeds), seeds, [work] * len(seeds),
-                                     [list(overrides)] * len(seeds)))
-    else:
-        per_seed = [measure_seed(corpus, seed, work, overrides) for seed in seeds]
+    per_seed = map_in_processes(measure_seed, [(corpus, seed, work, list(overrides)) for seed in seeds], workers)
     for seed, r in zip(seeds, per_seed):
         log(f"quality {corpus} seed {seed}: tau {r.tau:.3f} untrained {r.untrained_tau:.3f} "
             f"ngram {refs['ngram_tau']:.3f} loss {r.loss_first:.3f} -> {r.loss_last:.3f} over {r.steps} steps")
@@ -200,16 +190,14 @@ def measure_corpus(corpus: str, seeds: list[int], work: Path, overrides: list[st
 
 
 def result_line(results: dict[str, dict]) -> str:
-    parts = []
+    fields: dict[str, object] = {}
     for corpus, r in results.items():
-        parts += [f"{corpus}_tau_mean={r['tau_mean']:.3f}", f"{corpus}_tau_spread={r['tau_spread']:.3f}",
-                  f"{corpus}_tau_std={r['tau_std']:.3f}",
-                  f"{corpus}_tau_seeds={'/'.join(f'{t:.3f}' for t in r['tau_seeds'])}",
-                  f"{corpus}_tau_pos={'/'.join(f'{p:.2f}' for p in r['tau_pos'])}",
-                  f"{corpus}_ngram_tau={r['ngram_tau']:.3f}", f"{corpus}_untrained_tau={r['untrained_tau']:.3f}",
-                  f"{corpus}_loss_last={r['loss_last']:.3f}", f"{corpus}_copy_share={r['copy_share']:.3f}", f"{corpus}_repeat_share={r['repeat_share']:.3f}",
-                  f"{corpus}_beats_ngram={r['beats_ngram']}"]
-    return "RESULT " + " ".join(parts)
+        fields.update({f"{corpus}_{k}": r[k] for k in ("tau_mean", "tau_spread", "tau_std")})
+        fields[f"{corpus}_tau_seeds"] = "/".join(f"{t:.3f}" for t in r["tau_seeds"])
+        fields[f"{corpus}_tau_pos"] = "/".join(f"{p:.2f}" for p in r["tau_pos"])
+        fields.update({f"{corpus}_{k}": r[k] for k in ("ngram_tau", "untrained_tau", "loss_last", "copy_share",
+                                                        "repeat_share", "beats_ngram")})
+    return format_result(fields)
 
 
 def main(argv: list[str]) -> int:
@@ -218,7 +206,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--corpora", default="markov,python", help="tiny corpora, comma-separated")
     ap.add_argument("--workers", type=int, default=0,
                     help="seeds trained at once, one single-threaded process each; 0 = every seed at once")
-    ap.add_argument("overrides", nargs="*", help="key=value config overrides for every run (e.g. train.epochs=6)")
+    add_overrides(ap, "train.epochs=6")
     args = ap.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     torch.set_num_threads(1)  # tiny shapes; on a shared 2-core box more threads run slower
