@@ -16,7 +16,8 @@ import threading
 import time
 
 from app.data.batching import start_job
-from app.config.schema import FaultsConfig, ModelConfig
+from app.config.run_sections import FaultsConfig
+from app.config.schema import ModelConfig
 from app.devices import compute_dtype, limit_threads, pick_device, target_load_kwargs
 from app.faults import fire_once, injected_delay, sticky_target
 from app.messages import HiddenBatch, ItemMeta, JobSpec

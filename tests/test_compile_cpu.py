@@ -79,7 +79,7 @@ def test_train_compile_on_cpu_matches_eager_losses_and_grads_and_compiles_once(m
     """`train.compile=on` on CPU: DrafterTrainer compiles the layers (forward and backward graphs through
     AOT autograd; aot_eager, since inductor's C++ builds take minutes on a shared 2-core box, and the
     CUDA test compiles with inductor); two micro-batches give eager's loss and gradients, no recompile."""
-    from app.config.schema import DrafterConfig, TrainConfig
+    from app.config.drafter_sections import DrafterConfig, TrainConfig
     from app.model import compiled
     from app.training.trainer import DrafterTrainer
 

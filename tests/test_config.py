@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from app.config.schema import Config, ModelConfig, default_gamma, default_target_layer_ids
+from app.config.drafter_sections import default_gamma, default_target_layer_ids
+from app.config.schema import Config, ModelConfig
 from app.config.checks import (TargetInfo, actor_bundles, check_resources, check_target, read_target_info,
                                reserved_resources, resolved_mask_token_id)
 from app.config.load import ConfigError, load_config

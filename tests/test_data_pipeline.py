@@ -9,7 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.config.schema import CheckpointConfig, Config, DataConfig, DrafterConfig, ModelConfig
+from app.config.drafter_sections import DrafterConfig
+from app.config.run_sections import CheckpointConfig
+from app.config.schema import Config, DataConfig, ModelConfig
 from app.data import pipeline
 from app.data.dataset import TokenizedDataset, load_dataset
 from app.data.formats import iter_records

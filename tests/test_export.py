@@ -87,7 +87,7 @@ def test_a_wider_draft_mlp_than_the_targets_is_exported_and_reloaded(tmp_path):
     an engine builds the drafter from) and reloads to the same outputs; 0 keeps the target's width."""
     from dataclasses import replace
 
-    from app.config.schema import DrafterConfig
+    from app.config.drafter_sections import DrafterConfig
     from app.model.arch import DrafterArch
 
     target = tiny_qwen3_config()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.config.schema import FaultsConfig
+from app.config.run_sections import FaultsConfig
 from app.faults import injected_delay
 
 
@@ -26,7 +26,7 @@ def test_the_drafter_delay_runs_in_every_micro_step(monkeypatch) -> None:
     import torch
 
     import app.training.trainer as trainer_mod
-    from app.config.schema import DrafterConfig, TrainConfig
+    from app.config.drafter_sections import DrafterConfig, TrainConfig
     from tests.toy import TOY_BLOCK, toy_drafter_parts
 
     drafter, head, batch, _ = toy_drafter_parts()

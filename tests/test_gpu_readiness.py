@@ -180,7 +180,7 @@ def test_the_optimizer_step_holds_one_copy_of_the_gradients():
 
     import torch
 
-    from app.config.schema import DrafterConfig, TrainConfig
+    from app.config.drafter_sections import DrafterConfig, TrainConfig
     from app.training.trainer import DrafterTrainer
     from tests.toy import TOY_BLOCK, toy_drafter_parts
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import app.model.spec_decode as sd
-from app.config.schema import DrafterConfig, EvalConfig
+from app.config.drafter_sections import DrafterConfig
+from app.config.run_sections import EvalConfig
 from app.model.build import build_or_load_drafter
 from app.model.live_eval import (META_KEY, EvalSpec, copy_as_best, evaluate_drafter, export_best,
                                  per_position_acceptance, read_best_meta, weights_to_numpy)

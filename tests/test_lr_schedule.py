@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.config.schema import DrafterConfig, TrainConfig
+from app.config.drafter_sections import DrafterConfig, TrainConfig
 from app.model.drafter import DFlashDrafter
 from app.model.loss import TrainBatch
 from app.model.target_head import TargetHead

@@ -11,7 +11,7 @@ from torch import nn
 from app.messages import HiddenBatch
 from app.model.chunked_ce import chunked_cross_entropy, full_cross_entropy
 from app.model.drafter import DFlashDrafter
-from app.config.schema import DrafterConfig
+from app.config.drafter_sections import DrafterConfig
 from app.model.loss import TrainBatch, block_labels, decay_weights, dflash_loss, sample_anchors
 from app.model.target_head import TargetHead
 from tests.toy import tiny_arch, tiny_qwen3_config

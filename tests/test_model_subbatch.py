@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.config.schema import default_gamma
+from app.config.drafter_sections import default_gamma
 from app.model.chunked_ce import full_cross_entropy, weighted_chunked_ce
 from app.model.layers import MLP, RMSNorm
 from app.model.loss import TrainBatch, dflash_loss, packed_labels, sample_blocks

@@ -14,7 +14,8 @@ import pytest
 
 from actors.target import BusyClock, TargetActor
 from app.config.checks import nixl_installed
-from app.config.schema import FaultsConfig, PoolConfig
+from app.config.run_sections import FaultsConfig
+from app.config.schema import PoolConfig
 from app.messages import EndOfStream, JobSpec
 from app.pool.hs_pool import Drained
 from app.payload.transport import HeldPayloads, warm_up_nixl

@@ -11,7 +11,8 @@ import torch
 from app.bench.feeding.simulate import SimSetup, simulate
 from app.pool.budget import check_object_store
 from app.config.errors import ConfigError
-from app.config.schema import Config, PoolConfig, TopologyConfig, TrainConfig
+from app.config.drafter_sections import TrainConfig
+from app.config.schema import Config, PoolConfig, TopologyConfig
 from app.data import costs
 from app.data.costs import sequence_rows, with_costs
 from app.messages import JobSpec

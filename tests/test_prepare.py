@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from app.config.schema import CheckpointConfig, Config, DataConfig, DrafterConfig, ModelConfig, TinyConfig, TrainConfig
+from app.config.drafter_sections import DrafterConfig, TrainConfig
+from app.config.run_sections import CheckpointConfig
+from app.config.schema import Config, DataConfig, ModelConfig
+from app.config.tiny_section import TinyConfig
 from app.prepare import run_prepare
 
 ROOT = Path(__file__).resolve().parents[1]

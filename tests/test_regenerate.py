@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from app.config.schema import Config, DataConfig, ModelConfig, TinyConfig, TopologyConfig
+from app.config.schema import Config, DataConfig, ModelConfig, TopologyConfig
+from app.config.tiny_section import TinyConfig
 from app.data.records import DataError
 from app.data.regenerate import OutScan, locked_out, read_done_ids, regenerate_conversations, scan_out
 

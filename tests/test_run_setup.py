@@ -49,7 +49,7 @@ def test_job_byte_estimates_equal_the_real_payloads(tmp_path: Path) -> None:
     """Issue 12 item 3: a job's est_bytes is exactly what the target puts in the object store (hidden
     states at the real dtype, ids, mask and lengths_B), for the largest job and a few others."""
     from actors.target import TargetActor
-    from app.config.schema import FaultsConfig
+    from app.config.run_sections import FaultsConfig
 
     cfg = _cfg(tmp_path)
     plan = plan_run(cfg, on_gpu=False)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from app.config.schema import CheckpointConfig
+from app.config.run_sections import CheckpointConfig
 from app.model.drafter import DFlashDrafter
 from app.model.export import export_drafter, export_dtype, load_drafter
 from app.model.serving import cost_ratio, launch_lines, num_speculative_tokens, speed_estimate, speculators_config

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.config.schema import SupervisionConfig
+from app.config.run_sections import SupervisionConfig
 from app.run.supervise.events import (DrafterGroupFailed, DrafterGroupStarted, Fail, GiveUpTarget, KillStalledTarget, RankProgress, RebuildDrafters, RequestStop, RestartTarget, StopSignal, TargetFailed, TargetStartFailed, TargetStarted, Tick)
 from app.run.supervise.policy import SupervisionPolicy
 from app.messages import DrafterPhase

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from app.config.schema import Config, DataConfig, ModelConfig, TinyConfig
+from app.config.schema import Config, DataConfig, ModelConfig
+from app.config.tiny_section import TinyConfig
 from app.tiny.build import ensure_tiny_target, resolve_target, settings_hash
 
 SMALL = dict(num_layers=2, num_train_prompts=12, num_eval_prompts=3, prompt_length=6, response_length=16,

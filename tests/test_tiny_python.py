@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from app.config.schema import TinyConfig
+from app.config.tiny_section import TinyConfig
 from app.tiny.build import MASK, SPECIAL_TOKENS, ensure_tiny_target, settings_hash
 from app.tiny.python_corpus import HELD_OUT_EVERY, split_corpus, stdlib_modules, train_tokenizer
 

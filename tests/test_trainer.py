@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from app.config.schema import DrafterConfig, TrainConfig
+from app.config.drafter_sections import DrafterConfig, TrainConfig
 from app.model.drafter import DFlashDrafter
 from app.model.loss import TrainBatch
 from app.model.target_head import TargetHead

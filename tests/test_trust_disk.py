@@ -257,7 +257,8 @@ def test_the_object_store_check_counts_eval_offers_and_the_dataset() -> None:
     count, and the one line names them."""
     from app.config.errors import ConfigError
     from app.pool.budget import check_object_store
-    from app.config.schema import Config, PoolConfig, TopologyConfig, TrainConfig
+    from app.config.drafter_sections import TrainConfig
+    from app.config.schema import Config, PoolConfig, TopologyConfig
     from app.pool.budget import EVAL_COPIES, eval_offer_bytes
 
     gib = 2**30
@@ -282,7 +283,8 @@ def test_the_eval_offer_size_is_the_drafter_s_float32_state_dict(tmp_path: Path)
 
     import numpy as np
 
-    from app.config.schema import DataConfig, DrafterConfig
+    from app.config.drafter_sections import DrafterConfig
+    from app.config.schema import DataConfig
     from app.data.schedule import ScheduledJobs, epoch_jobs
     from app.model.arch import DrafterArch
     from app.model.build import drafter_state_bytes

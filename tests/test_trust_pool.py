@@ -126,7 +126,7 @@ def test_a_lone_healthy_target_quarantines_a_poison_job_after_two_tries_and_fini
 def test_the_run_stops_in_one_line_once_quarantined_jobs_exceed_the_share() -> None:
     """Issue 22 item 1: more than supervision.max_quarantined_share (default 1%) quarantined stops the run;
     a single poison job never does, even in a small run."""
-    from app.config.schema import SupervisionConfig
+    from app.config.run_sections import SupervisionConfig
     from app.run.supervise.events import Fail, Tick
     from app.run.supervise.policy import SupervisionPolicy
 
@@ -145,7 +145,7 @@ def test_the_run_stops_in_one_line_once_quarantined_jobs_exceed_the_share() -> N
 
 
 def test_broken_target_raises_and_the_share_are_checked() -> None:
-    from app.config.schema import SupervisionConfig
+    from app.config.run_sections import SupervisionConfig
 
     with pytest.raises(ValueError, match="supervision.broken_target_raises=1 must be >= 2"):
         SupervisionConfig(broken_target_raises=1)
@@ -226,7 +226,7 @@ def test_a_rebuild_ignores_a_late_checkpoint_of_a_group_killed_earlier(tmp_path)
 # ---- item 10: a dead pool is recreated in the same job -----------------------------------------
 
 def test_a_dead_pool_is_recreated_within_its_budget_then_the_run_fails_with_its_line() -> None:
-    from app.config.schema import SupervisionConfig
+    from app.config.run_sections import SupervisionConfig
     from app.run.supervise.events import Fail, PoolFailed, RecreatePool
     from app.run.supervise.policy import SupervisionPolicy
 

@@ -122,7 +122,8 @@ def test_a_same_size_rewrite_with_its_old_mtime_misses_the_cache(tmp_path) -> No
     import json
     import os
 
-    from app.config.schema import CheckpointConfig, Config, DataConfig, ModelConfig
+    from app.config.run_sections import CheckpointConfig
+    from app.config.schema import Config, DataConfig, ModelConfig
     from app.data import pipeline
     from tests.chat_toys import QWEN_TEMPLATE, bpe_tokenizer
 

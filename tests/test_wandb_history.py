@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from app.config.schema import CheckpointConfig, Config, LoggingConfig, ModelConfig
+from app.config.run_sections import CheckpointConfig, LoggingConfig
+from app.config.schema import Config, ModelConfig
 from app.messages import StepRecord
 from app.run.outputs.monitor import RunMonitor
 from app.run.outputs.wandb_log import STEP_KEYS, StepRows, WandbLogger, read_history

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from app.config.errors import ConfigError
-from app.config.schema import CheckpointConfig, Config, LoggingConfig, ModelConfig
+from app.config.run_sections import CheckpointConfig, LoggingConfig
+from app.config.schema import Config, ModelConfig
 from app.run.outputs.wandb_log import WandbLogger
 
 

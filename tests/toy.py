@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from app.config.schema import DrafterConfig
+from app.config.drafter_sections import DrafterConfig
 from app.model.arch import DrafterArch
 
 

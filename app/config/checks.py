@@ -1,10 +1,11 @@
 """Config checks that need the world outside the config: the filesystem, the target model, the cluster.
 
-Value checks live in the schema's sections (`app/config/schema.py`). Here: `check_paths` (run by the
-loader), `check_target` (run when the run is planned, before Ray starts) and `check_resources` (run
-once Ray is connected, before any actor starts). They take plain values (no Ray, no model weights),
-so tests call them directly. The topology's bundles and what they reserve in all (`actor_bundles`,
-`reserved_resources`) are computed here once, for this check, the placement check and the driver.
+Value checks live in the schema's sections (`app/config/schema.py` and the section modules it
+composes). Here: `check_paths` (run by the loader), `check_target` (run when the run is planned,
+before Ray starts) and `check_resources` (run once Ray is connected, before any actor starts). They
+take plain values (no Ray, no model weights), so tests call them directly. The topology's bundles and
+what they reserve in all (`actor_bundles`, `reserved_resources`) are computed here once, for this
+check, the placement check and the driver.
 """
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app.config.errors import ConfigError
-from app.config.schema import TINY_TARGET, Config, TopologyConfig, resolve_layer_ids
+from app.config.drafter_sections import resolve_layer_ids
+from app.config.schema import Config, TopologyConfig
+from app.config.tiny_section import TINY_TARGET
 
 
 def check_paths(cfg: Config) -> None:

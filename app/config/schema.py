@@ -1,8 +1,12 @@
-"""Typed configuration: one frozen dataclass per section.
+"""Typed configuration: one frozen dataclass per section; the root `Config` composes them all.
 
-The YAML files in `conf/` are merged onto this schema (see `app/config/load.py`), CLI
-`key=value` overrides go on top, and the result is converted to these dataclasses. Each actor
-receives only its own section.
+Here: the root and the pipeline's sections (`model`, `topology`, `data`, `pool`). The tiny target's
+section is `tiny_section.py`, the drafter's (`drafter`, `train`) `drafter_sections.py`, the run's
+(`checkpoint`, `logging`, `supervision`, `faults`, `eval`) `run_sections.py`.
+
+The YAML files in `conf/` are merged onto this schema (see `app/config/load.py`), CLI `key=value`
+overrides go on top, and the result is converted to these dataclasses. Each actor receives only its
+own section.
 
 Every value check lives once, in its section's `__post_init__` (which `OmegaConf.to_object`, a
 direct construction and `dataclasses.replace` all run): a bad value raises a one-line ValueError
@@ -15,14 +19,10 @@ from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
+from app.config.drafter_sections import DrafterConfig, TrainConfig
+from app.config.run_sections import CheckpointConfig, EvalConfig, FaultsConfig, LoggingConfig, SupervisionConfig
+from app.config.tiny_section import TinyConfig
 from app.config.values import at_least, fail, finite, one_of, positive
-from app.storage.roots import has_credentials, redact
-
-TINY_TARGET = "tiny"
-# Token ids the tiny tokenizer reserves before its words (special tokens and role words);
-# app/tiny/build.py asserts its vocabulary agrees.
-TINY_RESERVED_TOKENS = 9
-TINY_CORPORA = ("markov", "python")  # what the tiny target learns and generates its data from (app/tiny/)
 
 
 @dataclass(frozen=True)
@@ -37,59 +37,6 @@ class ModelConfig:
     def __post_init__(self) -> None:
         one_of("model.dtype", self.dtype, ("bfloat16", "float16", "float32"))
         one_of("model.feature_dtype", self.feature_dtype, ("bfloat16", "float8_e4m3"))
-
-
-@dataclass(frozen=True)
-class TinyConfig:
-    """Settings of the built-in tiny target (used when model.target == "tiny")."""
-
-    cache_dir: str = ".cache/tiny"  # where the tiny target and its data are built once
-    corpus: str = "markov"  # markov (a word cycle: fast, easy) | python (this interpreter's stdlib, BPE)
-    hidden_size: int = 64
-    num_layers: int = 6
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 128
-    vocab_size: int = 512
-    seed: int = 0
-    num_train_prompts: int = 192
-    num_eval_prompts: int = 8
-    prompt_length: int = 12  # words per synthetic prompt
-    response_length: int = 96  # tokens generated greedily per response
-    chain_top_prob: float = 0.8  # the target is trained on a Markov chain: P(likely successor), rest = one other word
-    chain_words: int = 128  # words on the chain's cycle that greedy text walks (0 = all); fewer = easier drafting
-    lm_steps: int = 200  # AdamW steps that teach the target the chain before it generates the data (0 = random target)
-    lm_batch_size: int = 8  # conversations per target training step
-    lm_response_length: int = 48  # longest assistant turn (words) in the target's training conversations
-    lm_lr: float = 1.0e-2  # target training peak learning rate
-
-    def __post_init__(self) -> None:
-        one_of("tiny.corpus", self.corpus, TINY_CORPORA)
-        if self.corpus == "python" and self.vocab_size < 300:  # 256 byte tokens + 6 specials + merges
-            fail("tiny.vocab_size", self.vocab_size, "is too small for tiny.corpus=python's byte-level BPE; use at least 300")
-        words = self.vocab_size - TINY_RESERVED_TOKENS
-        if words < 16:
-            fail("tiny.vocab_size", self.vocab_size, "is too small; use at least 64")
-        for key, value in (("tiny.hidden_size", self.hidden_size), ("tiny.num_heads", self.num_heads),
-                           ("tiny.num_kv_heads", self.num_kv_heads), ("tiny.num_layers", self.num_layers),
-                           ("tiny.intermediate_size", self.intermediate_size)):
-            at_least(key, value, 1, "the tiny target needs it")
-        if self.hidden_size % self.num_heads:
-            fail("tiny.hidden_size", self.hidden_size, f"must be a multiple of tiny.num_heads={self.num_heads}")
-        if self.num_heads % self.num_kv_heads:
-            fail("tiny.num_heads", self.num_heads, f"must be a multiple of tiny.num_kv_heads={self.num_kv_heads}")
-        at_least("tiny.num_train_prompts", self.num_train_prompts, 1, "the tiny target generates the training data")
-        at_least("tiny.num_eval_prompts", self.num_eval_prompts, 0, "a count cannot be negative")
-        at_least("tiny.prompt_length", self.prompt_length, 1, "a prompt needs a word")
-        at_least("tiny.response_length", self.response_length, 4, "responses are at least a quarter of it")
-        if not 0.5 < self.chain_top_prob <= 1.0:  # a range test: nan and inf fail it too
-            fail("tiny.chain_top_prob", self.chain_top_prob, "must be in (0.5, 1] so greedy follows the chain")
-        if not 0 <= self.chain_words <= words or self.chain_words == 1:
-            fail("tiny.chain_words", self.chain_words, f"must be 0 (all) or in [2, {words}]")
-        at_least("tiny.lm_steps", self.lm_steps, 0, "0 keeps the target random")
-        at_least("tiny.lm_batch_size", self.lm_batch_size, 1, "a training step needs a conversation")
-        at_least("tiny.lm_response_length", self.lm_response_length, 1, "a training answer needs a word")
-        positive("tiny.lm_lr", self.lm_lr)
 
 
 @dataclass(frozen=True)
@@ -210,167 +157,6 @@ class PoolConfig:
 
 
 @dataclass(frozen=True)
-class DrafterConfig:
-    """The DFlash drafter architecture and its training sample."""
-
-    num_layers: int = 5
-    intermediate_size: int = 0  # MLP width of each draft layer; 0 = the target's (z-lab's drafters)
-    block_size: int = 16
-    num_anchors: int = 512
-    loss_gamma: float = 0.0  # 0 = DFlash default for the block size (7 for 16, 5 for 10, 4 for 8)
-    mask_token_id: int = -1  # -1 = the tokenizer's mask token (the tiny target reserves one); else an id >= 0
-    ce_chunk_rows: int = 1024  # rows of the LM head computed at once in the loss
-    max_rows: int = 65536  # query rows (blocks x block_size) per drafter sub-batch; 0 = a whole job at once
-
-    def __post_init__(self) -> None:
-        at_least("drafter.num_layers", self.num_layers, 1, "the drafter needs a layer")
-        at_least("drafter.intermediate_size", self.intermediate_size, 0, "0 = the target's MLP width; else the width")
-        at_least("drafter.block_size", self.block_size, 2, "a block is the anchor plus at least one predicted token")
-        at_least("drafter.num_anchors", self.num_anchors, 1, "each sequence needs at least one anchor")
-        at_least("drafter.loss_gamma", self.loss_gamma, 0, "0 = default for the block")
-        if self.mask_token_id < -1:  # only -1 means auto; -2 is a typo, not a second auto
-            fail("drafter.mask_token_id", self.mask_token_id, "must be -1 (the tokenizer's mask token) or an id >= 0")
-        at_least("drafter.ce_chunk_rows", self.ce_chunk_rows, 1, "the loss computes at least one row at a time")
-        at_least("drafter.max_rows", self.max_rows, 0, "0 = no bound; else rows per sub-batch")
-
-    @property
-    def gamma(self) -> float:
-        """The loss decay the drafter trains with: `loss_gamma`, or for 0 DFlash's default for the block."""
-        return self.loss_gamma or default_gamma(self.block_size)
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Optimisation."""
-
-    epochs: int = 6
-    lr: float = 6e-4
-    weight_decay: float = 0.0
-    warmup_ratio: float = 0.04
-    grad_accum: int = 4
-    max_grad_norm: float = 1.0
-    sample_every: int = 50
-    seed: int = 0
-    compile: str = "auto"  # torch.compile the drafter layers: auto (on for CUDA, off for CPU) | on | off
-    activation_checkpointing: bool = False  # recompute each drafter layer in backward instead of saving it
-    on_nonfinite: str = "stop"  # a step whose loss or grad norm is nan/inf: stop (no checkpoint of it) | skip
-
-    def __post_init__(self) -> None:
-        one_of("train.compile", self.compile, ("auto", "on", "off"))
-        one_of("train.on_nonfinite", self.on_nonfinite, ("stop", "skip"))
-        at_least("train.epochs", self.epochs, 1, "train at least one epoch")
-        finite("train.lr", self.lr, "the DFlash default is 6e-4")
-        if self.lr <= 0:
-            fail("train.lr", self.lr, "must be > 0; the DFlash default is 6e-4")
-        at_least("train.weight_decay", self.weight_decay, 0, "0 = none, the DFlash default")
-        if not 0.0 <= self.warmup_ratio < 1.0:  # a range test: nan and inf fail it too
-            fail("train.warmup_ratio", self.warmup_ratio, "must be in [0, 1); the default is 0.04")
-        at_least("train.grad_accum", self.grad_accum, 1, "it counts micro-batches per optimizer step")
-        positive("train.max_grad_norm", self.max_grad_norm)
-        at_least("train.sample_every", self.sample_every, 0, "0 = never")
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    """Where and how often checkpoints are written."""
-
-    dir: str = "runs/default"
-    every_steps: int = 500
-    keep: int = 3
-    lease_timeout_s: float = 120.0  # a run lease not refreshed for this long is stale: another run may take it
-    export_dtype: str = "bfloat16"  # drafter/ weights: engines serve bf16 (an fp32 export is twice the size, cast anyway)
-
-    def __post_init__(self) -> None:
-        one_of("checkpoint.export_dtype", self.export_dtype, ("bfloat16", "float16", "float32"))
-        at_least("checkpoint.every_steps", self.every_steps, 1, "checkpoints are written every N >= 1 steps")
-        at_least("checkpoint.keep", self.keep, 1, "keep at least the latest checkpoint")
-        at_least("checkpoint.lease_timeout_s", self.lease_timeout_s, 10.0,
-                  "the driver refreshes its lease every quarter of it; shorter is easily missed on a busy node")
-        if has_credentials(self.dir):  # a key in the URI reaches wandb, log lines and error messages
-            raise ValueError(f"checkpoint.dir={redact(self.dir)!r} holds credentials in the URI; remove them and set "
-                             "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) on every node instead")
-
-
-@dataclass(frozen=True)
-class LoggingConfig:
-    """Status line and wandb."""
-
-    wandb_mode: str = "offline"  # offline | online | disabled
-    wandb_project: str = "dflash-ray"
-    run_name: str = ""  # empty = derived from checkpoint.dir; also the metrics' run label
-    status_every_s: float = 10.0
-    step_log: bool = False  # drafter rank 0 appends each step's job ids per rank to <checkpoint.dir>/steps.jsonl (app/training/step_log.py)
-
-    def __post_init__(self) -> None:
-        one_of("logging.wandb_mode", self.wandb_mode, ("offline", "online", "disabled"))
-        positive("logging.status_every_s", self.status_every_s, " seconds")
-
-
-@dataclass(frozen=True)
-class SupervisionConfig:
-    """Restart budgets and the watchdog."""
-
-    max_restarts_target: int = 3
-    max_restarts_drafter_group: int = 2
-    max_restarts_pool: int = 3  # a dead pool is recreated from the latest checkpoint this often in one job
-    stall_timeout_s: float = 600.0
-    stop_timeout_s: float = 120.0
-    broken_target_raises: int = 3  # a target whose forward raises this many times in a row is broken (restarted)
-    max_quarantined_share: float = 0.01  # the run stops once more than this share of its jobs is quarantined
-
-    def __post_init__(self) -> None:
-        at_least("supervision.max_restarts_target", self.max_restarts_target, 0, "a budget cannot be negative")
-        at_least("supervision.max_restarts_pool", self.max_restarts_pool, 0, "a budget cannot be negative")
-        at_least("supervision.broken_target_raises", self.broken_target_raises, 2,
-                  "1 would call a target broken for one poison job")
-        if not 0.0 <= self.max_quarantined_share <= 1.0:  # a range test: nan fails it too
-            fail("supervision.max_quarantined_share", self.max_quarantined_share,
-                  "must be in [0, 1] (a share of the jobs); e.g. supervision.max_quarantined_share=0.01")
-        at_least("supervision.max_restarts_drafter_group", self.max_restarts_drafter_group, 0,
-                  "a budget cannot be negative")
-        positive("supervision.stall_timeout_s", self.stall_timeout_s, " seconds")
-        positive("supervision.stop_timeout_s", self.stop_timeout_s, " seconds")
-
-
-@dataclass(frozen=True)
-class FaultsConfig:
-    """Fault injection for tests and rehearsals; -1 = off (the delays: 0 = off)."""
-
-    kill_target_at_job: int = -1
-    kill_drafter_at_step: int = -1
-    stall_target_at_job: int = -1
-    stall_drafter_at_step: int = -1  # the last rank hangs outside any collective at this step (or its stream's end)
-    fail_target_restarts: bool = False  # every start of a target after its first in this run dir fails in __init__
-    poison_job: int = -1  # the forward of this job (epoch 0, by schedule position) raises every time
-    sticky_target_error: int = -1  # this target id's first incarnation raises on every job (a poisoned CUDA context)
-    target_delay_s: float = 0.0  # seconds added to every target forward (0 = off): targets slow by construction
-    drafter_delay_s: float = 0.0  # seconds added to every drafter micro-batch (0 = off): drafters slow by construction
-
-    def __post_init__(self) -> None:
-        for key in ("target_delay_s", "drafter_delay_s"):
-            seconds = getattr(self, key)
-            if not 0.0 <= seconds < float("inf"):  # nan fails every comparison
-                fail(f"faults.{key}", seconds, f"must be a finite number of seconds >= 0; set faults.{key}=0 to turn it off")
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    """Acceptance-length measurement on held-out prompts."""
-
-    num_prompts: int = 64
-    max_new_tokens: int = 256
-    every_steps: int = 500  # optimizer steps between evaluations during the run (0 = off; tau_trained is measured anyway)
-    timeout_s: float = 900.0  # one tau measurement on one target (during the run or at its end); past it, skipped
-
-    def __post_init__(self) -> None:
-        at_least("eval.num_prompts", self.num_prompts, 0, "a count cannot be negative")
-        at_least("eval.every_steps", self.every_steps, 0, "use 0 to turn evaluation during the run off")
-        at_least("eval.max_new_tokens", self.max_new_tokens, 1, "tau needs at least one generated token")
-        if not 0 < self.timeout_s < float("inf"):  # a range test: nan fails it too (nan would never time out)
-            fail("eval.timeout_s", self.timeout_s, "must be a finite number of seconds > 0; e.g. eval.timeout_s=900")
-
-
-@dataclass(frozen=True)
 class Config:
     """The whole tree."""
 
@@ -391,27 +177,3 @@ class Config:
         if self.data.max_length < 2 * self.drafter.block_size:
             fail("data.max_length", self.data.max_length,
                   f"is shorter than 2 x drafter.block_size={self.drafter.block_size}; raise data.max_length")
-
-
-def default_gamma(block_size: int) -> float:
-    """DFlash's loss decay for a block size: 7 for 16, 5 for 10, 4 for 8 (interpolated otherwise)."""
-    table = {16: 7.0, 10: 5.0, 8: 4.0}
-    if block_size in table:
-        return table[block_size]
-    return max(1.0, 7.0 * block_size / 16)
-
-
-def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """k layers spread uniformly from layer 1 to layer n-3 (e.g. [1, 9, 17, 25, 33] for 36, k=5)."""
-    lo, hi = 1, max(1, num_target_layers - 3)
-    k = num_draft_layers
-    if k == 1:
-        return [num_target_layers // 2]
-    return [round(lo + i * (hi - lo) / (k - 1)) for i in range(k)]
-
-
-def resolve_layer_ids(layer_ids: list[int] | tuple[int, ...], n_target_layers: int, n_draft_layers: int) -> list[int]:
-    """`layer_ids` as given, or DFlash's default spread when empty."""
-    if layer_ids:
-        return [int(i) for i in layer_ids]
-    return default_target_layer_ids(n_target_layers, n_draft_layers)

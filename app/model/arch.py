@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from app.config.schema import DrafterConfig, resolve_layer_ids
+from app.config.drafter_sections import DrafterConfig, resolve_layer_ids
 
 
 @dataclass(frozen=True)

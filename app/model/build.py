@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import torch
 
-from app.config.schema import DrafterConfig
+from app.config.drafter_sections import DrafterConfig
 
 
 def build_or_load_drafter(model_dir: str, drafter_dir: str | None, drafter_cfg: DrafterConfig, layer_ids: list[int],

@@ -34,8 +34,8 @@ class EvalSpec:
     a new best is exported in (`checkpoint.export_dtype`, as `drafter/` is: what the engines serve)."""
 
     prompts: list[list[int]]
-    drafter: Any  # app.config.schema.DrafterConfig
-    eval: Any  # app.config.schema.EvalConfig
+    drafter: Any  # app.config.drafter_sections.DrafterConfig
+    eval: Any  # app.config.run_sections.EvalConfig
     mask_token_id: int
     seed: int
     eos_token_id: int | None

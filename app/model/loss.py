@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from app.config.schema import default_gamma
+from app.config.drafter_sections import default_gamma
 
 
 @dataclass

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from app.config.schema import TINY_RESERVED_TOKENS, TINY_TARGET, Config, TinyConfig
+from app.config.schema import Config
+from app.config.tiny_section import TINY_RESERVED_TOKENS, TINY_TARGET, TinyConfig
 # The special tokens and the chat template are shared with the python corpus (app/tiny/python_corpus.py).
 from app.tiny.chat import BOS, CHATML_TEMPLATE, IM_END, IM_START, MASK, PAD, ROLE_WORDS, SPECIAL_TOKENS, UNK
 

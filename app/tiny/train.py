@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from app.config.schema import TinyConfig
+from app.config.tiny_section import TinyConfig
 
 IGNORE = -100  # label of positions without a loss (the random user turn, the chat markup)
 

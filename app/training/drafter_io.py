@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from app.config.schema import CheckpointConfig, DrafterConfig, FaultsConfig, TrainConfig
+from app.config.drafter_sections import DrafterConfig, TrainConfig
+from app.config.run_sections import CheckpointConfig, FaultsConfig
 from app.messages import StepRecord
 
 

@@ -16,7 +16,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from app.config.schema import DrafterConfig, TrainConfig
+from app.config.drafter_sections import DrafterConfig, TrainConfig
 from app.faults import injected_delay
 
 # Layout of the statistics that ride along with the gradients in the step's all-reduce.

@@ -75,7 +75,7 @@ def default_arch(cfg, width_div: int = 1):
     """A Qwen3-8B-shaped drafter arch (hidden 4096, 32/8 heads of 128, MLP 12288, vocab 151,936,
     36 target layers) with the config's drafter settings; `width_div` narrows hidden, MLP and heads."""
     from app.model.arch import DrafterArch
-    from app.config.schema import default_target_layer_ids
+    from app.config.drafter_sections import default_target_layer_ids
 
     f = width_div
     return DrafterArch(

@@ -155,7 +155,7 @@ def resume(ctx) -> tuple[str, dict]:
 
 def _tiny_trainer(device):
     """A 2-layer drafter (head_dim 16, as flex on CUDA needs) with its trainer and a fixed random batch."""
-    from app.config.schema import DrafterConfig, TrainConfig
+    from app.config.drafter_sections import DrafterConfig, TrainConfig
     from app.model.arch import DrafterArch
     from app.model.drafter import DFlashDrafter
     from app.model.target_head import TargetHead

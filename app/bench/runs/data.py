@@ -74,7 +74,9 @@ def tokenizer_dir(out: Path) -> str:
 
 def records_config(files: list[str], out: Path):
     """The config the data path runs under: the tiny target's tokenizer, wider buckets, bad records skipped."""
-    from app.config.schema import CheckpointConfig, Config, DataConfig, DrafterConfig, ModelConfig
+    from app.config.drafter_sections import DrafterConfig
+    from app.config.run_sections import CheckpointConfig
+    from app.config.schema import Config, DataConfig, ModelConfig
 
     data = replace(DataConfig(), train_files=files, max_length=512, bucket_boundaries=[64, 128, 192, 256, 384, 512],
                    tokens_per_job=4096, on_error="skip")
@@ -122,7 +124,9 @@ def peak_rss_mb() -> float:
 
 
 def _cfg_from_json(blob: str):
-    from app.config.schema import CheckpointConfig, Config, DataConfig, DrafterConfig, ModelConfig
+    from app.config.drafter_sections import DrafterConfig
+    from app.config.run_sections import CheckpointConfig
+    from app.config.schema import Config, DataConfig, ModelConfig
 
     d = json.loads(blob)
     return Config(model=ModelConfig(target="tiny"), data=replace(DataConfig(), **d["data"]),

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from app.config.errors import ConfigError
-from app.config.schema import Config, LoggingConfig
+from app.config.run_sections import LoggingConfig
+from app.config.schema import Config
 from app.storage.roots import redact
 
 # Keys of every step row (the per-position acceptance adds acc_pos1..acc_pos{B-1}).

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from app.config.schema import SupervisionConfig
+from app.config.run_sections import SupervisionConfig
 from app.messages import DrafterPhase
 from app.run.supervise.events import (Action, DrafterGroupFailed, DrafterGroupStarted, Event, Fail, GiveUpTarget,
                                       KillStalledTarget, PoolFailed, RebuildDrafters, RecreatePool, RequestStop,
