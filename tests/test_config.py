@@ -38,7 +38,10 @@ def test_every_conf_file_loads(path: Path, tmp_path: Path) -> None:
     cfg = load_config(path, [f"model.target={tmp_path / 'model'}", f"data.train_files=[{data}]"])
     assert isinstance(cfg, Config)
     assert cfg.data.bucket_boundaries[-1] >= cfg.data.max_length
-    assert cfg.topology.num_targets == 5 and cfg.topology.num_drafters == 3
+    if path.name == "smol.yaml":  # the real 135M target on 2 cores: 2 targets and 1 drafter fill them
+        assert cfg.topology.num_targets == 2 and cfg.topology.num_drafters == 1
+    else:
+        assert cfg.topology.num_targets == 5 and cfg.topology.num_drafters == 3
     assert len(cfg.data.bucket_boundaries) == 6
 
 

@@ -13,7 +13,7 @@ from app.data import instructions as ins
 
 @pytest.fixture(scope="module")
 def built() -> tuple[list, list]:
-    return ins.build_instructions(seed=0, num_train=192, num_eval=32)
+    return ins.build_instructions(192, 32, seed=0)
 
 
 def test_every_kind_is_present_and_balanced(built) -> None:
@@ -42,9 +42,9 @@ def test_train_and_eval_come_from_disjoint_sources(built) -> None:
 
 
 def test_same_seed_same_set_other_seed_other_set(built) -> None:
-    again = ins.build_instructions(seed=0, num_train=192, num_eval=32)
+    again = ins.build_instructions(192, 32, seed=0)
     assert again == built
-    other = ins.build_instructions(seed=1, num_train=192, num_eval=32)
+    other = ins.build_instructions(192, 32, seed=1)
     assert [it.text for it in other[0]] != [it.text for it in built[0]]
     assert len({it.text for it in built[0]}) == 192  # no duplicate prompt
 
@@ -81,6 +81,12 @@ def test_files_are_what_the_readers_take(tmp_path: Path) -> None:
     assert len(todo) == 20 and all(m[-1]["role"] == "user" for _, m in todo)  # app.regenerate answers each
     first = json.loads(Path(info["train_file"]).read_text().splitlines()[0])
     assert first["kind"] in ins.KINDS and first["source"]
+    # The same set again leaves the files alone (make smol regenerates only when the prompts changed).
+    before = Path(info["train_file"]).stat().st_mtime_ns
+    ins.write_prompt_files(tmp_path, seed=0, num_train=20, num_eval=5)
+    assert Path(info["train_file"]).stat().st_mtime_ns == before
+    ins.write_prompt_files(tmp_path, seed=0, num_train=21, num_eval=5)
+    assert len(Path(info["train_file"]).read_text().splitlines()) == 21
 
 
 def test_cut_passage_keeps_whole_paragraphs() -> None:

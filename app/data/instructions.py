@@ -242,9 +242,9 @@ def sample(pool: dict[str, tuple[Instruction, ...] | list[Instruction]], count: 
     return out
 
 
-def build_instructions(seed: int = 0, num_train: int = 192, num_eval: int = 32) -> tuple[list[Instruction],
-                                                                                          list[Instruction]]:
-    """(train, eval) instructions from disjoint sources, deterministic for the seed."""
+def build_instructions(num_train: int = 192, num_eval: int = 32, *, seed: int = 0) -> tuple[list[Instruction],
+                                                                                            list[Instruction]]:
+    """(train, eval) instructions from disjoint sources, deterministic for the seed (`.text` is the prompt)."""
     if num_train < 1 or num_eval < 0:
         raise ValueError(f"num_train={num_train}, num_eval={num_eval}: need at least 1 training prompt and >= 0 eval")
     pool = candidates()
@@ -255,23 +255,27 @@ def build_instructions(seed: int = 0, num_train: int = 192, num_eval: int = 32) 
     return train, evals
 
 
-def write_jsonl(path: Path, items: list[Instruction]) -> None:
-    """Write records atomically (temp file renamed into place): a reader never sees half a file."""
+def write_jsonl(path: Path, items: list[Instruction]) -> bool:
+    """Write records atomically (temp file renamed into place): a reader never sees half a file. A file that
+    already holds exactly these records is left alone (its mtime too: `make smol` regenerates the responses only
+    when the prompts changed). Returns whether it wrote."""
+    text = "".join(json.dumps(it.record()) + "\n" for it in items)
+    if path.is_file() and path.read_text() == text:
+        return False
     tmp = path.parent / f".tmp-{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        with open(tmp, "w") as f:
-            for it in items:
-                f.write(json.dumps(it.record()) + "\n")
+        tmp.write_text(text)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+    return True
 
 
 def write_prompt_files(out_dir: str | Path, seed: int = 0, num_train: int = 192, num_eval: int = 32) -> dict:
     """prompts_train.jsonl (to regenerate) and eval_prompts.jsonl in `out_dir`; returns their paths and counts."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    train, evals = build_instructions(seed, num_train, num_eval)
+    train, evals = build_instructions(num_train, num_eval, seed=seed)
     write_jsonl(out / TRAIN_FILE, train)
     write_jsonl(out / EVAL_FILE, evals)
     kinds = {k: sum(it.kind == k for it in train) for k in KINDS}
