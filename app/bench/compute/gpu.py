@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from app.bench.common import print_result
-from app.bench.compute.gpu_drafter import bench_drafter
+from app.bench.compute.gpu_drafter import bench_drafter, sync_device
 
 PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0}
 NO_CUDA = ("bench gpu: needs a CUDA GPU and torch sees none (torch.cuda.is_available() is False); run it on a GPU "
@@ -151,11 +151,6 @@ def job_seqs(lengths: list[int], vocab: int, rng: np.random.Generator) -> list[t
     return out
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def bench_target(s: Setup, model) -> tuple[dict, list]:
     """Prefill tok/s and MFU, and the copy overlap; returns the last jobs' HiddenBatches for the drafter."""
     from app.bench.compute.flops import target_flops
@@ -173,13 +168,13 @@ def bench_target(s: Setup, model) -> tuple[dict, list]:
     needed = sum(target_flops(s.target, s.jobs[j], "needed", s.layer_ids) for j in timed)
 
     # 1) forward only (features stay on the device)
-    _sync(s.device)
+    sync_device(s.device)
     t0 = time.perf_counter()
     with torch.inference_mode():
         for j in timed:
             ids_BS, _, lengths_B = pad_sequences(seqs[j])
             run_target(trunk, ids_BS, lengths_B, s.device, packed)
-    _sync(s.device)
+    sync_device(s.device)
     fwd_s = time.perf_counter() - t0
     # 2) the copy alone: device features of one job to pinned host, timed per job
     copy_s = 0.0
@@ -187,14 +182,14 @@ def bench_target(s: Setup, model) -> tuple[dict, list]:
         for j in timed:
             ids_BS, _, lengths_B = pad_sequences(seqs[j])
             feats = run_target(trunk, ids_BS, lengths_B, s.device, packed)
-            _sync(s.device)
+            sync_device(s.device)
             t1 = time.perf_counter()
             host, done = to_host_async(feats)
             if done is not None:
                 done.synchronize()
             copy_s += time.perf_counter() - t1
     # 3) serial: each job's forward, then its copy, then the next
-    _sync(s.device)
+    sync_device(s.device)
     t0 = time.perf_counter()
     for j in timed:
         start_job(trunk, seqs[j], j, s.device).result()

@@ -33,7 +33,6 @@ def drafter_train_flops(arch, hb, num_anchors: int) -> float:
 
 def bench_drafter(s, model, batches) -> dict:
     """Tokens/s and MFU of the drafter's training step on `batches` (HiddenBatch), `s` being bench gpu's Setup."""
-    from app.bench.compute.gpu import _sync
     from app.bench.compute.alone import step_alone
     from app.model.arch import DrafterArch
     from app.model.drafter import DFlashDrafter
@@ -52,11 +51,17 @@ def bench_drafter(s, model, batches) -> dict:
     pairs = [(i, hb) for i, hb in enumerate(order)]  # each its own job id: a repeated batch is a new job
     t_compile = time.perf_counter()
     step_alone(trainer, pairs[:2], 1, s.device, s.dtype)  # warm-up: compiles on CUDA (dynamic shapes: once)
-    _sync(s.device)
+    sync_device(s.device)
     warm_s = time.perf_counter() - t_compile
     flops = sum(drafter_train_flops(arch, hb, dcfg.num_anchors) for hb in order[2:])
     t0 = time.perf_counter()
     tokens = step_alone(trainer, pairs[2:], s.tcfg.grad_accum, s.device, s.dtype)
-    _sync(s.device)
+    sync_device(s.device)
     dt = time.perf_counter() - t0
     return {"tok_s": tokens / dt, "mfu": flops / dt / s.peak_flops, "warm_s": warm_s, "step_s": dt / len(order[2:])}
+
+
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA), so a timer read after it covers it; nothing on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
