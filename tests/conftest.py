@@ -37,6 +37,15 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def reference_run(ray_cluster, tmp_path_factory):
+    """The session's one 6-epoch tiny run (tests/e2e_helpers.py REFERENCE), scraped while it trains;
+    the end-to-end, run-outputs and metrics tests each assert on it (its exit code first)."""
+    from tests.e2e_helpers import reference_run
+
+    return reference_run(tmp_path_factory.mktemp("reference") / "reference-run")
+
+
 @pytest.fixture(scope="module")
 def s3():
     """A loopback S3 server (moto) per test module, with test credentials in the environment: its client."""

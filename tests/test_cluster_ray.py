@@ -1,6 +1,7 @@
 """Several nodes on one machine: `ray.cluster_utils.Cluster` runs in a subprocess (tests/cluster_run.py),
 so it never meets the session's shared Ray instance. Each node has its own CPUs, fake GPUs and object
-store; the tiny run uses `topology.device=auto`, so bundles reserve GPUs and the actors compute on CPU.
+store; the tiny run uses `topology.device=auto`, so bundles reserve GPUs and the actors compute on CPU. (The resume
+at other topologies, 5/3 -> 3/2 and 6/4, runs on the session's one-node cluster: tests/test_e2e_ray.py.)
 
 Trained jobs are counted from the step log (`logging.step_log`: the job ids of every optimizer step as the
 ranks reported them, replayed by app/training/step_log.py), not from the pool's ledger.
@@ -95,48 +96,6 @@ def test_losing_the_drafters_node_mid_run_completes_on_the_spare(tmp_path: Path)
     assert s["tau_trained"] is not None  # the final evaluation found a live target
     events = [l for l in log.splitlines() if "crashed" in l or "rebuild" in l or "restarted" in l or "lost" in l]
     print("\n".join(events[:20]))
-
-
-def _last_status_loss(out: str) -> float:
-    import re
-
-    losses = [float(m) for m in re.findall(r"\| loss (\d+\.\d+) ", out) if float(m) > 0]
-    assert losses, out[-2000:]
-    return losses[-1]
-
-
-def test_resume_with_other_topologies_keeps_weights_ledger_and_schedule(ray_cluster, tmp_path: Path) -> None:
-    """Stopped at 5 targets / 3 drafters, resumed as 3/2 and (from a copy) as 6/4: every job trained
-    once across both halves, and the loss goes on from where it stopped (the LR schedule runs on jobs
-    consumed, which does not depend on the topology)."""
-    import shutil
-
-    from app.training.checkpoint import latest_checkpoint, read_ledger
-    from tests.e2e_helpers import run_in_process, sigterm_and_wait, start_driver, summary, wait_for
-
-    first = tmp_path / "elastic"
-    proc = start_driver(first, "checkpoint.every_steps=2", "logging.step_log=true")
-    wait_for(lambda: latest_checkpoint(first) is not None and read_ledger(latest_checkpoint(first))[0] >= 4,
-             900, "a checkpoint at step >= 4")
-    code, out = sigterm_and_wait(proc, timeout=300)
-    assert code == 0 and "stopped cleanly" in out, out[-3000:]
-    step, _, ledger = read_ledger(latest_checkpoint(first))
-    loss_at_stop = _last_status_loss(out)
-    copy = tmp_path / "elastic-64"
-    shutil.copytree(first, copy)
-
-    for run_dir, (targets, drafters) in ((first, (3, 2)), (copy, (6, 4))):
-        assert run_in_process(run_dir, f"topology.num_targets={targets}", f"topology.num_drafters={drafters}",
-                              "logging.step_log=true") == 0
-        s = summary(run_dir)
-        counts = trained_counts(run_dir, s)
-        print(f"\n[{targets}/{drafters}] resumed at step {step} ({len(ledger)} jobs); loss at stop {loss_at_stop:.3f}, "
-              f"first after resume {s['loss_first']:.3f}, last {s['loss_last']:.3f}; counts {counts}")
-        assert counts == {"trained_once": s["jobs_scheduled"], "trained_twice": 0, "never_trained": 0}
-        assert s["resumed_from_step"] == step and s["jobs_acked"] == s["jobs_scheduled"]
-        assert s["jobs_trained_this_run"] == s["jobs_scheduled"] - len(ledger)
-        # Continuous: the first loss after the resume is near the loss at the stop, far below a fresh start's.
-        assert s["loss_first"] < loss_at_stop * 1.25 and s["loss_last"] < s["loss_first"] * 1.1
 
 
 def test_a_group_shrunk_by_a_node_loss_grows_back_when_a_node_is_added(tmp_path: Path) -> None:

@@ -7,17 +7,19 @@ from pathlib import Path
 import pytest
 
 from app.training.checkpoint import latest_checkpoint, read_ledger
-from tests.e2e_helpers import run_in_process, sigterm_and_wait, start_driver, summary, trained_counts, wait_for
+from tests.e2e_helpers import (assert_finished, run_in_process, sigterm_and_wait, start_driver, summary, trained_counts,
+                               wait_for)
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
-def test_tiny_run_trains_every_job_exactly_once(ray_cluster, tmp_path: Path, capsys, monkeypatch) -> None:
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    # the tiny default: tau is meaningful there; wandb offline, whose file is read back below (issue 25)
-    assert run_in_process(tmp_path, "train.epochs=6", "logging.wandb_mode=offline") == 0
+def test_tiny_run_trains_every_job_exactly_once(reference_run) -> None:
+    # The session's reference run (tests/e2e_helpers.py REFERENCE): the tiny default, 6 epochs, so tau is
+    # meaningful; wandb offline, whose file is read back below (issue 25).
+    assert_finished(reference_run)
+    tmp_path = reference_run.run_dir
     s = summary(tmp_path)
-    out = capsys.readouterr().out
+    out = reference_run.out
     assert s["jobs_acked"] == s["jobs_scheduled"] > 0
     assert s["jobs_acked_twice"] == 0
     assert s["loss_last"] < s["loss_first"]
@@ -36,38 +38,64 @@ def test_tiny_run_trains_every_job_exactly_once(ray_cluster, tmp_path: Path, cap
 
 def _assert_one_wandb_row_per_step(run_dir: Path, steps: int) -> None:
     """The run's offline wandb file, read back: one history row per optimizer step with the listed keys."""
-    import wandb
-
     from app.run.outputs.wandb_log import STEP_KEYS, read_history
 
-    wandb.teardown()  # the service writes the run file after finish() returns: wait for it to end
     (run_file,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
     rows = [r for r in read_history(run_file) if "event" not in r]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert all(set(STEP_KEYS) | {"acc_pos1"} <= set(r) for r in rows), rows[0]
 
 
-def test_stop_then_resume_trains_each_job_once(ray_cluster, tmp_path: Path, capsys) -> None:
-    proc = start_driver(tmp_path, "checkpoint.every_steps=2", "logging.wandb_mode=offline")
-    wait_for(lambda: latest_checkpoint(tmp_path) is not None, 900, "a first checkpoint")  # a bound, not a speed claim
-    code, out = sigterm_and_wait(proc, timeout=120)
-    assert code == 0, out
-    assert "stopped cleanly" in out
-    assert "data: tokenized" in out and "data: loaded" not in out  # the first run tokenized and cached
-    step1, _, ledger1 = read_ledger(latest_checkpoint(tmp_path))
-    assert step1 > 0 and ledger1
-    # The stopped driver ended its wandb run: its history holds every step up to the stop's checkpoint.
+def _last_status_loss(out: str) -> float:
+    import re
+
+    losses = [float(m) for m in re.findall(r"\| loss (\d+\.\d+) ", out) if float(m) > 0]
+    assert losses, out[-2000:]
+    return losses[-1]
+
+
+def test_stop_then_resume_with_other_topologies_trains_each_job_once(ray_cluster, tmp_path: Path, capsys) -> None:
+    """A driver stopped by SIGTERM at 5 targets / 3 drafters, resumed as 3/2 and (from a copy) as 6/4:
+    the stop ends cleanly with its wandb history, the resumes read the data cache the first run wrote,
+    every job is trained once across both halves, and the loss goes on from where it stopped (the LR
+    schedule runs on jobs consumed, which does not depend on the topology). One stop for two checks
+    that used to stop a run each: the local stop -> resume and the elastic resume."""
+    import shutil
+
     from app.run.outputs.wandb_log import read_history
 
-    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
-    assert [r["step"] for r in read_history(run_file) if "event" not in r] == list(range(1, step1 + 1))
+    first = tmp_path / "elastic"
+    # The drafter delay keeps the first driver training for at least 1 s a step whatever the machine's speed
+    # (~23 steps): the SIGTERM certainly lands mid-run, a few steps after the checkpoint it waits for.
+    proc = start_driver(first, "checkpoint.every_steps=2", "logging.wandb_mode=offline", "faults.drafter_delay_s=1")
+    wait_for(lambda: latest_checkpoint(first) is not None and read_ledger(latest_checkpoint(first))[0] >= 4,
+             900, "a checkpoint at step >= 4")  # a bound, not a speed claim
+    code, out = sigterm_and_wait(proc, timeout=300)
+    assert code == 0 and "stopped cleanly" in out, out[-3000:]
+    assert "data: tokenized" in out and "data: loaded" not in out  # the first run tokenized and cached
+    step, _, ledger = read_ledger(latest_checkpoint(first))
+    assert step >= 4 and ledger
+    # The stopped driver ended its wandb run: its history holds every step up to the stop's checkpoint.
+    (run_file,) = (first / "wandb").glob("offline-run-*/run-*.wandb")
+    assert [r["step"] for r in read_history(run_file) if "event" not in r] == list(range(1, step + 1))
+    loss_at_stop = _last_status_loss(out)
+    copy = tmp_path / "elastic-64"
+    shutil.copytree(first, copy)
 
-    assert run_in_process(tmp_path) == 0
-    log = capsys.readouterr().out
-    assert "data: loaded" in log and "data: tokenized" not in log  # the resume memory-maps the cache
-    s = summary(tmp_path)
-    assert s["resumed_from_step"] == step1
-    assert s["jobs_acked"] == s["jobs_scheduled"] and s["jobs_acked_twice"] == 0
-    assert set(ledger1) <= set(read_ledger(latest_checkpoint(tmp_path))[2])
-    # From the step log of both drivers: each job in the final weights' lineage exactly once.
-    assert trained_counts(tmp_path) == {"trained_once": s["jobs_scheduled"], "trained_twice": 0, "never_trained": 0}
+    for run_dir, (targets, drafters) in ((first, (3, 2)), (copy, (6, 4))):
+        capsys.readouterr()
+        assert run_in_process(run_dir, f"topology.num_targets={targets}", f"topology.num_drafters={drafters}") == 0
+        log = capsys.readouterr().out
+        assert "data: loaded" in log and "data: tokenized" not in log  # the resume memory-maps the cache
+        s = summary(run_dir)
+        counts = trained_counts(run_dir)
+        print(f"\n[{targets}/{drafters}] resumed at step {step} ({len(ledger)} jobs); loss at stop {loss_at_stop:.3f}, "
+              f"first after resume {s['loss_first']:.3f}, last {s['loss_last']:.3f}; counts {counts}")
+        # From the step log of both drivers: each job in the final weights' lineage exactly once.
+        assert counts == {"trained_once": s["jobs_scheduled"], "trained_twice": 0, "never_trained": 0}
+        assert s["resumed_from_step"] == step
+        assert s["jobs_acked"] == s["jobs_scheduled"] and s["jobs_acked_twice"] == 0
+        assert s["jobs_trained_this_run"] == s["jobs_scheduled"] - len(ledger)
+        assert set(ledger) <= set(read_ledger(latest_checkpoint(run_dir))[2])
+        # Continuous: the first loss after the resume is near the loss at the stop, far below a fresh start's.
+        assert s["loss_first"] < loss_at_stop * 1.25 and s["loss_last"] < s["loss_first"] * 1.1

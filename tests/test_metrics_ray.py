@@ -4,17 +4,12 @@ from __future__ import annotations
 
 import json
 import re
-import threading
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from app import metric_names as mn
-from app.config.load import load_config
-from app.run.plan import run_name
-from tests.e2e_helpers import ROOT, run_in_process, tiny_overrides
+from tests.e2e_helpers import assert_finished
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -24,8 +19,8 @@ DESIGN_METRICS = (mn.POOL_ITEMS, mn.POOL_BYTES, mn.JOBS, mn.PULL_WAIT_SECONDS + 
 LINE = re.compile(r"^(?:ray_)?(dflash_\w+)\{([^}]*)\} ([0-9.eE+-]+)$")
 
 
-def _scrape(port: int, run: str) -> dict[str, list[tuple[dict, float]]]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+def _parse(text: str) -> dict[str, list[tuple[dict, float]]]:
+    """One scrape's lines (already those of the run's label) by metric name: [(labels, value)]."""
     out: dict[str, list[tuple[dict, float]]] = {}
     for line in text.splitlines():
         m = LINE.match(line)
@@ -33,26 +28,17 @@ def _scrape(port: int, run: str) -> dict[str, list[tuple[dict, float]]]:
             continue
         labels = dict(kv.split("=", 1) for kv in re.findall(r'(\w+="[^"]*")', m.group(2)))
         labels = {k: v.strip('"') for k, v in labels.items()}
-        if labels.get("run") == run:
-            out.setdefault(m.group(1), []).append((labels, float(m.group(3))))
+        out.setdefault(m.group(1), []).append((labels, float(m.group(3))))
     return out
 
 
-def test_every_design_metric_is_exported_with_sane_values(ray_cluster, tmp_path: Path) -> None:
-    import ray
-
-    port = ray._private.worker.global_worker.node.metrics_export_port
-    run_dir = tmp_path / "metrics-run"
-    run_label = run_name(load_config(ROOT / "conf/tiny.yaml", tiny_overrides(run_dir)))  # folder name + digest
-    result: dict[str, int] = {}
-    worker = threading.Thread(target=lambda: result.update(code=run_in_process(run_dir, "train.epochs=8")))
-    worker.start()
-    scrapes = []
-    while worker.is_alive():
-        scrapes.append(_scrape(port, run_label))
-        time.sleep(1.0)
-    worker.join()
-    assert result["code"] == 0
+def test_every_design_metric_is_exported_with_sane_values(reference_run) -> None:
+    """The session's reference run, scraped every second while it trained (tests/e2e_helpers.py)."""
+    assert_finished(reference_run)
+    run_dir = reference_run.run_dir
+    scrapes = [_parse(text) for text in reference_run.scrapes]
+    assert all(labels.get("run") == reference_run.run_label for s in scrapes for rows in s.values()
+               for labels, _ in rows)
     seen = set().union(*scrapes)
     missing = [name for name in DESIGN_METRICS if name not in seen]
     assert not missing, f"never scraped: {missing}; saw {sorted(seen)}"
