@@ -2,12 +2,12 @@
 
 `HSPool` is the facade the actor (`actors/hs_pool.py`) wraps; its parts each live in their own
 module: jobs entering (`intake.py`), the job queue (`queue.py`) over the catalog of added jobs
-(`catalog.py`), jobs on targets (`production.py`), the bucket buffer (`buffer.py`), the leases
-(`lending.py` over `leases.py`, with its generation fences), releases and rollbacks (`recovery.py`),
-the capacity budget in items and bytes (`budget.py`), the ledger of acked jobs (`ledger.py`), the
-explicit job states (`states.py`), the
-bucket choice of a pull (`pull_policy.py`), which global step a pull belongs to (`rounds.py`), and
-the counters and meters behind `stats()` (`telemetry.py`, with the mixing measures of `measures.py`).
+(`catalog.py`), jobs on targets (`production.py`), the bucket buffer (`buffer.py`), what a pull gets
+(`serving.py`), the leases (`lending.py` over `leases.py`, with its generation fences), releases and
+rollbacks (`recovery.py`), the capacity budget in items and bytes (`budget.py`), the ledger of acked
+jobs (`ledger.py`), the explicit job states (`states.py`), the bucket choice of a pull
+(`pull_policy.py`), which global step a pull belongs to (`rounds.py`), and the counters and meters
+behind `stats()` (`telemetry.py`, with the mixing measures of `measures.py`).
 The actor's own state (targets, pauses, eval offers, the stop flag, step records) is `control.py`.
 Everything here is synchronous except `pull` / `wait_changed`, which only await an asyncio.Event, so
 the class is usable (and tested) without Ray.
@@ -25,7 +25,6 @@ Config values arrive checked (`app/config/schema.py`); the asserts here guard in
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -41,10 +40,11 @@ from app.pool.leases import LeaseRevoked
 from app.pool.lending import Lending
 from app.pool.ledger import Ledger
 from app.pool.production import Production
-from app.pool.pull_policy import PullContext, PullPolicy, make_pull_policy
+from app.pool.pull_policy import PullPolicy, make_pull_policy
 from app.pool.queue import JobQueue
 from app.pool.recovery import Recovery
 from app.pool.rounds import RoundTracker
+from app.pool.serving import Serving
 from app.pool.states import JobStates
 from app.pool.stats import PoolStats
 from app.pool.telemetry import PoolTelemetry
@@ -76,7 +76,6 @@ class HSPool:
         self.policy = make_pull_policy(cfg.pull_policy if pull_policy is None else pull_policy, num_buckets)
         self._rounds = RoundTracker(accum, ranks)
         self._clock = clock
-        self._rng = random.Random(cfg.seed)
         self._states = JobStates()
         self._catalog = JobCatalog()  # every job added, for re-queueing on rollback
         self._queue = queue(self._catalog)
@@ -90,6 +89,9 @@ class HSPool:
         self._production = Production(cfg.jobs_in_flight_per_target, self._queue, self._states, self._buffer,
                                       self._budget, self._tel, clock, self._wake, broken_after)
         self._eos_drafters: set[int] = set()
+        self._serving = Serving(cfg.min_ready, cfg.seed, self.policy, self._rounds, self._buffer, self._lending,
+                                self._production, self._tel, self._eos_drafters, clock,
+                                lambda: self.producing_finished, lambda: self.done, self._wake, self._buffer_changed)
         self._recovery = Recovery(self._lending, self._rounds, self.policy, self._eos_drafters, self._production,
                                   self._states, self._catalog, self._queue, self._buffer, self._budget,
                                   self._ledger, self._wake, self._buffer_changed)
@@ -167,33 +169,8 @@ class HSPool:
     # ---- consuming side -------------------------------------------------------------------
 
     def try_pull(self, drafter_id: int) -> PulledItem | EndOfStream | Drained | None:
-        """Lease one item to the drafter; None means wait (the reservoir is not ready)."""
-        if self.done:
-            self._eos_drafters.add(drafter_id)
-            return EndOfStream()
-        buffered = len(self._buffer)
-        draining = self.producing_finished or self._production.stalled()
-        if buffered == 0:
-            # Also drain when leases hold the byte budget and nothing is in flight: the rank must
-            # step with what it has and ack, or its own leases would block the next job forever.
-            return self._drained(drafter_id) if draining else None
-        if buffered < self.cfg.min_ready and not draining:
-            return None
-        rnd = self._rounds.round(drafter_id)
-        ctx = PullContext(drafter_id, rnd, self._buffer.counts(), self._rounds.step_items, self.producing_finished,
-                          self._rounds.open_slots(), self._rounds.ranks is not None, self._buffer.mean_costs(),
-                          self._rounds.slots_in(rnd))
-        bucket = self.policy.choose(ctx, self._rng)
-        if bucket is None:  # the policy ends this step early (equal steps over the last items)
-            return self._drained(drafter_id)
-        item = self._buffer.take(bucket, self._rng, self.policy.pick(ctx, bucket, self._buffer.costs(bucket), self._rng))
-        self.policy.served(ctx, bucket, item.job.cost)
-        self._lending.lend(item, drafter_id, self._clock())
-        self._rounds.took(drafter_id)
-        self._tel.served[bucket] += 1
-        self._buffer_changed()
-        self._wake()  # a freed item slot may let a job be issued
-        return PulledItem(meta=item.meta, payload_ref=item.payload)
+        """Lease one item to the drafter; None means wait (the reservoir is not ready). See `serving.py`."""
+        return self._serving.try_pull(drafter_id)
 
     async def pull(self, drafter_id: int, generation: int = 0,
                    acks: Iterable[int] = ()) -> PulledItem | EndOfStream | Drained:
@@ -332,10 +309,6 @@ class HSPool:
         ev.set()
 
     # ---- internals ------------------------------------------------------------------------
-
-    def _drained(self, drafter_id: int) -> Drained:
-        self._rounds.step_ended(drafter_id)
-        return Drained()
 
     def _buffer_changed(self) -> None:
         self._tel.backlog.update(self._clock(), self._buffer.counts(), active=not self.producing_finished)
