@@ -93,3 +93,22 @@ def test_race_reports_a_prompt_whose_outputs_differ(target, monkeypatch):
     monkeypatch.setattr(sd, "draft_block", _oracle_drafter(model, PROMPTS, 12))
     res = sb.race(model, None, head, PROMPTS, 12, LAYERS, B, warmup=0)
     assert not res.identical and res.differing_prompts == [1]
+
+
+def test_replay_drafts_equal_draft_block_and_are_computed_only_when_read(target):
+    model, head = target
+    torch.manual_seed(1)
+    drafter = DFlashDrafter(tiny_arch(model.config, block_size=B, target_layer_ids=LAYERS)).eval()
+    for p in drafter.parameters():
+        p.data.normal_(0, 0.3)
+    seq = PROMPTS[2] + sd.greedy_reference(model, PROMPTS[2], 8)
+    with torch.no_grad():
+        feats = target_features(model, torch.tensor([seq]), torch.ones(1, len(seq), dtype=torch.long), LAYERS)[0]
+    propose = sb.drafter_proposer(drafter, head, feats, B)
+    for n in (3, 7, len(seq) - 1):
+        lazy = propose(seq[:n + 1], B - 1)
+        assert lazy.done == {} and len(lazy) == B - 1
+        assert list(lazy) == sd.draft_block(drafter, head, feats[:n], seq[n], B)
+    lazy = propose(seq[:4], B - 1)[:2]
+    assert len(lazy) == 2 and lazy[1] == sd.draft_block(drafter, head, feats[:3], seq[3], B)[1] and set(lazy.done) == {1}
+    assert "fuse_context" not in vars(drafter)  # the identity stand-in is gone after the block

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 from app.model.spec_decode import accepted_prefix
 
-Proposer = Callable[[list[int], int], list[int]]  # (prefix ids, how many) -> that many guesses
+Proposer = Callable[[list[int], int], Sequence[int]]  # (prefix ids, how many) -> up to that many guesses
 
 
 def tau_on_greedy(propose: Proposer, prompt: Sequence[int], greedy: Sequence[int], block_size: int,
@@ -38,7 +38,9 @@ def tau_on_greedy(propose: Proposer, prompt: Sequence[int], greedy: Sequence[int
     per_forward: list[int] = []
     while len(new) < len(greedy):
         want = min(block_size - 1, max_new_tokens - len(new) - 1, len(greedy) - len(new) - 1)
-        drafts = list(propose(list(prompt) + new, block_size - 1))[: max(0, want)]
+        # Sliced, not copied: a proposer may return a lazy sequence that computes a guess when it is read
+        # (`accepted_prefix` reads them in order and stops at the first miss).
+        drafts = propose(list(prompt) + new, block_size - 1)[: max(0, want)]
         slots = list(greedy[len(new): len(new) + len(drafts) + 1])  # each slot's verify argmax
         accepted = accepted_prefix(drafts, slots)
         new += slots[: accepted + 1]

@@ -1,5 +1,7 @@
 """`python -m app.bench quality [--seeds 0,1,2] [--corpora markov,python] [--workers N] [key=value ...]`: what tau means.
 
+`--target smol` measures the real target instead (SmolLM2-135M-Instruct: `app.bench.runs.quality_real`).
+
 For each tiny corpus (`tiny.corpus`: markov, python) the bench builds (or reuses) the tiny target and
 trains the DFlash drafter at one fixed budget per corpus (markov: the demo's, conf/tiny.yaml, 6 epochs;
 python: `PYTHON_BUDGET`) once per seed, each seed in one process (`--workers` of them at once): the
@@ -200,7 +202,30 @@ def result_line(results: dict[str, dict]) -> str:
     return format_result(fields)
 
 
+def split_target(argv: list[str]) -> tuple[str, list[str]]:
+    """(`--target` value, the other arguments): tiny (the tiny corpora, this module) or smol (the real
+    SmolLM2 target, `app.bench.runs.quality_real`)."""
+    rest, target, i = [], "tiny", 0
+    while i < len(argv):
+        if argv[i] == "--target" and i + 1 < len(argv):
+            target, i = argv[i + 1], i + 2
+            continue
+        if argv[i].startswith("--target="):
+            target = argv[i].split("=", 1)[1]
+        else:
+            rest.append(argv[i])
+        i += 1
+    if target not in ("tiny", "smol"):
+        raise SystemExit(f"--target {target}: give tiny (the tiny corpora) or smol (SmolLM2-135M-Instruct)")
+    return target, rest
+
+
 def main(argv: list[str]) -> int:
+    target, argv = split_target(list(argv))
+    if target == "smol":
+        from app.bench.runs.quality_real import main as real_main
+
+        return real_main(argv)
     ap = argparse.ArgumentParser(prog="python -m app.bench quality", description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="0,1,2", help="drafter seeds (train, data, pool), comma-separated")
     ap.add_argument("--corpora", default="markov,python", help="tiny corpora, comma-separated")
