@@ -8,14 +8,15 @@ import pytest
 
 from app.model.live_eval import read_best_meta
 from app.run.outputs.report import PLOTS
-from tests.e2e_helpers import run_in_process, summary
+from tests.e2e_helpers import assert_finished, run_drivers_together, summary
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
-def test_tau_during_the_run_best_drafter_and_report(ray_cluster, tmp_path: Path, capsys) -> None:
-    # 6 epochs (~68 steps), an evaluation offered every 10 steps on tiny's eval prompts.
-    assert run_in_process(tmp_path, "train.epochs=6", "eval.every_steps=10") == 0
+def test_tau_during_the_run_best_drafter_and_report(reference_run) -> None:
+    # The session's reference run: 6 epochs (~68 steps), an evaluation offered every 10 steps on tiny's eval prompts.
+    assert_finished(reference_run)
+    tmp_path = reference_run.run_dir
     s = summary(tmp_path)
     hist = s["tau_history"]
     assert len(hist) >= 3 and [st for st, _ in hist] == sorted(st for st, _ in hist)
@@ -28,7 +29,7 @@ def test_tau_during_the_run_best_drafter_and_report(ray_cluster, tmp_path: Path,
     assert [r["step"] for r in rows if r["k"] == "eval"] == [st for st, _ in hist]
     page = (tmp_path / "report.html").read_text()
     assert all(f'id="plot-{p}"' in page for p in PLOTS)
-    assert "tau " in capsys.readouterr().out
+    assert "tau " in reference_run.out
 
 
 # The short side is short by construction: every job of it waits DELAY_S inside its measured time. A
@@ -37,12 +38,29 @@ def test_tau_during_the_run_best_drafter_and_report(ray_cluster, tmp_path: Path,
 DELAY_S = 0.5
 
 
-@pytest.mark.parametrize("targets,drafters,slow", [(1, 7, "target"), (7, 1, "drafter")])
-def test_split_advice_moves_gpus_to_the_short_side(ray_cluster, tmp_path: Path, targets, drafters, slow) -> None:
+SPLITS = {"target": (1, 7), "drafter": (7, 1)}  # the slow side: (targets, drafters)
+
+
+@pytest.fixture(scope="module")
+def split_runs(ray_cluster, tmp_path_factory) -> dict[str, tuple[Path, int, str]]:
+    """Both runs at once, each its own driver process on the session's cluster: the slow side of each waits
+    DELAY_S a job, and the waits overlap instead of adding up. One epoch: the advice is read from the
+    rates of 34 jobs, which the delay fixes whatever the machine. {slow side: (run dir, exit code, output)}."""
+    root = tmp_path_factory.mktemp("split")
+    runs = {slow: (root / slow, [f"topology.num_targets={t}", f"topology.num_drafters={d}", "train.epochs=1",
+                                 "eval.every_steps=0", f"faults.{slow}_delay_s={DELAY_S}"])
+            for slow, (t, d) in SPLITS.items()}
+    done = run_drivers_together(runs, timeout=1500)
+    return {slow: (runs[slow][0], *done[slow]) for slow in SPLITS}
+
+
+@pytest.mark.parametrize("slow", list(SPLITS))
+def test_split_advice_moves_gpus_to_the_short_side(split_runs, slow: str) -> None:
     from app.advise import main as advise_main
 
-    assert run_in_process(tmp_path, f"topology.num_targets={targets}", f"topology.num_drafters={drafters}",
-                          "eval.every_steps=0", f"faults.{slow}_delay_s={DELAY_S}") == 0
+    targets, drafters = SPLITS[slow]
+    tmp_path, code, out = split_runs[slow]
+    assert code == 0, out[-3000:]
     advice = summary(tmp_path)["split_advice"]
     assert advice["current_targets"] == targets and advice["current_drafters"] == drafters
     assert advice[f"{slow}_tok_s"] <= 768 / DELAY_S  # the delay reached the measured rate
