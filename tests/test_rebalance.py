@@ -250,3 +250,38 @@ def test_the_live_advisor_weighs_its_rates_by_recency_when_given_a_half_life(tmp
     assert recent > 370  # 4 half-lives after the shift: the old rate hardly weighs (383 here)
     with pytest.raises(ValueError, match="topology.rebalance_half_life_s"):
         TopologyConfig(rebalance_half_life_s=-1)
+
+
+def test_the_rebalance_bench_measures_each_split_in_injected_delay_seconds_and_can_show_a_loss(tmp_path):
+    """`python -m app.bench rebalance`'s measure: the last half of the jobs of the step log's lineage, each step
+    costing its injected delays (busiest rank x drafter delay, or jobs / targets x target delay): the same
+    split gives the same figure at any load, a re-split the wrong way reads as a loss."""
+    from app.bench.feeding.rebalance import virtual_rate
+    from app.training.step_log import StepLog, lineage
+
+    def log(name: str, first: int, then: int, at: int = 4) -> dict:
+        path, job = tmp_path / name, iter(range(10_000))
+        sl = StepLog(path)
+        for s in range(1, 13):
+            if s == at and then != first:  # the re-split: the new group starts from the checkpoint of step at - 1
+                sl.group_start(at - 1)
+            sl.step(s, [[next(job)] for _ in range(first if s < at else then)])
+        return lineage(path)[0]
+
+    off = virtual_rate(log("off", 3, 3), 8, 2.3, 2.0)
+    assert off == (pytest.approx(3 / 2.0), 18)  # 5/3: the drafters bound it, 3 jobs per 2 s
+    auto = virtual_rate(log("auto", 3, 4), 8, 2.3, 2.0)
+    assert auto[0] == pytest.approx(4 / 2.3)  # 4/4: now the targets bound it, 4 jobs per 2.3 s
+    wrong = virtual_rate(log("wrong", 3, 2), 8, 2.3, 2.0)  # 6/2: the short side made shorter
+    assert wrong[0] == pytest.approx(2 / 2.0) and wrong[0] < off[0]
+    late = virtual_rate(log("late", 3, 4, at=10), 8, 2.3, 2.0)  # the window's first 2 steps still at 5/3
+    assert off[0] < late[0] < auto[0]
+    # A step rolled back by the re-split and trained again costs its micro-batches once more.
+    path = tmp_path / "again"
+    sl = StepLog(path)
+    for s in range(1, 9):
+        sl.step(s, [[10 * s + r] for r in range(3)])
+    sl.group_start(6)
+    for s in range(7, 13):
+        sl.step(s, [[10 * s + r] for r in range(3)])
+    assert virtual_rate(lineage(path)[0], 8, 2.3, 2.0) == (pytest.approx(1.5), 18)

@@ -20,7 +20,7 @@ BENCHES = {
     "transport": ("app.bench.transport.object_store", "one job's features target -> pool -> drafter staging at 64/160/640 MiB vs memcpy"),
     "transport_nixl": ("app.bench.transport.nixl", "the same path with pool.transport=nixl beside object_store, same run"),
     "gpu": ("app.bench.compute.gpu", "one CUDA GPU: target prefill and drafter step tok/s, MFU, copy overlap, peak memory"),
-    "rebalance": ("app.bench.feeding.rebalance", "topology.rebalance auto vs off on a 2:1 injected imbalance: tokens/s over the second half"),
+    "rebalance": ("app.bench.feeding.rebalance", "topology.rebalance auto vs off, one side made short by injected delays: jobs per virtual s"),
     "quality": ("app.bench.runs.quality", "tau per tiny corpus over 3 seeds beside n-gram and untrained drafters, copy shares"),
 }
 

@@ -76,13 +76,25 @@ def map_in_processes(fn: Callable, arg_lists: Sequence[Sequence[Any]], workers: 
         return list(pool.map(fn, *zip(*arg_lists)))
 
 
-def own_cluster(num_cpus: int | None = None, **resources):
+def own_cluster(num_cpus: int | None = None, attempts: int = 3, **resources):
     """Start the bench's own local Ray cluster (`app.ray_cluster.start_own_cluster`: never one already on
     the machine or at RAY_ADDRESS, token auth) and return the ray module. `num_cpus` defaults to the
-    machine's cores but at least 8 logical CPUs, so the tiny topology's 8 actors fit on a small box."""
+    machine's cores but at least 8 logical CPUs, so the tiny topology's 8 actors fit on a small box.
+    Ray gives its new node 30 s to register, which a loaded box can miss: that start is shut down and
+    tried again, `attempts` times in all."""
     import ray
 
     from app.ray_cluster import start_own_cluster
 
-    start_own_cluster(num_cpus=num_cpus if num_cpus is not None else max(os.cpu_count() or 1, 8), **resources)
-    return ray
+    for attempt in range(1, attempts + 1):
+        try:
+            start_own_cluster(num_cpus=num_cpus if num_cpus is not None else max(os.cpu_count() or 1, 8),
+                              **resources)
+            return ray
+        except Exception as exc:  # Ray raises a bare Exception for this one
+            if "timed out during startup" not in str(exc) or attempt == attempts:
+                raise
+            print(f"bench: Ray's node did not register in time (attempt {attempt} of {attempts}); starting again",
+                  flush=True)
+            ray.shutdown()
+    raise AssertionError("unreachable")

@@ -60,6 +60,15 @@ class TrainedCounts:
 
 def count_trained(path: str | Path) -> TrainedCounts:
     """Replay the step log (see the module docstring); a torn last line (killed writer) is skipped."""
+    kept, starts = lineage(path)
+    times = Counter(j for per_rank in kept.values() for ids in per_rank for j in ids)
+    return TrainedCounts(dict(times), starts)
+
+
+def lineage(path: str | Path) -> tuple[dict[int, list[list[int]]], int]:
+    """(step -> the job ids of each rank's record of that step, in the order written; group starts): the
+    steps of the final weights' lineage, as `count_trained` replays them (`python -m app.bench rebalance`
+    reads each step's ranks from it)."""
     kept: dict[int, list[list[int]]] = {}  # step -> job ids of each rank's record of that step
     starts = 0
     for line in Path(path).read_text().splitlines():
@@ -73,5 +82,4 @@ def count_trained(path: str | Path) -> TrainedCounts:
                 del kept[step]
         else:
             kept.setdefault(int(row["step"]), []).append([int(j) for j in row["job_ids"]])
-    times = Counter(j for per_rank in kept.values() for ids in per_rank for j in ids)
-    return TrainedCounts(dict(times), starts)
+    return kept, starts
