@@ -23,6 +23,14 @@ def target(tiny_target):
     return model, TargetHead.load(path)
 
 
+def _drafter(model, seed=0):
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(tiny_arch(model.config, block_size=B, target_layer_ids=LAYERS)).eval()
+    for p in drafter.parameters():  # larger than the 0.02 init, so the drafts depend on the features
+        p.data.normal_(0, 0.3)
+    return drafter
+
+
 def _oracle_drafter(model, prompts, n_new):
     """A draft_block stand-in that knows greedy continuations: it drafts 2 right tokens, then wrong ones."""
     seqs = [p + sd.greedy_reference(model, p, n_new) for p in prompts]
@@ -70,7 +78,7 @@ def test_race_checks_identical_outputs_alternates_order_and_times_both(target, m
     monkeypatch.setattr(sb, "spec_generate", spec)
     monkeypatch.setattr(sd, "draft_block", _oracle_drafter(model, PROMPTS, 16))
     outputs: list = []
-    res = sb.race(model, None, head, PROMPTS, 16, LAYERS, B, warmup=1, clock=lambda: now[0], outputs=outputs)
+    res = sb.race(model, _drafter(model), head, PROMPTS, 16, LAYERS, B, warmup=1, clock=lambda: now[0], outputs=outputs)
     assert calls == ["greedy", "spec"] + ["greedy", "spec", "spec", "greedy", "greedy", "spec"]  # warm-up, then alternating
     assert res.identical and res.differing_prompts == [] and outputs == [real_greedy(model, p, 16) for p in PROMPTS]
     assert res.greedy_tokens == res.spec_tokens == 48
@@ -91,7 +99,7 @@ def test_race_reports_a_prompt_whose_outputs_differ(target, monkeypatch):
 
     monkeypatch.setattr(sb, "spec_generate", off_by_one)
     monkeypatch.setattr(sd, "draft_block", _oracle_drafter(model, PROMPTS, 12))
-    res = sb.race(model, None, head, PROMPTS, 12, LAYERS, B, warmup=0)
+    res = sb.race(model, _drafter(model), head, PROMPTS, 12, LAYERS, B, warmup=0)
     assert not res.identical and res.differing_prompts == [1]
 
 
@@ -112,3 +120,18 @@ def test_replay_drafts_equal_draft_block_and_are_computed_only_when_read(target)
     lazy = propose(seq[:4], B - 1)[:2]
     assert len(lazy) == 2 and lazy[1] == sd.draft_block(drafter, head, feats[:3], seq[3], B)[1] and set(lazy.done) == {1}
     assert "fuse_context" not in vars(drafter)  # the identity stand-in is gone after the block
+
+
+def test_spec_decoding_fuses_each_context_position_once(target):
+    """The drafter's fc + norm runs once per accepted position, not over the whole context every block."""
+    model, head = target
+    drafter = _drafter(model)
+    rows = []
+    hook = drafter.fc.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[0]))
+    try:
+        res = sd.spec_generate(model, drafter, head, PROMPTS[2], 20, LAYERS, B)
+    finally:
+        hook.remove()
+    assert len(res.accepted_per_forward) > 3  # several blocks drafted
+    assert sum(rows) == len(PROMPTS[2]) + len(res.tokens) - 1  # every position before the last token, once
+    assert "fuse_context" not in vars(drafter)

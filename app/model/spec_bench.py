@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from app.model.spec_decode import first_difference, greedy_reference, spec_generate
+from app.model.spec_decode import first_difference, greedy_reference, prefused, spec_generate
 
 
 def drafter_proposer(drafter, head, feats_SD: torch.Tensor, block_size: int) -> Callable[[list[int], int], Sequence[int]]:
@@ -41,7 +41,7 @@ def drafter_proposer(drafter, head, feats_SD: torch.Tensor, block_size: int) -> 
         ids = torch.full((1, block_size), arch.mask_token_id, dtype=torch.long, device=fused_SH.device)
         ids[0, 0] = prefix[-1]
         dtype = next(drafter.parameters()).dtype
-        with torch.no_grad(), _prefused(drafter):
+        with torch.no_grad(), prefused(drafter):
             hidden = drafter(head.embed(ids).to(dtype), fused_SH[None, :anchor],
                              torch.tensor([[anchor]], device=fused_SH.device))
         return LazyDrafts(head, hidden[0, 1:1 + count])
@@ -69,19 +69,6 @@ class LazyDrafts(Sequence):
                 row = self.hidden[i:i + 1].to(self.head.lm_head.weight.dtype)
                 self.done[i] = int(self.head.logits(row).argmax(dim=-1))
         return self.done[i]
-
-
-class _prefused:
-    """Within the block, the drafter takes already fused context (its `fuse_context` is the identity)."""
-
-    def __init__(self, drafter) -> None:
-        self.drafter = drafter
-
-    def __enter__(self):
-        self.drafter.fuse_context = lambda x: x  # an instance attribute shadows the method
-
-    def __exit__(self, *exc):
-        del self.drafter.fuse_context
 
 
 @dataclass
