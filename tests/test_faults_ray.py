@@ -6,9 +6,16 @@ from pathlib import Path
 import pytest
 
 from app.training.checkpoint import latest_checkpoint, read_ledger
-from tests.e2e_helpers import final_weights_finite, run_in_process, summary, trained_counts
+from tests.e2e_helpers import SMALL, final_weights_finite, run_in_process, summary, trained_counts
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+# Every fault here fires in epoch 0: SMALL (one epoch on 2 targets / 2 drafters) shows each as well as the
+# tiny default's 5 / 3 did.
+# A watchdog test's timeout: far above any tiny job or step on a loaded 2-core box, so only the injected
+# hang reaches it (6-8 s could also catch a healthy actor that is merely slow there, and the stuck-rank
+# test counts restarts exactly).
+STALL_TIMEOUT = "supervision.stall_timeout_s=20"
 
 
 def _assert_complete(run_dir: Path) -> dict:
@@ -23,7 +30,7 @@ def _assert_complete(run_dir: Path) -> dict:
 
 
 def test_target_crash_is_requeued_and_restarted(ray_cluster, tmp_path: Path, capsys) -> None:
-    assert run_in_process(tmp_path, "faults.kill_target_at_job=3") == 0
+    assert run_in_process(tmp_path, *SMALL, "faults.kill_target_at_job=3") == 0
     s = _assert_complete(tmp_path)
     out = capsys.readouterr().out
     assert s["faults"] >= 1 and s["restarts"] >= 1
@@ -31,7 +38,7 @@ def test_target_crash_is_requeued_and_restarted(ray_cluster, tmp_path: Path, cap
 
 
 def test_drafter_crash_rebuilds_the_group_from_the_checkpoint(ray_cluster, tmp_path: Path, capsys) -> None:
-    assert run_in_process(tmp_path, "faults.kill_drafter_at_step=5", "checkpoint.every_steps=2",
+    assert run_in_process(tmp_path, *SMALL, "faults.kill_drafter_at_step=5", "checkpoint.every_steps=2",
                           "checkpoint.keep=100") == 0
     s = _assert_complete(tmp_path)
     out = capsys.readouterr().out
@@ -51,14 +58,14 @@ def test_drafter_crash_rebuilds_the_group_from_the_checkpoint(ray_cluster, tmp_p
 
 
 def test_stalled_target_is_killed_by_the_watchdog(ray_cluster, tmp_path: Path, capsys) -> None:
-    assert run_in_process(tmp_path, "faults.stall_target_at_job=2", "supervision.stall_timeout_s=6") == 0
+    assert run_in_process(tmp_path, *SMALL, "faults.stall_target_at_job=2", STALL_TIMEOUT) == 0
     _assert_complete(tmp_path)
     out = capsys.readouterr().out
     assert "watchdog: target" in out and "killing it" in out
 
 
 def test_no_restart_budget_fails_with_one_line(ray_cluster, tmp_path: Path, capsys) -> None:
-    assert run_in_process(tmp_path, "faults.kill_target_at_job=2", "supervision.max_restarts_target=0") == 1
+    assert run_in_process(tmp_path, *SMALL, "faults.kill_target_at_job=2", "supervision.max_restarts_target=0") == 1
     err = capsys.readouterr().err
     lines = [l for l in err.splitlines() if l.startswith("run failed:")]
     assert len(lines) == 1
@@ -71,8 +78,10 @@ def test_pool_crash_stops_the_run_and_the_next_start_resumes(ray_cluster, tmp_pa
     from tests.e2e_helpers import kill_pool, wait_for
 
     code: dict[str, int] = {}
+    # The drafter delay keeps the run training for at least 15 x 1 s after its first checkpoint (step 2 of
+    # 17), whatever the machine's speed: the kill lands mid-run, not after the run ended.
     worker = threading.Thread(target=lambda: code.update(first=run_in_process(  # no pool recreation: the line
-        tmp_path, "checkpoint.every_steps=2", "supervision.max_restarts_pool=0")))
+        tmp_path, *SMALL, "checkpoint.every_steps=2", "supervision.max_restarts_pool=0", "faults.drafter_delay_s=1")))
     worker.start()
     wait_for(lambda: latest_checkpoint(tmp_path) is not None, 900, "a first checkpoint")  # a bound, not a speed claim
     kill_pool()
@@ -82,7 +91,7 @@ def test_pool_crash_stops_the_run_and_the_next_start_resumes(ray_cluster, tmp_pa
     assert len(lines) == 1 and "pool actor HSPoolActor died" in lines[0] and "ckpt-" in lines[0]
     step, _, ledger = read_ledger(latest_checkpoint(tmp_path))
 
-    assert run_in_process(tmp_path) == 0
+    assert run_in_process(tmp_path, *SMALL) == 0
     s = _assert_complete(tmp_path)
     assert s["resumed_from_step"] >= step
     # The step log spans both drivers: the steps the pool crash lost after the checkpoint were
@@ -104,10 +113,12 @@ def _in_thread(fn, timeout: float) -> int:
 
 def test_a_target_that_cannot_restart_is_given_up_and_the_run_goes_on(ray_cluster, tmp_path: Path, capsys) -> None:
     """Item 2: every replacement fails in __init__ (dead GPU); each failed start counts against the
-    budget, then the run finishes on the other targets. Twelve epochs: on a quiet machine two epochs
-    end about three seconds after the crash, before the first replacement has even failed."""
-    rc = run_in_process(tmp_path, "faults.kill_target_at_job=3", "faults.fail_target_restarts=true",
-                        "supervision.max_restarts_target=2", "train.epochs=12")
+    budget, then the run finishes on the other target. The run must outlast both failed starts (two
+    epochs on a quiet machine ended about three seconds after the crash, before the first replacement
+    had even failed): the injected target delay makes the ~30 jobs left after the crash take at least
+    30 s on the one target left, whatever the machine's speed, against a few seconds per failed start."""
+    rc = run_in_process(tmp_path, *SMALL, "faults.kill_target_at_job=3", "faults.fail_target_restarts=true",
+                        "supervision.max_restarts_target=2", "faults.target_delay_s=1")
     assert rc == 0
     s = _assert_complete(tmp_path)
     out = capsys.readouterr().out
@@ -119,12 +130,13 @@ def test_a_target_that_cannot_restart_is_given_up_and_the_run_goes_on(ray_cluste
 def test_a_drafter_rank_stuck_on_the_last_step_is_caught_by_the_watchdog(ray_cluster, tmp_path: Path, capsys) -> None:
     """Item 4: the last rank hangs outside any collective when its stream ends, so nothing is
     buffered; the old watchdog (data waiting only) never fired and the run hung forever."""
-    rc = _in_thread(lambda: run_in_process(tmp_path, "faults.stall_drafter_at_step=1000000",
-                                           "supervision.stall_timeout_s=8"), timeout=400)
+    rc = _in_thread(lambda: run_in_process(tmp_path, *SMALL, "faults.stall_drafter_at_step=1000000",
+                                           STALL_TIMEOUT), timeout=400)
     assert rc == 0
     s = _assert_complete(tmp_path)
     out = capsys.readouterr().out
-    assert "drafters made no step for" in out and "rank 2 compute" in out and "rebuilding the drafter group" in out
+    # rank 1: the last of SMALL's two
+    assert "drafters made no step for" in out and "rank 1 compute" in out and "rebuilding the drafter group" in out
     assert s["restarts"] == 1
 
 
@@ -147,7 +159,7 @@ def test_tau_falls_back_to_another_target_when_one_died_at_the_end(ray_cluster, 
                                                                   monkeypatch) -> None:
     """Item 5: the target picked for tau died just after training; the next live one measures it."""
     _kill_targets_before_evaluate(monkeypatch, slice(0, 1))
-    assert run_in_process(tmp_path) == 0
+    assert run_in_process(tmp_path, *SMALL) == 0
     s = _assert_complete(tmp_path)
     assert s["tau_untrained"] > 0 and s["tau_trained"] > 0 and s["tau_error"] is None
     assert "trying the next target" in capsys.readouterr().out
@@ -156,7 +168,7 @@ def test_tau_falls_back_to_another_target_when_one_died_at_the_end(ray_cluster, 
 def test_summary_is_written_when_no_target_can_measure_tau(ray_cluster, tmp_path: Path, monkeypatch) -> None:
     """Item 5: every target died after training: exit 0, the export stands, tau is null with the reason."""
     _kill_targets_before_evaluate(monkeypatch, slice(None))
-    assert run_in_process(tmp_path) == 0
+    assert run_in_process(tmp_path, *SMALL) == 0
     s = _assert_complete(tmp_path)
     assert s["tau_trained"] is None and s["tau_untrained"] is None
     assert "target" in s["tau_error"] and "trained:" in s["tau_error"]
@@ -165,7 +177,7 @@ def test_summary_is_written_when_no_target_can_measure_tau(ray_cluster, tmp_path
 def test_a_poison_job_is_quarantined_and_no_target_is_restarted(ray_cluster, tmp_path: Path, capsys) -> None:
     """Item 1: the job's forward raises on every target; it is quarantined after two tries, the live
     targets that raised are not restarted, and every other job is trained once."""
-    assert run_in_process(tmp_path, "faults.poison_job=3") == 0
+    assert run_in_process(tmp_path, *SMALL, "faults.poison_job=3") == 0
     s = summary(tmp_path)
     out = capsys.readouterr().out
     assert s["jobs_quarantined"] == 1 and s["quarantined_jobs"][0]["job_id"] == 3
