@@ -42,3 +42,37 @@ def test_map_in_processes_gives_the_in_process_answers_in_order() -> None:
     args = [(3, 1), (1, 0), (2, 5)]
     assert map_in_processes(_square_plus, args, workers=1) == [10, 1, 9]
     assert map_in_processes(_square_plus, args, workers=2) == [10, 1, 9]
+
+
+def test_a_start_that_misses_rays_registration_is_cleaned_up_and_tried_again(monkeypatch) -> None:
+    """own_cluster: the processes a timed-out start left behind are ended (by id), the next start is made;
+    another error is raised at once."""
+    import subprocess
+    import sys
+
+    from app import ray_cluster
+    from app.bench.common import own_cluster
+
+    left: list[subprocess.Popen] = []
+    calls: list[dict] = []
+
+    def start(**resources) -> None:
+        calls.append(resources)
+        if len(calls) == 1:  # a GCS-like child that outlives the failed start
+            left.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+            raise Exception("The current node timed out during startup. This could happen because ...")
+
+    monkeypatch.setattr(ray_cluster, "start_own_cluster", start)
+    assert own_cluster(3, object_store_memory=10).__name__ == "ray"
+    assert calls == [{"num_cpus": 3, "object_store_memory": 10}] * 2
+    assert left[0].wait(timeout=15) == -15  # ended by SIGTERM, not left running
+    calls.clear()
+
+    def broken(**resources) -> None:
+        calls.append(resources)
+        raise Exception("something else")
+
+    monkeypatch.setattr(ray_cluster, "start_own_cluster", broken)
+    with pytest.raises(Exception, match="something else"):
+        own_cluster(3)
+    assert len(calls) == 1

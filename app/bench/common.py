@@ -80,13 +80,17 @@ def own_cluster(num_cpus: int | None = None, attempts: int = 3, **resources):
     """Start the bench's own local Ray cluster (`app.ray_cluster.start_own_cluster`: never one already on
     the machine or at RAY_ADDRESS, token auth) and return the ray module. `num_cpus` defaults to the
     machine's cores but at least 8 logical CPUs, so the tiny topology's 8 actors fit on a small box.
-    Ray gives its new node 30 s to register, which a loaded box can miss: that start is shut down and
-    tried again, `attempts` times in all."""
+    Ray gives its new node 30 s to register, which a loaded box can miss: the processes that start left
+    behind (its GCS, monitors; children of this process started by it) are ended and the start is tried
+    again, `attempts` times in all."""
+    import psutil
     import ray
 
     from app.ray_cluster import start_own_cluster
 
+    me = psutil.Process()
     for attempt in range(1, attempts + 1):
+        before = {p.pid for p in me.children(recursive=True)}
         try:
             start_own_cluster(num_cpus=num_cpus if num_cpus is not None else max(os.cpu_count() or 1, 8),
                               **resources)
@@ -97,4 +101,21 @@ def own_cluster(num_cpus: int | None = None, attempts: int = 3, **resources):
             print(f"bench: Ray's node did not register in time (attempt {attempt} of {attempts}); starting again",
                   flush=True)
             ray.shutdown()
+            _end([p for p in me.children(recursive=True) if p.pid not in before])
     raise AssertionError("unreachable")
+
+
+def _end(procs: list) -> None:
+    """Terminate these processes (by their ids), then kill those still alive after 10 s."""
+    import psutil
+
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    for p in psutil.wait_procs(procs, timeout=10)[1]:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
