@@ -276,11 +276,15 @@ def test_a_pool_killed_mid_run_is_recreated_and_the_run_finishes_in_the_same_job
     import threading
 
     from app.training.checkpoint import latest_checkpoint
-    from tests.e2e_helpers import final_weights_finite, kill_pool, named_actors, run_in_process, summary, trained_counts, wait_for
+    from tests.e2e_helpers import (SMALL, final_weights_finite, kill_pool, named_actors, run_in_process, summary,
+                                   trained_counts, wait_for)
 
     code: dict[str, int] = {}
     before = set(named_actors())  # the session's cluster may hold other named actors (Ray Data's, from other tests)
-    worker = threading.Thread(target=lambda: code.update(rc=run_in_process(tmp_path, "checkpoint.every_steps=2")))
+    # One epoch on 2 / 2; the drafter delay keeps it training for at least 15 x 1 s after its first checkpoint
+    # (step 2 of 17), whatever the machine's speed: the kill lands mid-run, not after the run ended.
+    worker = threading.Thread(target=lambda: code.update(rc=run_in_process(
+        tmp_path, *SMALL, "checkpoint.every_steps=2", "faults.drafter_delay_s=1")))
     worker.start()
     wait_for(lambda: latest_checkpoint(tmp_path) is not None, 900, "a first checkpoint")  # a bound, not a speed claim
     assert set(named_actors()) - before == set()  # item 15: no job on the cluster can look the pool up and call it
@@ -304,9 +308,9 @@ def test_a_pool_killed_mid_run_is_recreated_and_the_run_finishes_in_the_same_job
 @pytest.mark.slow
 def test_a_sticky_target_is_found_broken_restarted_and_quarantines_nothing(ray_cluster, tmp_path, capsys) -> None:
     """Issue 22 item 1 with real actors: target 0's first incarnation raises on every job."""
-    from tests.e2e_helpers import run_in_process, summary, trained_counts
+    from tests.e2e_helpers import SMALL, run_in_process, summary, trained_counts
 
-    assert run_in_process(tmp_path, "faults.sticky_target_error=0") == 0
+    assert run_in_process(tmp_path, *SMALL, "faults.sticky_target_error=0") == 0
     out = capsys.readouterr().out
     s = summary(tmp_path)
     assert s["jobs_quarantined"] == 0 and s["jobs_acked"] == s["jobs_scheduled"] > 0
