@@ -80,3 +80,25 @@ def test_replay_sums_tokens_per_forward_over_prompts():
     assert got["tau"] == pytest.approx(2.5) and got["tau_pos"] == [1.0, 0.5, 0.0]  # forwards of 3 and 2 tokens
     blind = replay(lambda i: (lambda pre, n: []), prompts, refs, block_size=4, max_new_tokens=8)
     assert blind["tau"] == 1.0 and blind["tau_pos"] == [0.0, 0.0, 0.0]
+
+
+def test_report_prints_one_line_per_proposer_the_budget_curve_and_the_margin(capsys):
+    from app.bench.runs.quality_real import Clock, report
+
+    def taus(t):
+        return {"tau": t, "tau_pos": [0.5] * 15}
+
+    per_seed = [{"dflash": taus(2.0) | {"curve": [(100, 1.5), (200, 2.0)]}, "untrained": taus(1.0), "zero_features": taus(1.4)},
+                {"dflash": taus(2.4) | {"curve": [(200, 2.4)]}, "untrained": taus(1.0)}]
+    report([0, 1], per_seed, {"ngram": taus(1.5), "prompt_lookup": taus(1.8)}, Clock(log=lambda s: None))
+    lines = [dict(kv.split("=", 1) for kv in ln.split()[1:]) for ln in capsys.readouterr().out.splitlines()
+             if ln.startswith("RESULT ")]
+    by = {ln.get("drafter", ln["bench"]): ln for ln in lines}
+    assert by["dflash"]["tau_seeds"] == "2.000/2.400" and by["dflash"]["tau_mean"] == "2.200"
+    assert by["dflash"]["tau_std"] == "0.283" and by["dflash"]["seeds"] == "0/1"
+    assert by["zero_features"]["seeds"] == "0" and by["zero_features"]["tau_mean"] == "1.400"  # only seed 0 has it
+    assert by["prompt_lookup"]["tau_seeds"] == "1.800/1.800" and by["ngram"]["tau_std"] == "0.000"
+    assert by["quality_smol_budget"]["response_tokens"] == "100/200" and by["quality_smol_budget"]["tau"] == "1.500/2.000"
+    margin = by["quality_smol_margin"]
+    assert margin["best_reference"] == "prompt_lookup" and margin["margin"] == "0.400" and margin["met"] == "False"
+    assert margin["features_buy"] == "0.600"  # seed 0: 2.0 - 1.4

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from app.bench.common import ROOT, add_overrides, bench_config, map_in_processes, print_result
+from app.bench.common import add_overrides, bench_config, map_in_processes, print_result
 
 # conf/smol.yaml's drafter, target layers, buckets and optimiser (what `make smol` trains), fed from the
 # bench's own pre-tokenized records; one drafter, so a step is one job, as in the Ray run's config.
@@ -62,31 +62,6 @@ class Clock:
                 clock.log(f"quality: {name} took {clock.parts[name]:.0f} s")
 
         return _Part()
-
-
-def load_target():
-    """(model, tokenizer, folder) of the embedded SmolLM2 through the project's GGUF loader."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from app.model.gguf_target import EMBEDDED_NAME, converted_dir
-
-    folder = converted_dir(EMBEDDED_NAME, ROOT / ".cache" / "gguf")
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(folder), folder
-
-
-def prompt_ids(tokenizer, num_train: int, num_eval: int, seed: int) -> tuple[list[list[int]], list[list[int]]]:
-    """Chat-templated ids of `num_train` training and `num_eval` held-out instructions (disjoint)."""
-    from app.data.chat_mask import render
-    from app.data.instructions import build_instructions
-
-    train, held_out = build_instructions(num_train, num_eval, seed=seed)
-
-    def ids(text: str) -> list[int]:
-        rendered = render(tokenizer, [{"role": "user", "content": text}], add_generation_prompt=True, enable_thinking=False)
-        return tokenizer(rendered, add_special_tokens=False)["input_ids"]
-
-    return [ids(t.text) for t in train], [ids(t.text) for t in held_out]
 
 
 def replay(proposer_for, prompts, references, block_size: int, max_new_tokens: int) -> dict:
@@ -166,7 +141,8 @@ def train_and_measure(work: dict, seed: int, zero_features: bool, snapshots: int
 
 def prepare(args, clock: Clock, tmp: str, log=say) -> tuple[dict, object, object]:
     """Target, prompts, greedy references, features and the training records: the seed-independent work."""
-    from app.bench.runs.real_data import greedy_outputs, sequence_features, write_training_records
+    from app.bench.runs.real_data import (greedy_outputs, load_target, prompt_ids, sequence_features,
+                                          write_training_records)
     from app.run.plan import plan_run
 
     with clock.part("target load"):

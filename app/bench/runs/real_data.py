@@ -13,6 +13,8 @@ forward with hidden states 1.65 s on 2 threads), so both are computed once and k
   (as a GPU run's features travel; a CPU run ships the fp32 ones, equal up to that rounding) in one flat
   [tokens, k*H] tensor with per-sequence offsets.
 
+The target comes through the project's GGUF loader (`app.model.gguf_target`), the prompts from the
+instruction builder (`app.data.instructions`), chat-templated as the data path renders a user turn.
 The training records are the prompts with their greedy responses as pre-tokenized JSONL (`input_ids`,
 `loss_mask` on the response), so the run's own tokenized-data path, bucketing and job schedule read them.
 """
@@ -35,6 +37,31 @@ CACHE_VERSION = 1  # bump when what a cached file holds changes
 def cache_key(*parts) -> str:
     """sha256 (first 24 hex digits) of the parts as JSON, with the cache version."""
     return hashlib.sha256(json.dumps([CACHE_VERSION, *parts], default=str).encode()).hexdigest()[:24]
+
+
+def load_target():
+    """(model, tokenizer, folder) of the embedded SmolLM2 through the project's GGUF loader."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from app.model.gguf_target import EMBEDDED_NAME, converted_dir
+
+    folder = converted_dir(EMBEDDED_NAME, ROOT / ".cache" / "gguf")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(folder), folder
+
+
+def prompt_ids(tokenizer, num_train: int, num_eval: int, seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Chat-templated ids of `num_train` training and `num_eval` held-out instructions (disjoint)."""
+    from app.data.chat_mask import render
+    from app.data.instructions import build_instructions
+
+    train, held_out = build_instructions(num_train, num_eval, seed=seed)
+
+    def ids(text: str) -> list[int]:
+        rendered = render(tokenizer, [{"role": "user", "content": text}], add_generation_prompt=True, enable_thinking=False)
+        return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+    return [ids(t.text) for t in train], [ids(t.text) for t in held_out]
 
 
 def greedy_outputs(model, model_id: str, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int,
