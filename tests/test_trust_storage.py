@@ -169,10 +169,10 @@ def test_a_second_driver_on_a_running_dir_exits_2_in_one_line(ray_cluster, tmp_p
     starts, so it is certainly running then, however fast this machine trains."""
     import signal
 
-    from tests.e2e_helpers import start_driver, summary, wait_for
+    from tests.e2e_helpers import SMALL, start_driver, summary, wait_for
 
     run_dir = tmp_path / "run"
-    first = start_driver(run_dir, "checkpoint.lease_timeout_s=3600")
+    first = start_driver(run_dir, *SMALL, "checkpoint.lease_timeout_s=3600")
     try:
         wait_for(lambda: (run_dir / ".run-lease").exists(), 900, "the first driver's lease")
         first.send_signal(signal.SIGSTOP)
