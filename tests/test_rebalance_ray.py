@@ -9,7 +9,7 @@ import pytest
 
 from app.bench.feeding.rebalance import resplits
 from app.run.outputs.timeline import read_timeline
-from tests.e2e_helpers import run_in_process, summary, trained_counts
+from tests.e2e_helpers import run_drivers_together, summary, trained_counts
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -22,13 +22,23 @@ RUN = ["train.epochs=2", "eval.every_steps=0", "checkpoint.every_steps=20", "top
        "topology.rebalance_hold_s=3", "topology.num_targets=2", "topology.num_drafters=2"]
 
 
-@pytest.mark.parametrize("short, delays", [
-    ("targets", ["faults.target_delay_s=5.0"]),
-    ("drafters", ["faults.drafter_delay_s=2.5"]),
-])
-def test_auto_resplit_moves_gpus_to_the_short_side_once_and_trains_each_job_once(
-        ray_cluster, tmp_path: Path, short: str, delays: list[str]) -> None:
-    assert run_in_process(tmp_path, *RUN, *delays) == 0
+DELAYS = {"targets": ["faults.target_delay_s=5.0"], "drafters": ["faults.drafter_delay_s=2.5"]}
+
+
+@pytest.fixture(scope="module")
+def resplit_runs(ray_cluster, tmp_path_factory) -> dict[str, tuple[Path, int, str]]:
+    """Both runs at once, each its own driver process on the session's cluster: their length is mostly the
+    injected delays (sleeps), which overlap instead of adding up. {short side: (run dir, exit code, output)}."""
+    root = tmp_path_factory.mktemp("resplit")
+    runs = {short: (root / short, [*RUN, *delays]) for short, delays in DELAYS.items()}
+    done = run_drivers_together(runs, timeout=1500)
+    return {short: (runs[short][0], *done[short]) for short in DELAYS}
+
+
+@pytest.mark.parametrize("short", list(DELAYS))
+def test_auto_resplit_moves_gpus_to_the_short_side_once_and_trains_each_job_once(resplit_runs, short: str) -> None:
+    tmp_path, code, out = resplit_runs[short]
+    assert code == 0, out[-3000:]
     s = summary(tmp_path)
     done = resplits(tmp_path)
     assert s["rebalances"] == 1 and len(done) == 1, s.get("rebalance_history")
