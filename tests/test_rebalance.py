@@ -276,8 +276,8 @@ def test_the_rebalance_bench_measures_each_split_in_injected_delay_seconds_and_c
     assert wrong[0] == pytest.approx(2 / 2.0) and wrong[0] < off[0]
     late = virtual_rate(log("late", 3, 4, at=10), 8, 2.3, 2.0)  # the window's first 2 steps still at 5/3
     assert off[0] < late[0] < auto[0]
-    # A step rolled back by the re-split and trained again costs its micro-batches once more.
-    path = tmp_path / "again"
+    # Steps rolled back by a group start are not in the lineage: they cost nothing here.
+    path = tmp_path / "rolled"
     sl = StepLog(path)
     for s in range(1, 9):
         sl.step(s, [[10 * s + r] for r in range(3)])
@@ -285,3 +285,9 @@ def test_the_rebalance_bench_measures_each_split_in_injected_delay_seconds_and_c
     for s in range(7, 13):
         sl.step(s, [[10 * s + r] for r in range(3)])
     assert virtual_rate(lineage(path)[0], 8, 2.3, 2.0) == (pytest.approx(1.5), 18)
+    # A job trained twice in the lineage costs its micro-batch twice but counts once: a loss.
+    twice = lineage(path)[0] | {13: [[120], [121], [122]]}
+    assert virtual_rate(twice, 8, 2.3, 2.0)[0] < 1.5
+    # The end of the data leaves steps with idle ranks; where they fall does not move the figure.
+    tail = {s: [[3 * s], [3 * s + 1], [3 * s + 2]] for s in range(1, 11)} | {11: [[40], [], []], 12: [[], [41], []]}
+    assert virtual_rate(tail, 8, 2.3, 2.0, share=0.4)[0] == pytest.approx(1.5)

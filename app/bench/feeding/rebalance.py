@@ -11,11 +11,11 @@ the 0.75-1.33x band where 4/4 is the best whole split of 8 actors, so the adviso
 `--side targets` at 3/5 (targets short: 1.3 against 2.5).
 
 The measure is in units the load cannot move: jobs per virtual second over the last 40% of the jobs
-trained (the re-split comes after 40-60 jobs; its rebuild and the refilled buffer fall before them),
-where a step of the final weights' lineage (the step log) costs what its injected delays make it: its
-busiest rank's micro-batches x the drafter delay, or its jobs / the targets then running x the target
-delay, whichever is longer (the two sides work in parallel; the split of each step is read from its
-ranks, targets = actors - ranks). So it shows which split the run trained on and what that split is
+trained (the re-split came after 30-48 jobs in the runs so far; its rebuild and the refilled buffer fall
+before them), where a step of the final weights' lineage (the step log) costs what its injected delays
+make it at its split: its micro-batches per rank x the drafter delay, or per target then running x the
+target delay, whichever is longer (the two sides work in parallel; the split of each step is read from
+its ranks, targets = actors - ranks). So it shows which split the run trained on and what that split is
 worth, a re-split in the wrong direction or too late as a loss, and jobs trained twice as extra
 micro-batches. The wall-clock tokens/s over the second half (first to last step row of the timeline),
 which holds the re-split's pause of a minute or more, is printed beside it for context: it moves with
@@ -45,22 +45,24 @@ SIDES = {  # the starting split that makes this side the short one
 
 def virtual_rate(steps: dict[int, list[list[int]]], actors: int, target_delay_s: float, drafter_delay_s: float,
                  share: float = 0.5) -> tuple[float, int]:
-    """(jobs per virtual second, jobs) over the last `share` of the jobs of a step-log lineage (step ->
-    each rank's job ids): each step costs max(busiest rank's jobs x drafter delay, its jobs / (actors -
-    ranks) x target delay); see the module docstring."""
+    """(jobs per virtual second, jobs) over the last `share` of the micro-batches of a step-log lineage (step
+    -> each rank's job ids). A step of n micro-batches on d ranks costs max(n / d x drafter delay, n / (actors
+    - d) x target delay): its split's rate, whichever side bounds it, however its jobs fell on the ranks (the
+    end of the data leaves steps with idle ranks wherever the re-split put the step count). A job counts
+    once however often it was trained, every micro-batch costs: retraining reads as a loss."""
     order = sorted(steps)
     total = sum(len(ids) for s in order for ids in steps[s])
-    done = jobs = 0
-    seconds = 0.0
+    done = 0
+    seconds, jobs = 0.0, set()
     for s in order:
         per_rank = steps[s]
         n = sum(len(ids) for ids in per_rank)
         if done >= (1 - share) * total and n:
-            targets = actors - len(per_rank)
-            seconds += max(max(len(ids) for ids in per_rank) * drafter_delay_s, n / max(targets, 1) * target_delay_s)
-            jobs += n
+            targets = max(actors - len(per_rank), 1)
+            seconds += max(n / len(per_rank) * drafter_delay_s, n / targets * target_delay_s)
+            jobs.update(j for ids in per_rank for j in ids)
         done += n
-    return (jobs / seconds if seconds else 0.0), jobs
+    return (len(jobs) / seconds if seconds else 0.0), len(jobs)
 
 
 def second_half_tok_s(run_dir: Path) -> float:
