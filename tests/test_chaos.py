@@ -18,7 +18,7 @@ def test_chaos_run_survives_and_trains_every_job_once(tmp_path: Path) -> None:
     # Its own process and its own local Ray cluster: the driver is SIGTERMed and resubmitted inside.
     proc = subprocess.run(
         [sys.executable, "-m", "app.bench", "chaos", "--config", "conf/tiny.yaml", "--faults", "3", "--seed", "1",
-         f"checkpoint.dir={run_dir}", f"tiny.cache_dir={ROOT / '.cache/tiny'}", "train.epochs=10",
+         f"checkpoint.dir={run_dir}", f"tiny.cache_dir={ROOT / '.cache/tiny'}", "train.epochs=4",
          "eval.num_prompts=4", "eval.max_new_tokens=32", "supervision.stall_timeout_s=60"],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
     )
@@ -27,8 +27,9 @@ def test_chaos_run_survives_and_trains_every_job_once(tmp_path: Path) -> None:
     assert result, out[-3000:]
     fields = dict(kv.split("=", 1) for kv in result.group(1).split())
     assert fields["survived"] == "True", out[-3000:]
-    # Seed 1 plans the driver SIGTERM, the pool kill and a target kill, each 2-6 optimizer steps after
-    # the run trains again: ~18 steps at most of the ~113 that 10 epochs take, so all three fire.
+    # Seed 1 plans the driver SIGTERM, the pool kill and a target kill, each 2-6 optimizer steps (step-log
+    # lines, not seconds) after the run trains again: 18 lines at most of the ~45 steps that 4 epochs take,
+    # so all three fire on any machine (a rebuild from a checkpoint repeats steps, which adds lines).
     assert int(fields["faults"]) == 3 and int(fields["jobs_scheduled"]) > 0, out[-3000:]
     assert fields["trained_twice"] == "0" and fields["never_trained"] == "0"
     assert int(fields["trained_once"]) == int(fields["jobs_scheduled"])
