@@ -108,17 +108,20 @@ def test_tiny_run_checkpoints_to_s3_and_resumes_from_it(ray_cluster, s3, tmp_pat
     import json
 
     from app.storage.fetch import fetch_dir
-    from tests.e2e_helpers import run_in_process, sigterm_and_wait, start_driver, wait_for
+    from tests.e2e_helpers import SMALL, run_in_process, sigterm_and_wait, start_driver, wait_for
 
     root = s3.uri("tiny-run")
-    proc = start_driver(tmp_path, f"checkpoint.dir={root}", "checkpoint.every_steps=2", "logging.run_name=s3run")
+    # One epoch on 2 / 2; the drafter delay keeps the first driver training for at least 15 x 1 s after its
+    # first checkpoint (step 2 of 17), whatever the machine's speed: the SIGTERM stops a run mid-way.
+    proc = start_driver(tmp_path, *SMALL, f"checkpoint.dir={root}", "checkpoint.every_steps=2", "logging.run_name=s3run",
+                        "faults.drafter_delay_s=1")
     wait_for(lambda: latest_checkpoint(root) is not None, 900, "a first checkpoint in the S3 bucket")
     code, out = sigterm_and_wait(proc, timeout=300)
     assert code == 0, out
     step1, _, ledger1 = read_ledger(latest_checkpoint(root))
     assert step1 > 0 and ledger1
 
-    assert run_in_process(tmp_path, f"checkpoint.dir={root}", "logging.run_name=s3run") == 0
+    assert run_in_process(tmp_path, *SMALL, f"checkpoint.dir={root}", "logging.run_name=s3run") == 0
     summary = json.loads(open_storage(root).read_file("summary.json"))
     assert summary["resumed_from_step"] == step1
     assert summary["jobs_acked"] == summary["jobs_scheduled"] and summary["jobs_acked_twice"] == 0
