@@ -77,11 +77,21 @@ def test_bad_tiny_value_cli_one_line() -> None:
     assert line == "config error: tiny.hidden_size=66 must be a multiple of tiny.num_heads=4"
 
 
+def _build_tiny_target() -> None:
+    """Build (or reuse) the tiny target in the shared cache, as the run under test would first."""
+    from app.config.load import load_config
+    from app.tiny.build import resolve_target
+
+    resolve_target(load_config(ROOT / "conf/tiny.yaml", [TINY_CACHE, "data.train_files=[]"]))
+
+
 @pytest.mark.slow  # builds (or reuses) the tiny target
 def test_malformed_data_line_exits_2_with_one_line_before_ray(tmp_path, capsys, no_ray) -> None:
     from app.train import main
 
     data = _malformed_data(tmp_path)
+    _build_tiny_target()
+    capsys.readouterr()  # a first build's progress bars are not the error line under test
     was_up = no_ray.is_initialized()  # another test of the session may have started Ray in this process
     code = main(["--config", str(ROOT / "conf/tiny.yaml"), f"data.train_files=[{data}]", TINY_CACHE,
                  f"checkpoint.dir={tmp_path / 'run'}"])
