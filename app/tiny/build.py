@@ -94,7 +94,8 @@ def ensure_tiny_target(tiny: TinyConfig, build=None) -> TinyArtifacts:
 def resolve_target(cfg: Config) -> ResolvedTarget:
     """For target=tiny build/reuse the tiny artifacts (config paths still win); else pass paths on."""
     if cfg.model.target != TINY_TARGET:
-        from app.model.gguf_target import converted_dir, is_gguf_target
+        from app.config.gguf_names import is_gguf_target
+        from app.model.gguf_target import converted_dir
 
         # A GGUF target (a .gguf file or the embedded SmolLM2) is converted once to an HF folder; every consumer
         # then loads that folder as it loads any HF target.

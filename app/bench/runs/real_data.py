@@ -43,7 +43,8 @@ def load_target():
     """(model, tokenizer, folder) of the embedded SmolLM2 through the project's GGUF loader."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from app.model.gguf_target import EMBEDDED_NAME, converted_dir
+    from app.config.gguf_names import EMBEDDED_NAME
+    from app.model.gguf_target import converted_dir
 
     folder = converted_dir(EMBEDDED_NAME, ROOT / ".cache" / "gguf")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
