@@ -3,8 +3,8 @@
 What vLLM (qwen3_dflash, its speculators reader), SGLang (DFLASH worker) and z-lab's DFlashDraftModel read:
 - `dflash_config.target_layer_ids`: 0-based decoder-layer ids (SGLang and z-lab index them as given);
   vLLM numbers hidden states from the embeddings and reads layer l's output as l + 1, which the
-  speculators folder spells out as `eagle_aux_hidden_state_layer_ids`. Ascending, distinct, below
-  the target's last layer (its hidden state is taken after the final norm only in HF).
+  speculators folder writes as `aux_hidden_state_layer_ids` (its readers: tests/test_speculators_layers.py).
+  Ascending, distinct, below the target's last layer (its hidden state is taken after the final norm only in HF).
 - `fc.weight` is [hidden, len(target_layer_ids) x target hidden]; every decoder tensor has z-lab's
   name and its Qwen3 shape; no `embed_tokens` / `lm_head` (the engines share the target's). SGLang
   skips unknown names and never checks for missing ones, so a renamed tensor would load as random
@@ -91,8 +91,10 @@ def speculators_violations(folder: str | Path, zlab: str | Path) -> list[str]:
     ids, bad = src["dflash_config"]["target_layer_ids"], []
     if cfg.get("speculators_model_type") != "dflash":
         bad.append("speculators_model_type is not dflash")
-    if cfg.get("aux_hidden_state_layer_ids") != ids:
-        bad.append(f"aux_hidden_state_layer_ids {cfg.get('aux_hidden_state_layer_ids')} != target_layer_ids {ids}")
+    # The readers' numbering (tests/test_speculators_layers.py: vLLM taps aux - 1, the converter writes + 1).
+    if cfg.get("aux_hidden_state_layer_ids") != [i + 1 for i in ids]:
+        bad.append(f"aux_hidden_state_layer_ids {cfg.get('aux_hidden_state_layer_ids')} is not target_layer_ids "
+                   f"{ids} + 1 (the readers tap aux - 1)")
     if cfg.get("eagle_aux_hidden_state_layer_ids") != [i + 1 for i in ids]:
         bad.append("eagle_aux_hidden_state_layer_ids is not target_layer_ids + 1 (vLLM's numbering)")
     methods = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]

@@ -7,9 +7,8 @@
   from the folder but serves in the checkpoint's dtype unless told, so the line says `--dtype bfloat16`.
 - `speculators_config`: the config.json of the speculators format (`speculators_model_type: dflash`,
   the decoder nested in `transformer_layer_config`, `speculators_config.proposal_methods` with the token
-  count), which vLLM reads with no flags, plus `eagle_aux_hidden_state_layer_ids` = target_layer_ids + 1
-  (vLLM's convention: hidden_states[l + 1] is the output of layer l), the pair vLLM's speculators reader
-  writes and older vLLM revisions read.
+  count), with `aux_hidden_state_layer_ids` = target_layer_ids + 1: the format numbers hidden states from
+  the embeddings (hidden_states[l + 1] is the output of layer l), and vLLM's reader taps aux - 1.
 - `speed_estimate`: the decode speedup a measured tau buys for a stated verify/draft cost ratio.
 """
 from __future__ import annotations
@@ -46,11 +45,18 @@ def launch_lines(target: str, drafter_dir: str, block_size: int, speculators_dir
     return lines
 
 
+def speculators_layer_ids(target_layer_ids) -> list[int]:
+    """Training's layer ids (l: the output of decoder layer l, `hidden_states[l + 1]`) in the speculators
+    format's numbering, l + 1: what vLLM's speculators reader subtracts 1 from and the speculators
+    converter writes for a z-lab folder (tests/test_speculators_layers.py names both sources)."""
+    return [int(i) + 1 for i in target_layer_ids]
+
+
 def speculators_config(hf_config: dict[str, Any], target_name: str = "", target_architectures: list | None = None,
                        ) -> dict[str, Any]:
     """The speculators-format config.json for an export whose z-lab config.json is `hf_config`."""
     dflash = hf_config["dflash_config"]
-    layer_ids = [int(i) for i in dflash["target_layer_ids"]]
+    aux_ids = speculators_layer_ids(dflash["target_layer_ids"])
     block = int(hf_config["block_size"])
     decoder = {k: v for k, v in hf_config.items()
                if k not in ("architectures", "dflash_config", "block_size", "num_target_layers")
@@ -61,10 +67,10 @@ def speculators_config(hf_config: dict[str, Any], target_name: str = "", target_
         "speculators_version": "0.9.0",
         "block_size": block,
         "mask_token_id": int(dflash["mask_token_id"]),
-        "aux_hidden_state_layer_ids": layer_ids,
-        # What vLLM's speculators reader derives and older vLLM revisions read instead: its hidden
-        # states are numbered from the embeddings, so layer l's output is l + 1.
-        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in layer_ids],
+        # The format numbers hidden states from the embeddings: layer l's output is l + 1. vLLM's reader
+        # (update_dflash) taps aux - 1; the speculators converter writes target_layer_ids + 1.
+        "aux_hidden_state_layer_ids": aux_ids,
+        "eagle_aux_hidden_state_layer_ids": aux_ids,  # what vLLM's reader derives from aux: the same numbers
         "dflash_config": dict(dflash),
         "draft_vocab_size": int(hf_config["vocab_size"]),  # the full vocabulary: no t2d/d2t maps
         "target_hidden_size": int(hf_config["hidden_size"]),
