@@ -12,7 +12,8 @@ import shutil
 from pathlib import Path
 
 from app.storage import local_cache
-from app.storage.roots import is_uri
+from app.storage.names import stays_inside
+from app.storage.roots import is_uri, redact
 from app.storage.uri_storage import download
 
 
@@ -29,6 +30,15 @@ def safe_destination(folder: Path, key: str, base: str) -> Path:
     if not dest.resolve().is_relative_to(folder.resolve()):
         raise ValueError(f"refusing to download object {key!r}: it would be written outside {folder}")
     return dest
+
+
+def check_source(fs, path: str, base: str, location: str | Path) -> None:
+    """On a local filesystem (`file://`) the listing walks through symlinks: a listed file that
+    resolves outside `base` is refused (`ValueError`), or any file the process can read would be copied."""
+    rel = path[len(base.rstrip("/")):].removeprefix("/")
+    if fs.type_name == "local" and not stays_inside(rel, Path(base)):
+        raise ValueError(f"refusing to download {rel!r} of {redact(location)}: it is a symlink out of the folder "
+                         "(someone planted it; delete it)")
 
 
 def fetch_dir(location: str | Path, cache: bool = True) -> Path:
@@ -58,6 +68,7 @@ def fetch_dir(location: str | Path, cache: bool = True) -> Path:
     try:
         (tmp / "files").mkdir()
         for info in infos:
+            check_source(fs, info.path, base, location)
             dest = safe_destination(tmp / "files", info.path, base)
             dest.parent.mkdir(parents=True, exist_ok=True)
             download(fs, info.path, dest)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Protocol
 
 from app.storage.local_cache import exchange
+from app.storage.names import inside
 
 MARKER = "COMMITTED"
 VERSION = re.compile(r"v-[0-9a-f]{12}")  # what `publish` writes into a marker, and all a reader accepts
@@ -139,7 +140,8 @@ class LocalStorage(Storage):
     def entries(self, prefix: str) -> list[Entry]:
         if not self.path.is_dir():
             return []
-        return [Entry(p.name, str(p)) for p in self.path.iterdir() if p.is_dir() and p.name.startswith(prefix)]
+        names = [p.name for p in self.path.iterdir() if p.is_dir() and p.name.startswith(prefix)]
+        return [Entry(n, str(self.path / n)) for n in inside(names, self.path, ".")]  # no planted link out
 
     def delete(self, name: str) -> None:
         shutil.rmtree(self.path / name, ignore_errors=True)
@@ -176,8 +178,9 @@ class LocalStorage(Storage):
 
     def files(self, rel: str) -> list[str]:
         folder = self.path / rel
-        return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()) \
-            if folder.is_dir() else []
+        if not folder.is_dir():
+            return []
+        return sorted(inside([p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()], folder, rel))
 
     def location(self, rel: str) -> str:
         return str(self.path / rel)

@@ -10,7 +10,8 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from app.storage.local_cache import cache_root, clean_stale_once, owned_tmp
-from app.storage.publish import MARKER, Entry, Storage, version_name
+from app.storage.names import inside, stays_inside
+from app.storage.publish import MARKER, VERSION, Entry, Storage, version_name
 
 CHUNK = 8 << 20  # bytes a URI upload or download holds at once: checkpoints are multi-GB files
 
@@ -37,6 +38,11 @@ class UriStorage(Storage):
 
     def _path(self, rel: str) -> str:
         return f"{self.base}/{rel.strip('/')}" if rel else self.base
+
+    def _local(self, rel: str) -> Path | None:
+        """`<root>/<rel>` as a local folder when the filesystem is local (`file://`: its symlinks are
+        real and pyarrow's listing walks through them), else None."""
+        return Path(self._path(rel)) if self.fs.type_name == "local" else None
 
     # ---- files -------------------------------------------------------------------------------
 
@@ -90,7 +96,8 @@ class UriStorage(Storage):
 
         base = self._path(rel)
         infos = self.fs.get_file_info(FileSelector(base, recursive=True, allow_not_found=True))
-        return sorted(i.path[len(base):].lstrip("/") for i in infos if i.type == FileType.File)
+        names = [i.path[len(base):].removeprefix("/") for i in infos if i.type == FileType.File]
+        return sorted(inside(names, self._local(rel), rel))  # a listed `../x` would delete elsewhere
 
     # ---- entries -----------------------------------------------------------------------------
 
@@ -114,25 +121,28 @@ class UriStorage(Storage):
         from pyarrow.fs import FileSelector, FileType
 
         infos = self.fs.get_file_info(FileSelector(self._path(name), allow_not_found=True))
-        for info in infos:
-            if info.type == FileType.Directory and info.base_name.startswith("v-") and info.base_name != keep:
-                self.fs.delete_dir(info.path)
+        versions = [i.base_name for i in infos if i.type == FileType.Directory and VERSION.fullmatch(i.base_name)]
+        for version in inside(versions, self._local(name), name):
+            if version != keep:
+                self.fs.delete_dir(self._path(f"{name}/{version}"))
 
     def entries(self, prefix: str) -> list[Entry]:
         from pyarrow.fs import FileSelector, FileType
 
         found = []
-        for info in self.fs.get_file_info(FileSelector(self.base, allow_not_found=True)):
-            if info.type != FileType.Directory or not info.base_name.startswith(prefix):
-                continue
-            version = version_name(self.read_file(f"{info.base_name}/{MARKER}"))
+        names = [i.base_name for i in self.fs.get_file_info(FileSelector(self.base, allow_not_found=True))
+                 if i.type == FileType.Directory and i.base_name.startswith(prefix)]
+        for name in inside(names, self._local(""), "."):  # a planted link out is never read nor pruned
+            version = version_name(self.read_file(f"{name}/{MARKER}"))
             if version:  # unmarked: still being written, or half deleted; or not a version name at all
-                found.append(Entry(info.base_name, self.uri(f"{info.base_name}/{version}")))
+                found.append(Entry(name, self.uri(f"{name}/{version}")))
         return found
 
     def delete(self, name: str) -> None:
         from pyarrow.fs import FileType
 
+        if not stays_inside(name, self._local("")):
+            raise ValueError(f"refusing to delete entry {name!r}: it leaves the checkpoint root")
         marker = self._path(f"{name}/{MARKER}")
         if self.fs.get_file_info(marker).type == FileType.File:
             self.fs.delete_file(marker)  # unpublish first
