@@ -309,3 +309,29 @@ def test_layer_ids_default_spread_is_checked_too() -> None:
         check_target(_tiny("drafter.num_layers=5"), INFO)
     for ids in ("[1,3]", "[0,4]", "[]"):  # fine: ascending, distinct, below the last layer
         check_target(_tiny(f"model.target_layer_ids={ids}"), INFO)
+
+
+@pytest.mark.parametrize("overrides,fragment", [
+    (("topology.gpus_per_drafter=0.5", "topology.num_drafters=2"),
+     "topology.gpus_per_drafter=0.5 with topology.num_drafters=2: Ray can pack two drafter ranks onto one GPU"),
+    (("topology.gpus_per_drafter=0.25", "topology.num_drafters=1", "topology.rebalance=auto"),
+     "topology.gpus_per_drafter=0.25 with topology.rebalance=auto"),
+    (("topology.gpus_per_drafter=1.5",), "topology.gpus_per_drafter=1.5 is above 1 but not whole"),
+])
+def test_two_drafter_ranks_on_one_gpu_are_refused_before_any_actor(overrides, fragment) -> None:
+    """Issue 37 item 1: fractional drafter GPUs with two or more ranks on an 8-GPU node; NCCL would refuse
+    the shared device at the first collective, after the targets loaded. One line, with the fix."""
+    cfg = _tiny("topology.gpus_per_target=0.5", *overrides)
+    with pytest.raises(ConfigError) as info:
+        check_resources(cfg, {"GPU": 8, "CPU": 64}, use_gpu=True)
+    msg = str(info.value)
+    assert fragment in msg and "\n" not in msg
+    assert ("NCCL" in msg and "set topology.gpus_per_drafter=1" in msg) or "give a whole number" in msg
+    check_resources(cfg, {"GPU": 8, "CPU": 64}, use_gpu=False)  # a CPU run reserves no GPU: gloo, no clash
+
+
+def test_fractional_gpus_are_fine_for_one_drafter_and_for_targets() -> None:
+    one = _tiny("topology.gpus_per_target=0.5", "topology.gpus_per_drafter=0.5", "topology.num_drafters=1")
+    check_resources(one, {"GPU": 8, "CPU": 64}, use_gpu=True)  # one rank: no NCCL peer on its device
+    whole = _tiny("topology.gpus_per_target=0.5", "topology.gpus_per_drafter=1", "topology.num_drafters=3")
+    check_resources(whole, {"GPU": 8, "CPU": 64}, use_gpu=True)

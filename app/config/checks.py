@@ -221,6 +221,7 @@ def check_resources(cfg: Config, available: dict[str, float], use_gpu: bool) -> 
     check_transport(cfg.pool.transport)
     check_target_memory(cfg, available.get("memory", 0.0))
     topo = cfg.topology
+    check_drafter_gpus(topo, use_gpu)
     reserved = reserved_resources(topo, use_gpu)
     if use_gpu:
         need = reserved["GPU"]
@@ -239,6 +240,27 @@ def check_resources(cfg: Config, available: dict[str, float], use_gpu: bool) -> 
             f"topology.cpus_per_drafter={topo.cpus_per_drafter:g}) but the cluster has {have_cpu:g}; "
             "lower them (fractions are fine) or add nodes"
         )
+
+
+def check_drafter_gpus(topo: TopologyConfig, use_gpu: bool) -> None:
+    """Each drafter rank needs a GPU of its own: NCCL refuses two ranks of one group on one device (at the
+    first collective, after the targets have loaded), and Ray packs fractional GPU shares onto one device.
+    A run can hold two ranks with num_drafters >= 2, or with rebalance=auto (a re-split or extra GPUs add
+    ranks). Ray also refuses a share above 1 that is not whole."""
+    share = topo.gpus_per_drafter
+    if not use_gpu or share <= 0:
+        return
+    if share > 1 and share != int(share):
+        raise ConfigError(f"topology.gpus_per_drafter={share:g} is above 1 but not whole, which Ray refuses; "
+                          f"give a whole number of GPUs per drafter (e.g. {int(share)} or {int(share) + 1})")
+    several = topo.num_drafters >= 2 or topo.rebalance == "auto"
+    if share < 1 and several:
+        why = (f"topology.num_drafters={topo.num_drafters}" if topo.num_drafters >= 2 else
+               "topology.rebalance=auto (a re-split or extra GPUs can add drafter ranks)")
+        raise ConfigError(
+            f"topology.gpus_per_drafter={share:g} with {why}: Ray can pack two drafter ranks onto one GPU, and "
+            "NCCL refuses two ranks on one device at the first collective; set topology.gpus_per_drafter=1 (a "
+            "GPU per rank), or topology.num_drafters=1 with topology.rebalance=off|advise")
 
 
 def check_target_memory(cfg: Config, heap_bytes: float) -> None:
