@@ -1,6 +1,6 @@
 """Where checkpoints, the export and the summary go: a local folder or a URI that `pyarrow.fs` opens.
 
-`roots.py`: what a root is (a path or a URI, its name, its local folders, its credentials hidden in
+`names.py`: every name a listing returns checked to stay inside its folder; `roots.py`: what a root is (a path or a URI, its name, its local folders, its credentials hidden in
 print); `publish.py`: the storage over a root and how an entry is published atomically (a rename on
 disk, a marker written last on object stores); `fetch.py`: a published folder brought onto this
 node; `local_cache.py`: this user's local disk for URI runs (staging, stale leftovers, the bounded
