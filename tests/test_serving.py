@@ -79,8 +79,9 @@ def test_speculators_folder_beside_the_export(run):
     spec_dir = f"{cfg.checkpoint.dir}/drafter-speculators"
     spec = json.loads(open(f"{spec_dir}/config.json").read())
     assert spec["speculators_model_type"] == "dflash" and spec["block_size"] == BLOCK
-    assert spec["aux_hidden_state_layer_ids"] == [0, 2]
-    assert spec["eagle_aux_hidden_state_layer_ids"] == [1, 3]  # vLLM numbers hidden states from the embeddings
+    # The format numbers hidden states from the embeddings: trained layers (0, 2) are 1 and 3 to its readers.
+    assert spec["aux_hidden_state_layer_ids"] == [1, 3]
+    assert spec["eagle_aux_hidden_state_layer_ids"] == [1, 3]
     methods = spec["speculators_config"]["proposal_methods"]
     assert methods == [{"proposal_type": "greedy", "speculative_tokens": BLOCK - 1}]
     assert spec["speculators_config"]["verifier"]["architectures"] == ["Qwen3ForCausalLM"]
