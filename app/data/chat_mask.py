@@ -9,16 +9,23 @@ Two ways to find the assistant tokens:
   harmless. If a template renders history differently from a prefix (e.g. strips reasoning), the
   turn's content is located in the full text instead, plus the end-of-turn token that follows it.
 Trailing whitespace after the end-of-turn token (ChatML's "\\n") is not part of the span.
+
+A special token's text inside a turn (`<|im_start|>` written out in a user's message) would be read as
+the control token itself once the rendering is tokenized: a crafted record could open a forged
+assistant turn and move the loss mask onto text the model must never learn to produce. Such a
+record is refused (`MalformedRecord`, one line naming the turn and the token), before rendering.
 """
 from __future__ import annotations
 
 import re
+import weakref
 
 import numpy as np
 
 from app.data.records import MalformedRecord
 
 _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_SPECIALS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> its specials' pattern
 
 
 def _malformed(msg: str) -> Exception:
@@ -39,8 +46,41 @@ def has_generation_markers(tokenizer) -> bool:
     return isinstance(template, str) and bool(_GENERATION_MARKER.search(template))
 
 
+def special_pattern(tokenizer) -> re.Pattern | None:
+    """A pattern matching the text of any of the tokenizer's special tokens (the named ones and every
+    added token marked special), longest first; None when it has none. Built once per tokenizer."""
+    try:
+        return _SPECIALS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    texts = set(getattr(tokenizer, "all_special_tokens", None) or [])
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    texts |= {str(t) for t in decoder.values() if getattr(t, "special", False)}
+    texts = sorted((t for t in texts if t), key=len, reverse=True)
+    pattern = re.compile("|".join(map(re.escape, texts))) if texts else None
+    try:
+        _SPECIALS[tokenizer] = pattern
+    except TypeError:  # not weak-referenceable: built again next time
+        pass
+    return pattern
+
+
+def refuse_special_text(tokenizer, messages: list[dict]) -> None:
+    """`MalformedRecord` when a turn's text holds a special token's text (it would tokenize as the
+    control token and could forge a turn; see the module docstring)."""
+    pattern = special_pattern(tokenizer)
+    if pattern is None:
+        return
+    for i, msg in enumerate(messages):
+        if (m := pattern.search(msg["content"])) is not None:
+            raise _malformed(f"turn {i + 1} ({msg['role']}) holds the special token {m.group()!r} as text, which "
+                             "would be read as a control token (a forged turn); remove it from the record")
+
+
 def tokenize_conversation(tokenizer, messages: list[dict], *, enable_thinking: bool = False) -> tuple[list[int], list[int]]:
-    """(input_ids, loss_mask) of a conversation: mask 1 on every assistant turn's tokens."""
+    """(input_ids, loss_mask) of a conversation: mask 1 on every assistant turn's tokens. A turn holding
+    a special token's text is refused (`refuse_special_text`)."""
+    refuse_special_text(tokenizer, messages)
     if has_generation_markers(tokenizer):
         out = _marker_mask(tokenizer, messages, enable_thinking)
         if out is not None:

@@ -192,7 +192,7 @@ def load_eval_prompts(path: str, tokenizer, enable_thinking: bool = False) -> li
     Lines are `{"messages": [...]}` (trailing assistant turns are dropped: the prompt ends where the
     response would start), `{"conversations": [...]}` (ShareGPT) or `{"prompt": "text"}` (one user turn).
     """
-    from app.data.chat_mask import render
+    from app.data.chat_mask import refuse_special_text, render
 
     prompts = []
     for line_no, rec in iter_records(path):
@@ -209,6 +209,10 @@ def load_eval_prompts(path: str, tokenizer, enable_thinking: bool = False) -> li
             messages.pop()
         if not messages:
             raise DataError(f"{path}:{line_no}: no prompt turns left after dropping assistant turns")
+        try:
+            refuse_special_text(tokenizer, messages)
+        except MalformedRecord as e:
+            raise DataError(f"{path}:{line_no}: {e}") from None
         text = render(tokenizer, messages, add_generation_prompt=True, enable_thinking=enable_thinking)
         prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
     return prompts
