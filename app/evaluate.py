@@ -5,8 +5,9 @@ verify forward, bonus included) and tokens/s beside plain greedy decoding, check
 the same tokens, and ends with `RESULT tau=... tok_s=...`. Exits 1 only when speculative decoding is
 not lossless: a kept token that is not its verify forward's own argmax, or, with an fp32 target on
 CPU (exact arithmetic), any difference from plain greedy; in bf16 on a GPU a near-tie flip between
-the two is reported (`mismatch_rate`, `first_divergence`), not failed on. Without `--drafter` the drafter is freshly
+the two is reported (`verify_share` of tokens off greedy, `mismatch_rate`, `first_divergence`), not failed on. Without `--drafter` the drafter is freshly
 initialised (tau should be close to 1); without `--prompts` the config's held-out prompts are used.
+With `--drafter` it also prints the vLLM and SGLang lines that serve that drafter (a run summary's).
 """
 from __future__ import annotations
 
@@ -52,6 +53,19 @@ def run(cfg, drafter_dir: str | None = None, prompts_file: str | None = None):
     return measure_spec(model, drafter, head, arch, spec)
 
 
+def serve_lines(cfg, model_dir: str, drafter_dir: str) -> dict[str, str]:
+    """The launch lines that serve the evaluated drafter, as a run's summary prints them (app/model/serving.py):
+    the verifier a run's export would name, the drafter folder made absolute (an engine starts elsewhere)."""
+    from pathlib import Path
+
+    from app.model.gguf_target import serving_name
+    from app.model.serving import launch_lines
+
+    local = Path(drafter_dir).expanduser()
+    drafter = str(local.resolve()) if local.exists() else drafter_dir  # a URI stays as given
+    return launch_lines(serving_name(cfg.model.target, model_dir), drafter, cfg.drafter.block_size)
+
+
 def main(argv: list[str] | None = None) -> int:
     from app.config.load import load_config
 
@@ -68,10 +82,17 @@ def main(argv: list[str] | None = None) -> int:
           f"(target KV cache in both)")
     print(f"output equals greedy: {res.matches_greedy} (prompts differing {res.mismatch_rate:.3f}, first divergence "
           f"{res.first_divergence}; {'exact check, fp32 on CPU' if res.exact else 'bf16 kernels may flip near-ties'}); "
-          f"kept tokens off their verify argmax: {res.verify_mismatches}")
+          f"tokens off greedy: {res.verify_mismatches} of {res.verify_tokens} ({res.verify_share:.4f}); kept tokens "
+          f"off their verify argmax: {res.acceptance_errors}")
+    if args.drafter:  # how to serve what was just measured
+        from app.tiny.build import resolve_target
+
+        for engine, line in serve_lines(cfg, resolve_target(cfg).model_dir, args.drafter).items():
+            print(f"serve with {engine}: {line}")
     print(f"RESULT tau={res.tau:.4f} tok_s={res.tok_s:.2f} greedy_tok_s={res.greedy_tok_s:.2f} "
           f"speedup={res.speedup:.3f} matches_greedy={int(res.matches_greedy)} mismatch_rate={res.mismatch_rate:.3f} "
-          f"first_divergence={res.first_divergence} lossless={int(res.lossless)}")
+          f"first_divergence={res.first_divergence} verify_mismatches={res.verify_mismatches} "
+          f"verify_share={res.verify_share:.4f} lossless={int(res.lossless)}")
     return 0 if res.lossless else 1  # only a real acceptance bug (or any drift on fp32 CPU) fails
 
 

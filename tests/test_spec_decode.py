@@ -76,7 +76,8 @@ def test_a_greedy_drift_fails_an_fp32_cpu_target_but_is_only_reported_where_kern
     _drifted(refs, PROMPTS[1], at=3)
     cpu = sd.measure_tau(model, drafter, head, PROMPTS, 16, LAYERS, B, references=refs)
     assert cpu.exact and not cpu.matches_greedy and not cpu.lossless  # fp32 on CPU: exact, so a failure
-    assert cpu.mismatch_rate == pytest.approx(1 / 3) and cpu.first_divergence == 3 and cpu.verify_mismatches == 0
+    assert cpu.mismatch_rate == pytest.approx(1 / 3) and cpu.first_divergence == 3 and cpu.acceptance_errors == 0
+    assert cpu.verify_mismatches == 16 - 3 and cpu.verify_share == pytest.approx(13 / cpu.verify_tokens)
     monkeypatch.setattr(sd, "exact_arithmetic", lambda m: False)  # as a bf16 target on a GPU
     gpu = sd.measure_tau(model, drafter, head, PROMPTS, 16, LAYERS, B, references=refs)
     assert not gpu.exact and not gpu.matches_greedy and gpu.lossless
@@ -90,7 +91,30 @@ def test_an_acceptance_bug_fails_whatever_the_arithmetic(target, monkeypatch):
     monkeypatch.setattr(sd, "accepted_prefix", lambda d, g: min(len(d), real(d, g) + 1))  # one too many
     monkeypatch.setattr(sd, "exact_arithmetic", lambda m: False)
     ev = sd.measure_tau(model, _drafter(model), head, PROMPTS, 16, LAYERS, B)
-    assert ev.verify_mismatches > 0 and not ev.lossless
+    assert ev.acceptance_errors > 0 and ev.verify_mismatches > 0 and not ev.lossless
+
+
+@pytest.mark.parametrize("broken", ["none", "accept_a_wrong_draft", "stale_cache"])
+def test_verify_mismatches_count_tokens_off_the_targets_own_greedy_output(target, monkeypatch, broken):
+    """Issue 37: verify_mismatches compares the speculative output with plain greedy decoding token for token.
+    A verify path that is wrong yet agrees with itself (rejected drafts left in the KV cache: every later
+    verify forward attends to them) has no acceptance error; only the comparison with greedy sees it."""
+    model, head, _ = target
+    if broken == "accept_a_wrong_draft":
+        real = sd.accepted_prefix
+        monkeypatch.setattr(sd, "accepted_prefix", lambda d, g: min(len(d), real(d, g) + 1))
+    elif broken == "stale_cache":
+        monkeypatch.setattr(sd._TargetRunner, "keep", lambda self, length: None)
+    ev = sd.measure_tau(model, _drafter(model), head, PROMPTS, 16, LAYERS, B)
+    assert ev.exact and ev.verify_tokens >= 16 * len(PROMPTS)
+    if broken == "none":
+        assert ev.verify_mismatches == 0 and ev.verify_share == 0 and ev.lossless
+        return
+    assert ev.verify_mismatches > 0 and 0 < ev.verify_share <= 1 and not ev.lossless
+    assert (ev.acceptance_errors > 0) == (broken == "accept_a_wrong_draft")
+    monkeypatch.setattr(sd, "exact_arithmetic", lambda m: False)  # bf16 on a GPU: the share is reported
+    gpu = sd.measure_tau(model, _drafter(model), head, PROMPTS, 16, LAYERS, B)
+    assert gpu.verify_mismatches == ev.verify_mismatches and gpu.lossless == (broken == "stale_cache")
 
 
 def _oracle(model, correct: int):

@@ -2,13 +2,15 @@
 
 Each step drafts one block from the last accepted token ([token, MASK x (B-1)]) with the target
 features of every accepted position before it, verifies the block with one target forward, and
-accepts the longest prefix the target agrees with plus the target's own next token. Every kept token
-is the verify forward's own argmax at its position: that is what lossless speculative decoding
-guarantees, and what is checked (`verify_mismatches`, a real acceptance bug when non-zero). Against
-plain one-token greedy decoding the output is equal token for token in exact arithmetic (an fp32 target
-on CPU, checked strictly); in bf16 on a GPU the multi-token verify and the one-token reference run
-different kernels and near-ties can flip, so there the mismatch rate and the first divergence are
-reported, not failed on.
+accepts the longest prefix the target agrees with plus the target's own next token. Two checks:
+- `acceptance_errors`: kept tokens that are not their verify forward's own argmax (a bug in the
+  acceptance rule; it cannot see a verify forward that is itself wrong, e.g. a stale KV cache);
+- `verify_mismatches`: the speculative output compared with the target's own one-token greedy output
+  on the evaluated prompts, token for token; every differing position counts (and each token one output
+  has past the other's end). Lossless speculative decoding makes it 0. In exact arithmetic (an fp32
+  target on CPU) it must be 0; in bf16 on a GPU the multi-token verify and the one-token reference run
+  different kernels and near-ties can flip, so there its share (`verify_share`), the prompt mismatch
+  rate and the first divergence are reported, not failed on.
 
 The target keeps a KV cache (cropped to the accepted prefix after each verify); `use_cache=False`
 recomputes the whole sequence every forward, as a reference. The greedy baseline uses the same
@@ -33,7 +35,13 @@ class SpecResult:
     tokens: list[int]
     target_forwards: int  # verify forwards (the prefill forward is not counted)
     accepted_per_forward: list[int] = field(default_factory=list)  # accepted drafts + 1 bonus
-    verify_mismatches: int = 0  # kept tokens that are not their verify forward's argmax (an acceptance bug)
+    acceptance_errors: int = 0  # kept tokens that are not their verify forward's argmax (an acceptance bug)
+
+    @property
+    def verify_mismatches(self) -> int:
+        """The old name of `acceptance_errors` (app/model/spec_bench.py reads it); the comparison with
+        greedy decoding is `EvalResult.verify_mismatches`."""
+        return self.acceptance_errors
 
 
 @dataclass
@@ -49,15 +57,22 @@ class EvalResult:
     target_forwards: int
     matches_greedy: bool
     accepted_per_forward: list[int] = field(default_factory=list)  # tokens each verify forward produced
-    verify_mismatches: int = 0  # kept tokens that their verify forward's argmax disagrees with: a real bug
+    verify_mismatches: int = 0  # generated tokens that differ from the target's own greedy output
+    verify_tokens: int = 0  # generated tokens compared with greedy (0: no baseline)
+    acceptance_errors: int = 0  # kept tokens their verify forward's argmax disagrees with: a real bug
     mismatch_rate: float = 0.0  # share of prompts whose output differs from plain greedy decoding
     first_divergence: int = -1  # earliest generated-token index at which a prompt differs from greedy (-1: none)
     exact: bool = True  # output must equal plain greedy token for token (an fp32 target on CPU)
 
     @property
+    def verify_share(self) -> float:
+        """Share of the compared tokens that differ from greedy decoding (what bf16 on a GPU reports)."""
+        return self.verify_mismatches / self.verify_tokens if self.verify_tokens else 0.0
+
+    @property
     def lossless(self) -> bool:
         """No acceptance bug; where arithmetic is exact, also token for token plain greedy's output."""
-        return self.verify_mismatches == 0 and (self.matches_greedy or not self.exact)
+        return self.acceptance_errors == 0 and ((self.verify_mismatches == 0 and self.matches_greedy) or not self.exact)
 
 
 class _TargetRunner:
@@ -183,7 +198,7 @@ def spec_generate(
         produced = drafts[:accepted] + [greedy[accepted]]
         if eos_token_id is not None and eos_token_id in produced:
             produced = produced[: produced.index(eos_token_id) + 1]
-        result.verify_mismatches += sum(a != b for a, b in zip(produced, greedy))  # lossless: all zero
+        result.acceptance_errors += sum(a != b for a, b in zip(produced, greedy))  # a correct rule: all zero
         # Positions n .. n+len(produced)-1 (anchor + accepted drafts) are now final context.
         context = torch.cat([context, drafter.fuse_context(feats[: len(produced)])], dim=0)
         ids += produced
@@ -200,6 +215,11 @@ def accepted_prefix(drafts: list[int], greedy: list[int]) -> int:
     while accepted < len(drafts) and drafts[accepted] == greedy[accepted]:
         accepted += 1
     return accepted
+
+
+def token_differences(a: list[int], b: list[int]) -> int:
+    """Positions at which two outputs differ, each token one has past the other's end counted once."""
+    return sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
 
 
 def first_difference(a: list[int], b: list[int]) -> int:
@@ -243,7 +263,7 @@ def measure_tau(
     same = True
     per_forward: list[int] = []
     diverged: list[int] = []  # first divergence of each prompt that differs from greedy
-    verify_mismatches = 0
+    verify_mismatches = verify_tokens = acceptance_errors = 0
     for prompt in prompts:
         t0 = time.perf_counter()
         res = spec_generate(target_model, drafter, head, prompt, max_new_tokens, layer_ids, block_size, eos_token_id,
@@ -261,7 +281,9 @@ def measure_tau(
             if (at := first_difference(res.tokens, ref)) >= 0:
                 same = False
                 diverged.append(at)
-        verify_mismatches += res.verify_mismatches
+            verify_mismatches += token_differences(res.tokens, ref)
+            verify_tokens += max(len(res.tokens), len(ref))
+        acceptance_errors += res.acceptance_errors
         spec_s += t1 - t0
         new_tokens += len(res.tokens)
         forwards += res.target_forwards
@@ -280,6 +302,8 @@ def measure_tau(
         matches_greedy=same,
         accepted_per_forward=per_forward,
         verify_mismatches=verify_mismatches,
+        verify_tokens=verify_tokens,
+        acceptance_errors=acceptance_errors,
         mismatch_rate=len(diverged) / max(len(prompts), 1),
         first_divergence=min(diverged, default=-1),
         exact=exact_arithmetic(target_model),
