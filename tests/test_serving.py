@@ -87,7 +87,8 @@ def test_speculators_folder_beside_the_export(run):
     assert spec["speculators_config"]["verifier"]["architectures"] == ["Qwen3ForCausalLM"]
     assert spec["transformer_layer_config"]["num_hidden_layers"] == 2 and spec["mask_token_id"] == 7
     assert open(f"{spec_dir}/model.safetensors", "rb").read() == open(f"{export}/model.safetensors", "rb").read()
-    assert json.loads(shlex.split(summary["serve"]["vllm_speculators"])[-1]) == {"model": spec_dir}
+    assert json.loads(shlex.split(summary["serve"]["vllm_speculators"])[-1]) == {
+        "method": "dflash", "model": spec_dir, "num_speculative_tokens": BLOCK - 1}
     assert summary["serving_estimate"] is None  # no tau measured: no estimate, not a made-up one
 
 

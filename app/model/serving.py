@@ -1,9 +1,10 @@
 """From an exported drafter to a serving engine: launch lines, the speculators format, a speed estimate.
 
-- `launch_lines`: the vLLM and SGLang commands that serve the target with the run's `drafter/`. vLLM
-  needs `"method": "dflash"` (it detects DFlash from the path only when "dflash" is in it) and
-  `"num_speculative_tokens"` (it does not read `block_size` for DFlash): `block_size - 1` drafts the
-  whole trained block, more asks for positions the drafter never trained. SGLang infers the block size
+- `launch_lines`: the vLLM and SGLang commands that serve the target with the run's `drafter/` (and
+  `drafter-speculators/`). vLLM needs `"method": "dflash"` (it detects DFlash from the path only when
+  "dflash" is in it) and `"num_speculative_tokens"` (it does not read `block_size` for DFlash, nor the
+  speculators config's token count for a folder named in --speculative-config): `block_size - 1` drafts
+  the whole trained block, more asks for positions the drafter never trained. SGLang infers the block size
   from the folder but serves in the checkpoint's dtype unless told, so the line says `--dtype bfloat16`.
 - `speculators_config`: the config.json of the speculators format (`speculators_model_type: dflash`,
   the decoder nested in `transformer_layer_config`, `speculators_config.proposal_methods` with the token
@@ -39,9 +40,12 @@ def launch_lines(target: str, drafter_dir: str, block_size: int, speculators_dir
                    f"--speculative-algorithm DFLASH --speculative-draft-model-path {shlex.quote(str(drafter_dir))} "
                    "--dtype bfloat16"),
     }
-    if speculators_dir:  # vLLM reads method and token count from this folder's config: no flags
+    if speculators_dir:
+        # Named in --speculative-config, vLLM reads neither the method (detected from "dflash" in the path
+        # only) nor the token count from the folder: both go in, as for drafter/.
+        spec = {**spec, "model": str(speculators_dir)}
         lines["vllm_speculators"] = (f"vllm serve {shlex.quote(str(target))} --speculative-config "
-                                     f"{shlex.quote(json.dumps({'model': str(speculators_dir)}))}")
+                                     f"{shlex.quote(json.dumps(spec))}")
     return lines
 
 

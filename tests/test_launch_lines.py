@@ -1,0 +1,144 @@
+"""Every launch line the project prints starts its engine as written (issue 36).
+
+The printed lines: the run summary's (`print_serving`), report.html's Serving section, and
+`python -m app.evaluate --drafter`'s. Each is parsed as a shell would and checked against ENGINES, the
+flags each engine requires for a DFlash drafter as read from its source; where the engine package is
+importable its own argument parser parses the line too.
+"""
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import re
+import shlex
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from app.model.drafter import DFlashDrafter
+from app.model.export import export_drafter
+from app.run.outputs.report import render
+from app.run.outputs.run_outputs import print_serving, serving_outputs
+from tests.toy import save_tiny_target, tiny_arch, tiny_qwen3_config
+
+BLOCK = 4
+
+
+@dataclass(frozen=True)
+class Engine:
+    """What one engine refuses to start without, and where that was read."""
+    argv0: tuple[str, ...]
+    required: tuple[str, ...]  # flags (vLLM: keys of --speculative-config)
+    source: str
+
+
+ENGINES = {
+    "vllm": Engine(
+        ("vllm", "serve"), ("model", "num_speculative_tokens", "method"),
+        "vllm-project/vllm vllm/config/speculative.py SpeculativeConfig.__post_init__ (stored commit 002e77c1): "
+        "'A speculative model was provided, but `num_speculative_tokens` was not provided' unless the draft's "
+        "hf_config has n_predict (a DFlash folder has none); method is detected as dflash only from 'dflash' in the "
+        "draft path, else it stays 'draft_model'"),
+    "sglang": Engine(
+        ("python", "-m", "sglang.launch_server"),
+        ("--model-path", "--speculative-algorithm", "--speculative-draft-model-path"),
+        "sgl-project/sglang server-args _handle_dflash: 'DFLASH speculative decoding requires setting "
+        "--speculative-draft-model-path'; the block size is read from the draft folder's config"),
+}
+
+
+def engine_of(name: str) -> str:
+    return "sglang" if name.startswith("sglang") else "vllm"
+
+
+def missing(name: str, line: str) -> list[str]:
+    """What `line` (engine `name` in `serve`) lacks of its engine's required flags, and wrong values."""
+    rule, argv = ENGINES[engine_of(name)], shlex.split(line)
+    if tuple(argv[:len(rule.argv0)]) != rule.argv0:
+        return [f"starts {argv[:len(rule.argv0)]}, not {list(rule.argv0)}"]
+    if engine_of(name) == "sglang":
+        bad = [f for f in rule.required if f not in argv]
+        if "--speculative-algorithm" in argv and argv[argv.index("--speculative-algorithm") + 1] != "DFLASH":
+            bad.append("--speculative-algorithm is not DFLASH")
+        return bad
+    if "--speculative-config" not in argv:
+        return ["--speculative-config"]
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    bad = [k for k in rule.required if k not in spec]
+    if spec.get("num_speculative_tokens") not in (None, BLOCK - 1):
+        bad.append(f"num_speculative_tokens {spec['num_speculative_tokens']} != block_size - 1")
+    if spec.get("method") not in (None, "dflash"):
+        bad.append(f"method {spec['method']}")
+    return bad
+
+
+@pytest.fixture(scope="module")
+def printed(tmp_path_factory):
+    """engine name -> line, for every place that prints one."""
+    from app.evaluate import serve_lines
+
+    root = tmp_path_factory.mktemp("lines")
+    save_tiny_target(root / "target")
+    torch.manual_seed(0)
+    arch = tiny_arch(tiny_qwen3_config(), num_layers=1, block_size=BLOCK, target_layer_ids=(0, 2), mask_token_id=7)
+    export = export_drafter(DFlashDrafter(arch).eval(), arch, root / "run" / "drafter")
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(dir=str(root / "run")), drafter=SimpleNamespace(block_size=BLOCK),
+                          model=SimpleNamespace(target=str(root / "target")))
+    summary = serving_outputs(cfg, str(root / "target"), str(export), tau=2.0, log=lambda _: None)
+    out: dict[str, str] = {}
+    log: list[str] = []
+    print_serving(summary, log.append)
+    for row in log:
+        if m := re.match(r"serve with (\w+): (.*)", row):
+            out[f"summary {m[1]}"] = m[2]
+    section = render([], summary).split('<section id="serving">', 1)[1]
+    for engine, line in re.findall(r"<tr><th>(\w+)</th><td><code>(.*?)</code>", section):
+        out[f"report {engine}"] = html.unescape(line)
+    for engine, line in serve_lines(cfg, str(root / "target"), str(export)).items():
+        out[f"evaluate {engine}"] = line
+    return out
+
+
+def test_every_place_prints_every_engine(printed):
+    assert set(printed) == {f"{where} {engine}" for where in ("summary", "report")
+                            for engine in ("vllm", "sglang", "vllm_speculators")} | {"evaluate sglang", "evaluate vllm"}
+
+
+def test_each_printed_line_has_its_engines_required_flags(printed):
+    bad = {name: missing(name.split()[1], line) for name, line in printed.items()}
+    assert {k: v for k, v in bad.items() if v} == {}, {engine_of(k.split()[1]): ENGINES[engine_of(k.split()[1])].source
+                                                       for k, v in bad.items() if v}
+
+
+def test_the_check_fails_on_a_line_without_the_token_count():
+    line = "vllm serve /m --speculative-config '{\"model\": \"/r/drafter-speculators\"}'"
+    assert missing("vllm_speculators", line) == ["num_speculative_tokens", "method"]
+    assert missing("sglang", "python -m sglang.launch_server --model-path /m") == [
+        "--speculative-algorithm", "--speculative-draft-model-path"]
+
+
+def test_vllm_parser_accepts_each_vllm_line(printed):
+    arg_utils = pytest.importorskip("vllm.engine.arg_utils")
+    try:
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError:
+        from vllm.utils import FlexibleArgumentParser
+    parser = arg_utils.EngineArgs.add_cli_args(FlexibleArgumentParser())
+    for name, line in printed.items():
+        if engine_of(name.split()[1]) == "vllm":
+            argv = shlex.split(line)
+            ns = parser.parse_args(["--model", argv[2], *argv[3:]])
+            assert ns.speculative_config["num_speculative_tokens"] == BLOCK - 1, name
+
+
+def test_sglang_parser_accepts_each_sglang_line(printed):
+    server_args = pytest.importorskip("sglang.srt.server_args")
+    parser = argparse.ArgumentParser()
+    server_args.ServerArgs.add_cli_args(parser)
+    for name, line in printed.items():
+        if engine_of(name.split()[1]) == "sglang":
+            ns = parser.parse_args(shlex.split(line)[3:])
+            assert ns.speculative_algorithm == "DFLASH" and ns.speculative_draft_model_path, name
