@@ -15,6 +15,11 @@ from pathlib import Path
 from app.data.records import DataError, MalformedRecord
 
 _READ_CHUNK = 1 << 22  # bytes per read while finding line starts
+# The longest JSONL line read: a longer one is a malformed record, skipped without being held in memory
+# (a 200 MB line was read, then parsed, whole). 16 MiB is a 128k-token conversation written with JSON's
+# six-byte \u escapes several times over; a sequence is cut at data.max_length tokens anyway.
+MAX_LINE_BYTES = 16 << 20
+_LINE_PIECE = 1 << 20  # bytes a line is read in
 
 
 @dataclass(frozen=True)
@@ -127,13 +132,32 @@ def _read_jsonl(shard: Shard) -> Iterator[tuple[int, dict | MalformedRecord]]:
         f.seek(shard.start)
         line_no, pos = shard.first, shard.start
         while pos < shard.stop:
-            raw = f.readline()
-            if not raw:
+            raw, size = _read_line(f)
+            if not size:
                 break
-            pos += len(raw)
-            if raw.strip():  # blank lines are not records
+            pos += size
+            if raw is None:
+                yield line_no, MalformedRecord(f"line of {size} bytes is longer than the {MAX_LINE_BYTES >> 20} MiB a "
+                                               "record may take: not read; shorten or split the record")
+            elif raw.strip():  # blank lines are not records
                 yield line_no, _parse_line(raw)
             line_no += 1
+
+
+def _read_line(f) -> tuple[bytes | None, int]:
+    """(the next line, or None when it is longer than MAX_LINE_BYTES; its size in bytes, 0 at the end).
+    Read a piece at a time, and the pieces of a line over the cap are dropped as soon as it is."""
+    parts: list[bytes] | None = []
+    size = 0
+    while piece := f.readline(_LINE_PIECE):
+        size += len(piece)
+        if parts is not None and size - piece.endswith(b"\n") > MAX_LINE_BYTES:
+            parts = None
+        elif parts is not None:
+            parts.append(piece)
+        if piece.endswith(b"\n"):
+            break
+    return (b"".join(parts) if parts is not None else None), size
 
 
 def _parse_line(raw: bytes) -> dict | MalformedRecord:
