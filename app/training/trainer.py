@@ -96,6 +96,25 @@ class StepAccumulator:
         self.sums["active"] = 1.0
 
 
+def adamw_impl(device: torch.device) -> dict[str, bool]:
+    """AdamW's implementation for `device`: fused on CUDA (one kernel over every parameter, no temporaries;
+    the foreach path's sqrt buffer is one fp32 per parameter, 3.9 GiB at the default drafter), foreach on CPU."""
+    return {"fused": True, "foreach": False} if device.type == "cuda" else {"fused": False, "foreach": True}
+
+
+def device_adamw_on_load(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """After `load_state_dict` (a post hook): the saved param groups carry the saving process's flags, so
+    a checkpoint written on CPU would resume foreach on CUDA, and one written on CUDA fused on CPU. Put this
+    device's flags back; the fused kernel wants each `step` on its parameter's device, the others on the CPU."""
+    impl = adamw_impl(device)
+    for group in optimizer.param_groups:
+        group.update(impl)
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].to(p.device if impl["fused"] else "cpu", torch.float32)
+
+
 def use_compile(setting: str, device: torch.device) -> bool:
     """`train.compile`: auto = on for CUDA (where the fused kernels pay), off for CPU."""
     return setting == "on" or (setting == "auto" and device.type == "cuda")
@@ -117,7 +136,9 @@ class DrafterTrainer:
         self.autocast = torch.bfloat16 if autocast is not None else None
         self.device, self.reducer, self.delay_s = device, reducer, delay_s
         params = [p for p in drafter.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.95))
+        self.optimizer = torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.95),
+                                           **adamw_impl(device))
+        self.optimizer.register_load_state_dict_post_hook(lambda opt: device_adamw_on_load(opt, device))
         self.jobs_per_unit = total_jobs > 0  # the scheduler's last_epoch counts jobs instead of steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, warmup_cosine(total_jobs if self.jobs_per_unit else total_steps, tcfg.warmup_ratio))
