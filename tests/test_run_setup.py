@@ -39,6 +39,21 @@ def test_resume_takes_the_ledger_of_a_matching_checkpoint(tmp_path: Path) -> Non
     assert plan.resume_step == 4 and plan.resume_ledger == [1, 2]
 
 
+def test_lowering_train_epochs_on_resume_keeps_only_the_scheduled_ledger_ids(tmp_path: Path) -> None:
+    """Issue 35, C6: a checkpoint of the 6-epoch run holding every job of epochs 0-3, resumed with
+    train.epochs=2: only epochs 0 and 1's ids are the resume ledger, so the resumed run has no job
+    left and says so, instead of counting epochs 2-3 as done jobs it never schedules (before:
+    jobs_remaining was minus two epochs' worth)."""
+    from app.messages import make_job_id
+
+    plan = plan_run(_cfg(tmp_path), on_gpu=False)
+    done = [j.job_id for j in plan.jobs if j.epoch < 4]
+    _checkpoint(tmp_path, plan.data_fingerprint, done)
+    lowered = plan_run(_cfg(tmp_path, "train.epochs=2"), on_gpu=False)
+    assert lowered.resume_ledger == [j for j in done if j < make_job_id(2, 0)]
+    assert lowered.jobs_remaining == 0 and len(lowered.resume_ledger) == len(lowered.jobs)
+
+
 def test_resume_refuses_a_checkpoint_of_other_data(tmp_path: Path) -> None:
     _checkpoint(tmp_path, "0123456789abcdef", [1, 2])
     with pytest.raises(ConfigError, match=r"holds a run on different data .* use a new checkpoint.dir"):

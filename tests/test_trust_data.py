@@ -114,3 +114,44 @@ def test_a_line_just_under_the_cap_is_read(tmp_path, monkeypatch) -> None:
     path = _write_jsonl(tmp_path / "edge.jsonl", [ok, json.dumps({"text": "y" * 53})])
     got = list(shards.read_shard(shards.whole_file(path)[0]))
     assert got[0] == (1, {"text": "y" * 52}) and isinstance(got[1][1], MalformedRecord)
+
+
+# ---- C6: a lowered train.epochs on resume; JSON true ------------------------------------------------------
+
+def test_a_schedule_keeps_only_the_ledger_ids_it_schedules() -> None:
+    """A checkpoint of a 3-epoch run resumed with train.epochs=2: the third epoch's ids, and ids past an
+    epoch's last job, name no job of the new schedule and are dropped (before: all counted as done, so
+    a run could say 'nothing left to train' with epoch 1 half done)."""
+    import numpy as np
+
+    from app.data.schedule import ScheduledJobs, epoch_jobs
+    from app.messages import make_job_id
+
+    lengths = np.asarray([40, 60, 80, 100, 120, 140] * 4)
+    data = _cfg(tokens_per_job=256, max_length=256, bucket_boundaries=[128, 256])
+    two = ScheduledJobs([epoch_jobs(lengths, data, e) for e in range(2)])
+    n0, n1 = len(two.epochs[0]), len(two.epochs[1])
+    old = [make_job_id(0, k) for k in range(n0)] + [make_job_id(1, 0), make_job_id(2, 0), make_job_id(2, 1),
+                                                      make_job_id(1, n1), make_job_id(7, 0)]
+    kept = two.scheduled_only(old)
+    assert kept == [make_job_id(0, k) for k in range(n0)] + [make_job_id(1, 0)]
+    assert len(two) - len(kept) == n1 - 1  # what the resumed run still has to train
+
+
+@pytest.mark.parametrize("mask", [[True, True, True], [1.0, 1, 1]], ids=["json-true", "float"])
+def test_json_true_or_a_float_is_no_loss_mask_value(mask) -> None:
+    from app.data.formats import record_tokens
+
+    with pytest.raises(MalformedRecord, match="non-negative ints and loss_mask 0/1"):
+        record_tokens({"input_ids": [1, 2, 3], "loss_mask": mask}, "tokenized", None, False)
+    with pytest.raises(MalformedRecord):
+        record_tokens({"input_ids": [1, True, 3], "loss_mask": [1, 1, 1]}, "tokenized", None, False)
+
+
+def test_json_true_is_no_job_id_in_a_checkpoint_ledger() -> None:
+    from app.pool.ledger import ids_from_state
+
+    assert ids_from_state({"ledger": [3, 5]}) == [3, 5]
+    for bad in ([3, True], [3, 5.0], "35", [-1]):
+        with pytest.raises(ValueError, match="not a list of non-negative integer job ids"):
+            ids_from_state({"ledger": bad})

@@ -85,8 +85,9 @@ def _tokenized_record(rec: dict, vocab_size: int = 0) -> tuple[list[int], list[i
         raise MalformedRecord("tokenized records need list `input_ids` and list `loss_mask`")
     if len(ids) != len(mask):
         raise MalformedRecord(f"input_ids has {len(ids)} tokens but loss_mask has {len(mask)}")
-    # `type(t) is int`: JSON true is a Python bool, an int subclass, and would train as token 1
-    if not all(type(t) is int and t >= 0 for t in ids) or not all(m in (0, 1) for m in mask):
+    # `type(t) is int`: JSON true is a Python bool, an int subclass, and would train as token 1 (or as
+    # mask 1); a float 1.0 passes `in (0, 1)` too
+    if not all(type(t) is int and t >= 0 for t in ids) or not all(type(m) is int and m in (0, 1) for m in mask):
         raise MalformedRecord("input_ids must be non-negative ints and loss_mask 0/1")
     if vocab_size and ids and max(ids) >= vocab_size:
         raise OutOfVocab(f"token id {max(ids)} is outside the target's vocabulary of {vocab_size} (ids 0..{vocab_size - 1})")

@@ -11,13 +11,13 @@ resumed run rebuilds exactly the same jobs from (seed, epoch).
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from app.config.schema import DataConfig
-from app.messages import JobSpec, make_job_id
+from app.messages import JobSpec, make_job_id, split_job_id
 
 # Sequences sorted together before packing, in units of one job's worth of sequences.
 SORT_WINDOW_JOBS = 8
@@ -230,6 +230,13 @@ class ScheduledJobs(Sequence):
         for e in self.epochs:
             for k in range(len(e)):
                 yield e.spec(k, self.est_bytes_per_token)
+
+    def scheduled_only(self, ids: Iterable[int]) -> list[int]:
+        """The ids among `ids` that name a job of this schedule, in their order. A checkpoint of a run
+        with more epochs (train.epochs lowered on resume) holds ids this schedule has no job for: they
+        must not count as done jobs here, nor reach the pool's ledger."""
+        ends = [len(e) for e in self.epochs]
+        return [j for j in ids if (ek := split_job_id(j))[0] < len(ends) and ek[1] < ends[ek[0]]]
 
     def max_payload_bytes(self) -> int:
         """The largest job's exact payload size at `est_bytes_per_token` (its JobSpec.est_bytes)."""

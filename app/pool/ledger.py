@@ -97,4 +97,8 @@ def ids_from_state(meta: dict) -> list[int]:
     """The ledger of a checkpoint's state.json: per-epoch bitmaps, or the sorted id list older ones hold."""
     if "ledger_bitmaps" in meta:
         return Ledger.from_json(meta["ledger_bitmaps"]).ids()
-    return [int(j) for j in meta["ledger"]]
+    ids = meta["ledger"]
+    if not isinstance(ids, list) or not all(type(j) is int and j >= 0 for j in ids):  # JSON true is no job id
+        raise ValueError("the checkpoint's ledger is not a list of non-negative integer job ids; the checkpoint is "
+                         "damaged or was not written by this trainer: resume from another one")
+    return list(ids)

@@ -103,6 +103,7 @@ def plan_run(cfg: Config, on_gpu: bool | None = None, *, spare_cpus: Callable[[]
     if ckpt:
         _check_same_data(cfg, ckpt, fingerprint)
     step, _, ledger = read_ledger(ckpt) if ckpt else (0, 0, [])
+    ledger = jobs.scheduled_only(ledger)  # train.epochs lowered: the dropped epochs' ids are no jobs now
     per_step = cfg.topology.num_drafters * cfg.train.grad_accum
     plan = RunPlan(
         cfg=cfg, model_dir=target.model_dir, info=info, layer_ids=layer_ids, mask_token_id=mask_id,

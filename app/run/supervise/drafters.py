@@ -160,7 +160,7 @@ class DrafterGroup:
         if self.run_refs:
             ray.wait(self.run_refs, num_returns=len(self.run_refs), timeout=OLD_GROUP_EXIT_S)
         ckpt = rebuild_checkpoint(self.cfg.checkpoint.dir, self.generation, self.resumed_step)
-        return ckpt, (read_ledger(ckpt)[2] if ckpt else list(self.plan.resume_ledger))
+        return ckpt, (self.plan.jobs.scheduled_only(read_ledger(ckpt)[2]) if ckpt else list(self.plan.resume_ledger))
 
     def rebuild(self, action: RebuildDrafters):
         """Tear the group down, roll the pool back to the latest checkpoint and start a new group from it."""
