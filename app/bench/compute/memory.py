@@ -17,16 +17,19 @@ peak = max(fixed + saved + backward working set + CE chunk workspace, fixed + st
   fixed = fp32 weights + fp32 grads + AdamW (2 x fp32) + frozen embedding and LM head (bf16),
   backward working set = one layer's saved bytes (gradients of the layer being backpropagated),
   CE workspace = one chunk of logits: bf16 matmul out + fp32 logits + bf16 grad (rows x vocab),
-  step transient = 4 bytes per parameter: the fp32 all-reduce buffer beside the gradients while they
-    are flattened (then freed; the buffer, scaled in place, becomes the gradients), and AdamW's sqrt
-    temporary (one fp32 per parameter, foreach) beside it during `optimizer.step`,
+  step transient = measured on the trainer's own `finish_step` (app/bench/compute/step_peak.py: a small
+    drafter's step under a dispatch mode that follows every live storage), per parameter, times the full
+    drafter's parameters: the fp32 all-reduce buffer beside the gradients while they are flattened (then
+    freed; the buffer, scaled in place, becomes the gradients), 4 bytes per parameter; AdamW adds nothing
+    fused (the trainer's CUDA path) and its sqrt temporary, 4 more, foreach (printed beside),
   staged payloads = two jobs' device payloads (the one being trained and the one staged next; bf16
     features, int64 ids, fp32 loss mask, padded as the target sends them), of the largest bucket.
 saved_bytes_per_row = (saved bytes of the sub-batch - those of a one-block run) / query rows,
 the worst bucket. rank_cost_spread is `app.bench.feeding.pull_policies.rank_cost_spread`: the pool's
 dealing of the bucket mix to the ranks, on the discrete-event simulation.
 Ends `RESULT max_peak_gib=... saved_bytes_per_row=... legacy_saved_bytes_per_row=... ratio=...
-rank_cost_spread=... ce_recompute=0|1 step_extra_gib=... staged_payload_gib=...`.
+rank_cost_spread=... ce_recompute=0|1 step_extra_gib=... step_peak_gib=... adamw_foreach_gib=...
+staged_payload_gib=...` (step_peak_gib: fixed + step transient + staged payloads, the peak at the step).
 """
 from __future__ import annotations
 
@@ -189,12 +192,22 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = load_config(args.config, SHAPES_ONLY)
     arch = default_arch(cfg)
-    fixed, step_extra = fixed_bytes(arch)
+    from app.bench.compute.step_peak import measure_step_peak
+
+    fixed, modelled = fixed_bytes(arch)
+    params = modelled // 4
+    fused, foreach = measure_step_peak("fused"), measure_step_peak("foreach")
+    step_extra = int(fused.per_param * params)  # the trainer's CUDA path: fused AdamW
     chunk, V = cfg.drafter.ce_chunk_rows, arch.vocab_size
     ce_ws = chunk * V * (2 + 4 + 2)
     mods = _legacy_modules(args.legacy_commit) if args.legacy_commit else None
     buckets = [int(b) for b in args.buckets.split(",")] if args.buckets else range(len(cfg.data.bucket_boundaries))
     staged = 2 * max(payload_bytes(arch, bucket_job(cfg, b)) for b in range(len(cfg.data.bucket_boundaries)))
+    step_peak = fixed + step_extra + staged
+    print(f"optimizer step, measured on the trainer's code: +{fused.per_param:.2f} B/param above the training state "
+          f"({step_extra / GIB:.1f} GiB: the flat all-reduce buffer beside the gradients); AdamW itself "
+          f"+{fused.adamw_per_param:.3f} B/param fused (CUDA) vs +{foreach.adamw_per_param:.2f} foreach "
+          f"({foreach.adamw_per_param * params / GIB:.1f} GiB); peak at the step {step_peak / GIB:.1f} GiB")
     print(f"drafter: Qwen3-8B-shaped, {cfg.drafter.num_layers} layers, B={cfg.drafter.block_size}, "
           f"{cfg.drafter.num_anchors} anchors, max_rows={cfg.drafter.max_rows}; fixed state {fixed / GIB:.1f} GiB, "
           f"optimizer-step transient {step_extra / GIB:.1f} GiB, staged payloads {staged / GIB:.2f} GiB")
@@ -232,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
                   "legacy_saved_bytes_per_row": f"{old_worst:.0f}", "ratio": f"{worst / old_worst:.2f}",
                   "legacy_max_peak_gib": f"{(max(legacy_peaks) if legacy_peaks else float('nan')) / GIB:.1f}",
                   "rank_cost_spread": spread, "ce_recompute": 0, "step_extra_gib": f"{step_extra / GIB:.1f}",
+                  "step_peak_gib": f"{step_peak / GIB:.1f}",
+                  "adamw_foreach_gib": f"{foreach.adamw_per_param * params / GIB:.1f}",
                   "staged_payload_gib": f"{staged / GIB:.2f}"})
     return 0
 
