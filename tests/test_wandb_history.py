@@ -1,4 +1,5 @@
-"""wandb history (issue 25, item 5): one row per optimizer step with the listed keys, events for tau, faults, re-splits.
+"""wandb history (issue 25, item 5; issue 36): one row per optimizer step with the listed keys, tau in the row of
+the step evaluated, the pool per bucket, events for faults and re-splits.
 
 The logger is fed a recorded step stream through the real RunMonitor (two ranks reporting in separate
 batches, as the pool relays them), not a Ray run: a tiny run takes minutes on CPU, and what reaches
@@ -14,6 +15,7 @@ import pytest
 from app.config.run_sections import CheckpointConfig, LoggingConfig
 from app.config.schema import Config, ModelConfig
 from app.messages import StepRecord
+from app.pool.stats import PoolStats, WaitSnapshot
 from app.run.outputs.monitor import RunMonitor
 from app.run.outputs.wandb_log import STEP_KEYS, StepRows, WandbLogger, read_history
 
@@ -50,36 +52,56 @@ def test_step_rows_fold_ranks_into_one_row_per_step():
     assert [r["step"] for r in redo] == [3, 4, 3]
 
 
+def _pool(i: int) -> PoolStats:
+    """The pool snapshot of loop turn i: bucket 0 holds i items, bucket 1 twice that."""
+    return PoolStats(q_hsb=[i, 2 * i], pool_bytes=0, capacity_bytes=0, capacity_items=64, pending=0, in_flight=0,
+                     buffered=3 * i, leased=0, acked=0, total_jobs=0, pull_waits=WaitSnapshot(i, 0.0, 0.01, 0.05),
+                     served_per_bucket=[10 * i, i], produced_per_bucket=[11 * i, 3 * i], in_flight_by_target={},
+                     oldest_in_flight_age_s={}, done_by_target={}, tokens_by_target={0: 100 * i},
+                     forward_s_by_target={}, leased_by_drafter={}, acked_twice=0, stale_results=0, stale_acks=0,
+                     lost_payloads=0, bytes_overshoot=0, producing_finished=False, done=False)
+
+
 @pytest.mark.slow
-def test_offline_file_has_one_row_per_step_and_the_events(tmp_path: Path, monkeypatch) -> None:
+def test_offline_file_has_one_row_per_step_with_tau_and_the_pool(tmp_path: Path, monkeypatch) -> None:
+    """Issue 36: tau and the best tau in the row of the step evaluated (no event rows), the pool per bucket
+    at the status cadence; an evaluation given up on leaves its row without tau."""
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = replace(Config(model=ModelConfig(target="tiny")), checkpoint=CheckpointConfig(dir=str(tmp_path)),
                   logging=LoggingConfig(wandb_mode="offline"))
     monitor = RunMonitor()
     logger = WandbLogger(cfg.logging, "history-run", cfg, monitor)
+    monitor.eval_every = 2  # what the evaluation runner sets: rank 0 offers steps 2, 4, 6
     for i, batch in enumerate(_stream()):
         monitor.add_records(batch)
-        logger.log(monitor.values())  # the status line: its numbers ride on the next step row
-        if i == 2:
+        monitor.add_pool(_pool(i))
+        logger.log(monitor.values())  # the status line: its numbers and the pool's ride on the next step row
+        if i == 2:  # step 2's row is complete (step 3's first record came): its evaluation reports
             monitor.add_tau(2, 2.25)
-            monitor.add_tau(3, 2.0)  # two land before the logger's next look: each row has the best up to it
             monitor.note("target 1 died -> job re-queued")
             logger.resplit("resplit", old=[5, 3], new=[2, 6], gain=0.4)  # what RunMonitor.resplit_event relays
-    logger.finish({"tau_trained": 2.5})
+        if i == 4:
+            monitor.give_up_tau(4)  # timed out: step 4's row goes out without tau
+    monitor.add_tau(STEPS, 2.0)  # the end-of-run evaluation, before the driver's finish()
+    logger.finish({"tau_trained": 2.0})
     import wandb
 
     wandb.teardown()  # the service writes the run file after finish() returns: wait for it to end
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     history = read_history(run_file)
     steps = [r for r in history if "event" not in r]
-    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))  # one row per optimizer step
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))  # one row per optimizer step, tau rows none
     for row in steps:
         assert set(STEP_KEYS) | {"acc_pos1", "acc_pos2", "acc_pos3"} <= set(row), row
         assert row["tokens"] == 201 and row["ranks"] == 2
+        # The snapshot of the status line before the row was complete (the last row: at finish, after the last one).
+        i = row["step"] - 1 if row["step"] < STEPS else STEPS
+        assert (row["pool/bucket0/queued"], row["pool/bucket1/queued"], row["pool/bucket0/pulls"],
+                row["pool/bucket1/produced"], row["pool/pull_waits"]) == (i, 2 * i, 10 * i, 3 * i, i)
     assert steps[-1]["lr"] == pytest.approx(6e-3) and steps[-1]["grad_norm"] == pytest.approx(8.0)
     assert "status/train_tok_s" in steps[-1] and "status/loss" not in steps[-1]  # run-level numbers only
-    evals = [(r["eval_step"], r["tau"], r["tau_best"]) for r in history if r.get("event") == "eval"]
-    assert evals == [(2, 2.25, 2.25), (3, 2.0, 2.25)]
+    assert {r["step"]: (r["tau"], r["tau_best"]) for r in steps if "tau" in r} == {2: (2.25, 2.25), 6: (2.0, 2.25)}
     events = {r["event"]: r for r in history if "event" in r}
+    assert set(events) == {"fault", "resplit"}
     assert events["fault"]["event_text"] == "target 1 died -> job re-queued" and events["fault"]["faults_total"] == 1
     assert events["resplit"]["resplit/gain"] == 0.4

@@ -36,6 +36,8 @@ class EvalRunner:
         self.best_dir = None if is_uri(self.cfg.checkpoint.dir) else str(Path(self.cfg.checkpoint.dir) / BEST_DIR_NAME)
         self._ref: Any = None
         self._resume(list(earlier))
+        if self.enabled:  # wandb puts each tau in the row of its step: it holds the offered steps' rows
+            monitor.eval_every = sup.cfg.eval.every_steps
 
     def _resume(self, earlier: list[dict]) -> None:
         """A resumed run goes on with the evaluations of its earlier starts (timeline `eval` rows) and
@@ -70,6 +72,8 @@ class EvalRunner:
         offer = self.sup.pool.take_eval()
         if offer is not None:
             step, weights = offer
+            if self.schedule.pending is not None and step > self.schedule.last_started_step:
+                self.monitor.give_up_tau(self.schedule.pending.step)  # replaced by this newer offer
             self.schedule.offer(EvalOffer(step, weights[0]))
         in_flight = {t: len(jobs) for t, jobs in stats.in_flight_by_target.items()}
         alive = self._alive()
@@ -100,12 +104,14 @@ class EvalRunner:
         ref, self._ref = self._ref, None
         self.sup.pool.resume_target(run.target_id)
         if not ready:
+            self.monitor.give_up_tau(run.offer.step)
             self.log(f"evaluation of step {run.offer.step} on target {run.target_id} took over "
                      f"eval.timeout_s={self.schedule.timeout_s:g} s; skipped, target back to training")
             return
         try:
             result = ray.get(ref)
         except RayError as exc:  # the target died or the weights' owner (rank 0) was lost: skip this one
+            self.monitor.give_up_tau(run.offer.step)
             self.log(f"evaluation of step {run.offer.step} failed on target {run.target_id}: "
                      f"{type(exc).__name__}; training goes on")
             return

@@ -87,6 +87,10 @@ class RunMonitor:
         self.extra = None  # an ExtraPlanner (app/run/elastic/extra.py): its word on the line, its bundles in summary.json
         self.tau_history: list[tuple[int, float]] = []  # (step, tau) of the evaluations during the run
         self.tau_best: tuple[int, float] | None = None
+        # Set by the evaluation runner: the steps rank 0 offers for evaluation (0: none), and the offered
+        # steps whose tau will not come (timed out, failed, replaced); wandb holds rows for the rest.
+        self.eval_every = 0
+        self.tau_given_up: list[int] = []
 
     def add_records(self, records: list[StepRecord]) -> None:
         if records:
@@ -162,6 +166,10 @@ class RunMonitor:
         if best:
             self.tau_best = (step, tau)
         return best
+
+    def give_up_tau(self, step: int) -> None:
+        """The evaluation offered at `step` will report no tau."""
+        self.tau_given_up.append(step)
 
     def split_advice(self) -> dict | None:
         """The advisor's current estimate and the numbers behind it (for summary.json), stable or not."""

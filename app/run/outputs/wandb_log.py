@@ -1,12 +1,14 @@
 """wandb history a person can read (`logging.wandb_mode`: offline, online, disabled).
 
 One history row per optimizer step (`StepRows`: loss, accuracy, the per-position acceptance of the
-step's blocks, lr, grad norm, tokens and data-wait share over every rank, plus the latest status-line
-numbers under `status/`), and one row per event: each tau evaluation (`event: eval`), each fault
-(`event: fault`) and each re-split row (`event: resplit...`). The logger is a RunMonitor listener, fed
-the same stream as the timeline; the status line only refreshes the `status/` values. wandb's own step
-counts rows; the optimizer step is the `step` field (a rollback repeats step numbers, so it cannot be
-wandb's monotonic step). `read_history` reads an offline run file back (the tests use it).
+step's blocks, lr, grad norm, tokens and data-wait share over every rank, the latest status-line
+numbers under `status/` and the pool per length bucket under `pool/`), with `tau` and `tau_best` in
+the row of the step each evaluation measured (app/run/outputs/wandb_rows.py holds rows back until
+then), and one row per event: each fault (`event: fault`) and each re-split row (`event: resplit...`).
+The logger is a RunMonitor listener, fed the same stream as the timeline; the status line refreshes
+the `status/` and `pool/` values. wandb's own step counts rows; the optimizer step is the `step` field
+(a rollback repeats step numbers, so it cannot be wandb's monotonic step). `read_history` reads an
+offline run file back (the tests use it).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Any
 from app.config.errors import ConfigError
 from app.config.run_sections import LoggingConfig
 from app.config.schema import Config
+from app.run.outputs.wandb_rows import TauRows, pool_keys
 from app.storage.roots import redact
 
 # Keys of every step row (the per-position acceptance adds acc_pos1..acc_pos{B-1}).
@@ -50,6 +53,11 @@ class StepRows:
             self._records.append(rec)
         return rows
 
+    @property
+    def pending_step(self) -> int | None:
+        """The step whose row is still open (its records so far, no record of another step yet)."""
+        return self._step
+
     def flush(self) -> list[dict[str, Any]]:
         recs, self._step, self._records = self._records, None, []
         if not recs:
@@ -78,7 +86,8 @@ class WandbLogger:
         self.monitor, self.resumed_step = monitor, resumed_step
         self.rows = StepRows()
         self.status: dict[str, float] = {}
-        self._taus_seen, self._best = 0, float("-inf")
+        self.tau_rows = TauRows()
+        self._taus_seen, self._given_up_seen, self._best = 0, 0, float("-inf")
         self.faults = 0
         self.finished = False
         if cfg.wandb_mode == "disabled":
@@ -103,7 +112,7 @@ class WandbLogger:
 
     def add_records(self, records) -> None:
         for row in self.rows.add(records):
-            self._write({**row, **self.status})
+            self._emit({**row, **self.status})
         self._taus()
 
     def add_pool(self, _stats) -> None:
@@ -111,20 +120,22 @@ class WandbLogger:
 
     def note(self, event: str) -> None:
         self.faults += 1
-        self._write({"event": "fault", "event_text": redact(event), "faults_total": self.faults})
+        self._emit({"event": "fault", "event_text": redact(event), "faults_total": self.faults})
 
     def resplit(self, kind: str, **row) -> None:
         """A re-split asked for, refused, done or measured (app/run/elastic/resplit_shell.py): its numbers, as an event."""
         flat = {f"{kind}/{k}": v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         text = {k: v for k, v in row.items() if not isinstance(v, (int, float)) or isinstance(v, bool)}
-        self._write({"event": kind, "event_text": json.dumps(text, default=str), **flat})
+        self._emit({"event": kind, "event_text": json.dumps(text, default=str), **flat})
 
     # ---- status line and end ------------------------------------------------------------------
 
     def log(self, values: dict[str, Any]) -> None:
-        """The status-line values: kept, written with the next step row under `status/`."""
+        """The status-line values and the pool per bucket: kept, written with the next step row under
+        `status/` and `pool/`."""
         self.status = {f"status/{k}": values[k] for k in STATUS_KEYS
                        if isinstance(values.get(k), (int, float)) and not isinstance(values.get(k), bool)}
+        self.status.update(pool_keys(getattr(self.monitor, "last_pool", None)))
         self._taus()
 
     def finish(self, summary: dict[str, Any], exit_code: int = 0) -> None:
@@ -134,22 +145,40 @@ class WandbLogger:
             return
         self.finished = True
         for row in self.rows.flush():
-            self._write({**row, **self.status})
+            self._emit({**row, **self.status})
         self._taus()
+        for row in self.tau_rows.flush():
+            self._write(row)
         if self.run is not None:
             self.run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float))})
             self.run.finish(exit_code=exit_code)
 
     def _taus(self) -> None:
-        """New tau evaluations of the monitor (this start's only: a resume re-reads the earlier ones)."""
+        """New tau evaluations of the monitor into their steps' rows (this start's only: a resume re-reads
+        the earlier ones), and the evaluations the runner gave up on, which hold no row any more."""
         if self.monitor is None:
             return
         history = self.monitor.tau_history
         for step, tau in history[self._taus_seen:]:
+            if self.rows.pending_step is not None and step >= self.rows.pending_step:
+                break  # its step's row is still open: it goes in once that row is complete
             self._best = max(self._best, tau)  # the best up to this evaluation, earlier starts included
             if step > self.resumed_step or self.resumed_step == 0:
-                self._write({"event": "eval", "eval_step": step, "tau": tau, "tau_best": self._best})
-        self._taus_seen = len(history)
+                self._write_all(self.tau_rows.add_tau(step, tau, self._best))
+            self._taus_seen += 1
+        given_up = getattr(self.monitor, "tau_given_up", [])
+        for step in given_up[self._given_up_seen:]:
+            self._write_all(self.tau_rows.give_up(step))
+        self._given_up_seen = len(given_up)
+
+    def _emit(self, row: dict[str, Any]) -> None:
+        """A row, in order behind the step rows still waiting for their tau."""
+        self.tau_rows.every = getattr(self.monitor, "eval_every", 0)  # set once evaluations are attached
+        self._write_all(self.tau_rows.add_row(row))
+
+    def _write_all(self, rows: list[dict[str, Any]]) -> None:
+        for row in rows:
+            self._write(row)
 
     def _write(self, row: dict[str, Any]) -> None:
         if self.run is not None:
