@@ -119,7 +119,8 @@ def test_regenerate_over_actors_then_resume(ray_cluster, tiny_cfg, tmp_path):
     out = tmp_path / "out.jsonl"
 
     counts = run_regenerate(tiny_cfg, str(src), str(out), max_new_tokens=6, chunk_size=2, batch_size=2)
-    assert counts == {"records": 6, "already_done": 0, "malformed": 1, "pending": 5, "out_bad_lines": 0, "written": 5}
+    assert counts == {"records": 6, "already_done": 0, "malformed": 1, "pending": 5, "out_bad_lines": 0, "written": 5,
+                      "given_up": 0}
     first = {r["id"]: r["messages"] for r in map(json.loads, out.read_text().splitlines())}
     assert sorted(first) == [1, 2, 3, 4, 6]
 
@@ -127,7 +128,8 @@ def test_regenerate_over_actors_then_resume(ray_cluster, tiny_cfg, tmp_path):
     kept = [line for line in out.read_text().splitlines() if json.loads(line)["id"] not in (2, 6)]
     out.write_text("\n".join(kept) + "\n" + json.dumps({"id": 2, "messages": first[2]})[:15])
     again = run_regenerate(tiny_cfg, str(src), str(out), max_new_tokens=6, chunk_size=2, batch_size=2)
-    assert again == {"records": 6, "already_done": 3, "malformed": 1, "pending": 2, "out_bad_lines": 0, "written": 2}
+    assert again == {"records": 6, "already_done": 3, "malformed": 1, "pending": 2, "out_bad_lines": 0, "written": 2,
+                     "given_up": 0}
     final = [json.loads(line) for line in Path(out).read_text().splitlines()]
     assert sorted(r["id"] for r in final) == [1, 2, 3, 4, 6]
     assert {r["id"]: r["messages"] for r in final} == first
