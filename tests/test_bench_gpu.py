@@ -62,15 +62,15 @@ def test_small_mode_runs_the_target_and_drafter_path_and_prints_result(capsys):
 
 
 @pytest.mark.slow
-def test_acceptance_small_prints_every_check_and_skips_the_cuda_ones_without_cuda(capsys):
+def test_acceptance_small_prints_every_check_and_skips_the_cuda_ones_without_cuda(capsys, tmp_path):
     """`bench gpu --acceptance --small` at its defaults: one RESULT line per check, in order."""
     from app.bench.compute.gpu_acceptance import CHECKS
 
-    assert gpu.main(["--acceptance", "--small"]) == 0
+    assert gpu.main(["--acceptance", "--small", "--results", str(tmp_path / "acc.jsonl")]) == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("RESULT check=")]
     vals = [dict(kv.split("=", 1) for kv in ln.split()[1:]) for ln in lines]
-    assert [v["check"] for v in vals] == [name for name, _, _ in CHECKS]
-    for v, (_, _, needs_cuda) in zip(vals, CHECKS):
+    assert [v["check"] for v in vals] == [c.name for c in CHECKS]
+    for v, needs_cuda in zip(vals, [c.needs_cuda for c in CHECKS]):
         if torch.cuda.is_available():
             assert v["status"] == "pass", v
         elif needs_cuda or v["check"] == "environment":
@@ -80,3 +80,6 @@ def test_acceptance_small_prints_every_check_and_skips_the_cuda_ones_without_cud
     by = {v["check"]: v for v in vals}
     assert float(by["target_prefill"]["tok_s"]) > 0 and float(by["drafter_step"]["tok_s"]) > 0
     assert by["resume"]["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert by["resume"]["adamw"] == ("fused" if torch.cuda.is_available() else "foreach")
+    assert by["collective"]["backend"] == ("nccl" if torch.cuda.is_available() else "gloo")
+    assert by["transport"]["transport_equal"] == "1" and float(by["real_step"]["loss"]) > 0

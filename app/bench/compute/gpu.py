@@ -1,7 +1,9 @@
 """`python -m app.bench gpu [--small] [--jobs N] [--drafter-jobs N] [--peak-tflops X] [--no-compile] [--acceptance]`.
 
-`--acceptance` runs the checks a first GPU run must answer instead, one `RESULT check=... status=...`
-line each (app/bench/compute/gpu_acceptance.py).
+`--acceptance [--part 1|2] [--results FILE] [--dry-run]` runs the checks a first GPU run must answer
+instead, in two parts (what can crash, then what measures), one `RESULT check=... status=...` line each,
+each check's time printed and appended to FILE (default runs/gpu-acceptance.jsonl) as it finishes
+(app/bench/compute/gpu_acceptance.py); `--dry-run` walks that plan without running a check.
 
 One script for a machine with one CUDA GPU, no downloads: a random-weight Qwen3-8B-shaped target in bf16
 and the default drafter (conf/default.yaml's `drafter` and `train` sections) built around the target's own
@@ -69,6 +71,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-compile", action="store_true", help="train.compile=off for the drafter")
     p.add_argument("--acceptance", action="store_true",
                    help="the first-GPU-run checks, one RESULT check=... line each (app/bench/compute/gpu_acceptance.py)")
+    p.add_argument("--part", choices=("1", "2", "all"), default="all",
+                   help="--acceptance: 1 = what can crash (under 4 min on an H200), 2 = what measures, all = both")
+    p.add_argument("--results", default="runs/gpu-acceptance.jsonl",
+                   help="--acceptance: JSON lines appended as each check ends ('' = none)")
+    p.add_argument("--dry-run", action="store_true", help="--acceptance: walk the plan, run no check (any machine)")
     return p.parse_args(argv)
 
 
@@ -218,6 +225,11 @@ def bench_target(s: Setup, model) -> tuple[dict, list]:
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
+    parts = (1, 2) if args.part == "all" else (int(args.part),)
+    if args.acceptance and args.dry_run:
+        from app.bench.compute.gpu_acceptance import run_acceptance
+
+        return run_acceptance(None, {}, parts, args.results or None, dry_run=True)
     if not args.small and not torch.cuda.is_available():
         print(NO_CUDA, file=sys.stderr)
         return 1
@@ -225,7 +237,8 @@ def main(argv: list[str]) -> int:
         from app.bench.compute.gpu_acceptance import run_acceptance
 
         return run_acceptance(make_setup(args), {"build_target": build_target, "bench_target": bench_target,
-                                                 "bench_drafter": bench_drafter})
+                                                 "bench_drafter": bench_drafter}, parts, args.results or None,
+                              small=args.small)
     t_start = time.perf_counter()
     s = make_setup(args)
     where = torch.cuda.get_device_name(s.device) if s.device.type == "cuda" else "CPU"

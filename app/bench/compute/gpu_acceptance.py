@@ -1,20 +1,32 @@
-"""`python -m app.bench gpu --acceptance [--small]`: what a first GPU run must answer, in under 8 minutes.
+"""`python -m app.bench gpu --acceptance [--part 1|2] [--results FILE] [--dry-run] [--small]`.
 
-Each check ends in one `RESULT check=<name> status=pass|fail|skipped [key=value ...]` line, in order:
-- `environment`: torch and its CUDA, the GPU, flash-attn really imported (not just found), accelerate
-  (targets load straight onto the GPU only with it);
-- `cuda_tests`: `pytest tests/test_model_cuda.py` (flex vs dense both ways, staging, compiled step);
+What a first GPU run must answer, in two parts (app/bench/compute/acceptance_runner.py runs them, prints
+each check's time as it ends and appends it to the results file at once). Each check ends in one
+`RESULT check=<name> status=pass|fail|skipped part=N seconds=S [key=value ...]` line.
+
+Part 1, what can crash a run (budget 4 minutes on an H200, cold compile cache included), cheapest first:
+- `environment`: torch and its CUDA, the GPU, flash-attn really imported (not just found), accelerate;
+- `collective`: a one-rank process group through the run's rendezvous (nccl on CUDA, gloo on CPU):
+  all-reduce and broadcast of 4 MiB, then torn down (one GPU holds one NCCL rank: issue 37 item 1);
+- `resume`: a checkpoint saved and resumed on the device: optimizer (fused AdamW on CUDA) and RNG
+  restored, and one more step after the resume equals one more step of the original;
+- `cuda_tests`: `pytest tests/test_model_cuda.py` (flex vs dense forward and backward, staging, compiled
+  step), cut at 150 s;
+- `real_step`: the random-weight Qwen3-8B-shaped target built, and one compiled drafter micro-batch and
+  optimizer step on the setup's largest job (conf/default.yaml's drafter: the real shapes).
+Part 2, what measures:
 - `target_prefill`, `drafter_step`: tokens/s and MFU of the target's prefill and of the drafter's
   training step, with the code the actors run (`app.bench.compute.gpu`'s own measurements, fewer jobs);
-- `drafter_memory`: a compiled drafter step per bucket at the real shapes (Qwen3-8B-shaped target,
-  conf/default.yaml's drafter) with its peak memory against the README's figure (`bench memory`);
-- `resume`: a checkpoint saved and resumed on the device: optimizer and RNG restored, and one more step
-  after the resume equals one more step of the original.
+- `drafter_memory`: a compiled drafter step per bucket at the real shapes with its peak memory against
+  the README's figure (`bench memory`);
+- `transport`: one payload staged from shared memory to the device, pinned copy vs the registered mapping.
 Without CUDA (`--small` on CPU) the CUDA-only checks print `status=skipped reason=no_cuda`; the others
-run at tiny shapes. Exits 1 when a check failed.
+run at tiny shapes. `--dry-run` walks the plan without running a check (on any machine, in a second).
+Exits 1 when a check failed.
 """
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import time
@@ -22,13 +34,10 @@ import time
 import numpy as np
 import torch
 
-from app.bench.common import ROOT, SHAPES_ONLY, bench_config, print_result
+from app.bench.common import ROOT, SHAPES_ONLY, bench_config
+from app.bench.compute.acceptance_runner import Check, run_checks, summary
 
 README_PEAK_GIB = 75.0  # README, "python -m app.bench memory": the drafter's max predicted peak per rank
-
-
-def result(check: str, status: str, **kv) -> None:
-    print_result({"check": check, "status": status, **kv})
 
 
 def environment(_ctx) -> tuple[str, dict]:
@@ -45,24 +54,90 @@ def environment(_ctx) -> tuple[str, dict]:
     return "pass", kv
 
 
+CUDA_TESTS_TIMEOUT_S = 150  # a cold compile past this would not fit part 1's window: a failure, named
+
+
 def cuda_tests(_ctx) -> tuple[str, dict]:
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_model_cuda.py"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               "tests/test_model_cuda.py"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=CUDA_TESTS_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        print(out[-3000:])
+        return "fail", {"reason": f"timeout_{CUDA_TESTS_TIMEOUT_S}s"}
     tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "no output"
     print(proc.stdout[-3000:], proc.stderr[-2000:], sep="\n")
     return ("pass" if proc.returncode == 0 else "fail"), {"summary": "_".join(tail.split())}
 
 
+def collective(ctx) -> tuple[str, dict]:
+    """A one-rank group through the run's rendezvous and backend; all-reduce and broadcast, torn down."""
+    import torch.distributed as dist
+
+    from app.training.rendezvous import Rendezvous
+
+    device = ctx["setup"].device
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if dist.is_initialized():
+        return "fail", {"reason": "a_process_group_is_already_initialized"}
+    rendezvous = Rendezvous()
+    addr, port = rendezvous.listen("127.0.0.1")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, store=rendezvous.store(addr, port, 1, True), rank=0, world_size=1)
+    try:
+        flat = torch.arange(1 << 20, device=device, dtype=torch.float32)
+        dist.all_reduce(flat)
+        dist.broadcast(flat, src=0)
+        ok = int(flat[-1].item()) == (1 << 20) - 1
+    finally:
+        dist.destroy_process_group()
+    return ("pass" if ok else "fail"), {"backend": backend, "mib": 4}
+
+
+def _target(ctx):
+    """The setup's random-weight target, built once and shared by the checks that need it."""
+    if "model" not in ctx:
+        ctx["model"] = ctx["bench"]["build_target"](ctx["setup"])
+    return ctx["model"]
+
+
+def _drafter(ctx):
+    """(trainer, arch) of the setup's drafter on the target, built (and compiled) once."""
+    if "drafter" not in ctx:
+        ctx["drafter"] = _trainer(ctx["setup"], _target(ctx))
+    return ctx["drafter"]
+
+
+def real_step(ctx) -> tuple[str, dict]:
+    """One micro-batch and optimizer step of the drafter on the setup's largest job (compiled on CUDA)."""
+    from app.training.trainer import use_compile
+
+    s = ctx["setup"]
+    trainer, arch = _drafter(ctx)
+    lengths = max(s.jobs, key=sum)
+    batch = _random_batch(lengths, arch, s.device, s.dtype)
+    trainer.micro_step(batch, job_id=0)
+    stats = trainer.finish_step()
+    if s.device.type == "cuda":
+        torch.cuda.synchronize(s.device)
+    ok = math.isfinite(stats.loss) and math.isfinite(stats.grad_norm) and stats.grad_norm > 0 and not stats.nonfinite
+    return ("pass" if ok else "fail"), {"seqs": len(lengths), "tokens": sum(lengths), "loss": f"{stats.loss:.4f}",
+                                        "compiled": int(use_compile(s.tcfg.compile, s.device))}
+
+
 def target_prefill(ctx) -> tuple[str, dict]:
     bench = ctx["bench"]
-    ctx["model"] = bench["build_target"](ctx["setup"])
-    t, ctx["batches"] = bench["bench_target"](ctx["setup"], ctx["model"])
+    t, ctx["batches"] = bench["bench_target"](ctx["setup"], _target(ctx))
     return "pass", {"tok_s": f"{t['tok_s']:.0f}", "mfu": f"{t['mfu']:.3f}", "attn": t["attn"],
                     "copy_overlap": f"{t['overlap']:.2f}"}
 
 
 def drafter_step(ctx) -> tuple[str, dict]:
-    d = ctx["bench"]["bench_drafter"](ctx["setup"], ctx["model"], ctx["batches"])
+    if "batches" not in ctx:  # part 2 alone: target_prefill makes them
+        target_prefill(ctx)
+    d = ctx["bench"]["bench_drafter"](ctx["setup"], _target(ctx), ctx.pop("batches"))  # pinned host memory freed
     return "pass", {"tok_s": f"{d['tok_s']:.0f}", "mfu": f"{d['mfu']:.3f}", "warm_s": f"{d['warm_s']:.1f}"}
 
 
@@ -71,9 +146,9 @@ def drafter_memory(ctx) -> tuple[str, dict]:
     decoder weights (the bench counts the frozen embedding and LM head, not the rest of the target)."""
     from app.bench.compute.drafter_jobs import bucket_job
 
-    s, model = ctx["setup"], ctx["model"]
+    s, model = ctx["setup"], _target(ctx)
     cfg = bench_config("default", SHAPES_ONLY)
-    trainer, arch = _trainer(s, model)
+    trainer, arch = _drafter(ctx)  # compiled once, in part 1's real_step
     target_rest = sum(p.numel() * p.element_size() for p in model.parameters()) - \
         sum(p.numel() * p.element_size() for p in (model.model.embed_tokens.weight, model.lm_head.weight))
     peaks = []
@@ -150,7 +225,9 @@ def resume(ctx) -> tuple[str, dict]:
     # allclose, not equal: flex's CUDA backward accumulates with atomics (not bit-reproducible)
     same = abs(runs[0][0] - runs[1][0]) <= 1e-5 * abs(runs[0][0]) and \
         all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(runs[0][1], runs[1][1]))
-    return ("pass" if same else "fail"), {"loss_after_resume": f"{runs[1][0]:.6f}", "device": device.type}
+    adamw = "fused" if trainer.optimizer.param_groups[0]["fused"] else "foreach"
+    return ("pass" if same else "fail"), {"loss_after_resume": f"{runs[1][0]:.6f}", "device": device.type,
+                                          "adamw": adamw}
 
 
 def _tiny_trainer(device):
@@ -173,28 +250,35 @@ def _tiny_trainer(device):
     return trainer, _random_batch([40, 27, 33], arch, device, torch.float32)
 
 
-CHECKS = [("environment", environment, False), ("cuda_tests", cuda_tests, True),
-          ("target_prefill", target_prefill, False), ("drafter_step", drafter_step, False),
-          ("drafter_memory", drafter_memory, True), ("resume", resume, False)]
+def transport(ctx) -> tuple[str, dict]:
+    """One payload staged to the device: pinned copy vs the registered mapping (app/bench/transport/gpu_staging.py)."""
+    from app.bench.transport import gpu_staging
+
+    for key in ("drafter", "model", "batches"):  # the staging needs the host and device memory of a job twice
+        ctx.pop(key, None)
+    nbytes = gpu_staging.SMALL_BYTES if ctx.get("small") else gpu_staging.FULL_BYTES
+    r = gpu_staging.bench_transport(ctx["setup"].device, nbytes)
+    print(gpu_staging.line(r))
+    return ("pass" if r["equal"] else "fail"), gpu_staging.fields(r)
 
 
-def run_acceptance(setup, bench: dict) -> int:
-    """`setup`: app.bench.compute.gpu's Setup; `bench`: its build_target, bench_target and bench_drafter."""
+# Budgets: seconds on an H200 with cold caches, estimated from the files (not yet measured on one).
+CHECKS = [
+    Check("environment", environment, 1, False, 5), Check("collective", collective, 1, False, 15),
+    Check("resume", resume, 1, False, 30), Check("cuda_tests", cuda_tests, 1, True, 110),
+    Check("real_step", real_step, 1, False, 80),
+    Check("target_prefill", target_prefill, 2, False, 60), Check("drafter_step", drafter_step, 2, False, 60),
+    Check("drafter_memory", drafter_memory, 2, True, 90), Check("transport", transport, 2, False, 30),
+]
+
+
+def run_acceptance(setup, bench: dict, parts: tuple[int, ...] = (1, 2), results: str | None = None,
+                   dry_run: bool = False, small: bool = False) -> int:
+    """`setup`: app.bench.compute.gpu's Setup (None for a dry run); `bench`: its build_target, bench_target and
+    bench_drafter. Exits 1 when a check failed."""
     t0 = time.perf_counter()
-    cuda = torch.cuda.is_available()
-    ctx = {"setup": setup, "bench": bench}
-    failed = []
-    for name, check, needs_cuda in CHECKS:
-        if needs_cuda and not cuda:
-            result(name, "skipped", reason="no_cuda")
-            continue
-        t1 = time.perf_counter()
-        try:
-            status, kv = check(ctx)
-        except Exception as e:  # noqa: BLE001 -- one failing check is reported, and the next ones still run
-            status, kv = "fail", {"error": type(e).__name__, "message": "_".join(str(e).split())[:160]}
-        failed += [name] if status == "fail" else []
-        result(name, status, seconds=f"{time.perf_counter() - t1:.1f}", **kv)
-    print(f"acceptance: {len(CHECKS) - len(failed)}/{len(CHECKS)} checks not failed in "
-          f"{time.perf_counter() - t0:.0f} s" + (f"; failed: {', '.join(failed)}" if failed else ""))
-    return 1 if failed else 0
+    ctx = {"setup": setup, "bench": bench, "small": small}
+    outcomes = run_checks(CHECKS, ctx, parts, torch.cuda.is_available(), results, dry_run)
+    line, code = summary(outcomes, time.perf_counter() - t0)
+    print(line + (f"; results in {results}" if results else ""), flush=True)
+    return code
