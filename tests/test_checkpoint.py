@@ -124,7 +124,7 @@ def test_files_and_folders_are_fsynced_before_the_rename_publishes_them(tmp_path
     monkeypatch.setattr(os, "open", track_open)
     monkeypatch.setattr(os, "fsync", track_fsync)
     save_checkpoint(tmp_path / "run", _state(2), keep=1)
-    staged = next(n for n in synced if n.startswith(".tmp-ckpt-00000002-"))  # staged under a unique name
+    staged = next(n for n in synced if n.startswith(".dflash-tmp-ckpt-00000002-"))  # staged under a unique name
     for name in ("drafter.safetensors", "trainer.pt", "state.json", staged, "run"):
         assert name in synced, (name, synced)
     assert synced.index(staged) < synced.index("run")  # the folder before the rename's parent

@@ -20,7 +20,8 @@ ENTRY_POINTS = {"app.train", "app.prepare", "app.regenerate", "app.evaluate", "a
 LEAF_PACKAGES = ("app.storage",)  # packages at app/'s top whose every module is a shared leaf
 TOP_LEVEL_LEAVES = {"app", "app.messages", "app.devices", "app.faults", "app.ray_cluster", "app.metric_names",
                     "app.storage", "app.storage.roots", "app.storage.publish", "app.storage.uri_storage",
-                    "app.storage.fetch", "app.storage.local_cache", "app.storage.names"}
+                    "app.storage.fetch", "app.storage.local_cache", "app.storage.names",
+                    "app.storage.orphans"}
 UPPER_PACKAGES = ("app.run", "app.bench")
 
 

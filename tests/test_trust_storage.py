@@ -292,7 +292,7 @@ def test_export_leftovers_are_cleaned_on_start(tmp_path: Path) -> None:
 
     for name in (".tmp-drafter-1a2b3c4d", "drafter-best.tmp-123", "drafter-best.old-123", ".old-drafter", "drafter-best"):
         (tmp_path / name).mkdir()
-    (tmp_path / ".probe-abc").write_text("x")
+    (tmp_path / ".probe-0123456789ab").write_text("x")  # an older version's probe name
     done = clean_orphans(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter", "drafter-best"]
     assert "restored drafter" in done and len(done) == 5

@@ -1,8 +1,10 @@
 """Where checkpoints, the export and the summary go: a local folder or a URI that `pyarrow.fs` opens.
 
-`names.py`: every name a listing returns checked to stay inside its folder; `roots.py`: what a root is (a path or a URI, its name, its local folders, its credentials hidden in
+`roots.py`: what a root is (a path or a URI, its name, its local folders, its credentials hidden in
 print); `publish.py`: the storage over a root and how an entry is published atomically (a rename on
 disk, a marker written last on object stores); `fetch.py`: a published folder brought onto this
 node; `local_cache.py`: this user's local disk for URI runs (staging, stale leftovers, the bounded
-download cache).
+download cache); `names.py`: every name a listing returns checked to stay inside its folder before
+anything is deleted or downloaded; `orphans.py`: the names written into a local checkpoint folder for
+a moment (one fixed prefix) and the start-up cleanup of what a crash left of them.
 """

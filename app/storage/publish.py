@@ -2,7 +2,7 @@
 atomically, and the local folder's storage.
 
 `open_storage(root)` (`roots.py`) gives a `Storage` over `checkpoint.dir`. A plain path (no `://`) is a local
-folder and keeps the behaviour checkpoints always had: stage in `<root>/.tmp-<name>-<nonce>/`, rename
+folder and keeps the behaviour checkpoints always had: stage in `<root>/.dflash-tmp-<name>-<nonce>/` (`orphans.py`), rename
 into place. Anything else (`s3://bucket/run?endpoint_override=host:port&scheme=http`, `gs://...`,
 `file:///...`) goes through `pyarrow.fs.FileSystem.from_uri` (`UriStorage`, `uri_storage.py`). Object stores have no atomic rename, so
 there an entry is published with a marker instead:
@@ -30,6 +30,7 @@ from typing import Protocol
 
 from app.storage.local_cache import exchange
 from app.storage.names import inside
+from app.storage.orphans import aside_name, staging_name
 
 MARKER = "COMMITTED"
 VERSION = re.compile(r"v-[0-9a-f]{12}")  # what `publish` writes into a marker, and all a reader accepts
@@ -121,12 +122,12 @@ class LocalStorage(Storage):
 
     def stage(self, name: str) -> Path:
         self.path.mkdir(parents=True, exist_ok=True)
-        tmp = self.path / f".tmp-{name}-{uuid.uuid4().hex[:8]}"  # unique: two writers of one step never share it
+        tmp = self.path / staging_name(name, uuid.uuid4().hex[:8])  # unique: two writers of one step never share it
         tmp.mkdir()
         return tmp
 
     def publish(self, staged: Path, name: str) -> str:
-        final, old = self.path / name, self.path / f".old-{name}"
+        final, old = self.path / name, self.path / aside_name(name)
         if final.exists() and exchange(staged, final):  # one atomic swap: never a moment without `name`
             shutil.rmtree(staged, ignore_errors=True)  # now holds the previous copy
             return str(final)

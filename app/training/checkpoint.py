@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from app.pool.ledger import ids_from_state as ledger_ids, to_json as ledger_json
 from app.storage.fetch import fetch_dir, read_text
+from app.storage.orphans import clean_orphans as clean_local_orphans
 from app.storage.roots import is_uri, open_storage
 
 PREFIX = "ckpt-"
@@ -100,26 +100,12 @@ def _fsync(path: Path) -> None:
 
 
 def clean_orphans(root: str | Path) -> list[str]:
-    """Remove what a crash mid-save or mid-export leaves in a local checkpoint dir (`.tmp-*` staging
-    folders of checkpoints and exports, an older version's `drafter-best.tmp-*`/`.old-*`, `.probe-*`
-    files); put back a `.old-<name>` set aside for a rewrite whose new copy never landed. Returns what it did.
-    Called only under the run lease (app/run/lease.py): what it finds is a dead start's, never a live run's."""
+    """Remove what a crash mid-save or mid-export left in a local checkpoint dir, and only names this
+    project writes (app/storage/orphans.py). Called only under the run lease (app/run/lease.py): what
+    it finds is a dead start's, never a live run's."""
     if is_uri(root) or not Path(root).is_dir():
         return []
-    done = []
-    for p in sorted(Path(root).iterdir()):
-        if p.name.startswith(".tmp-") or ".tmp-" in p.name or (p.name.startswith(".probe-") and p.is_file()):
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-            done.append(f"removed {p.name}")
-        elif p.is_dir() and (p.name.startswith(".old-") or ".old-" in p.name):
-            final = p.with_name(p.name[len(".old-"):]) if p.name.startswith(".old-") else None
-            if final is None or final.exists():
-                shutil.rmtree(p, ignore_errors=True)
-                done.append(f"removed {p.name}")
-            else:
-                p.rename(final)
-                done.append(f"restored {final.name}")
-    return done
+    return clean_local_orphans(Path(root))
 
 
 def _prune(root: str | Path, keep: int) -> None:

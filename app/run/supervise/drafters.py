@@ -19,13 +19,13 @@ from app.messages import DrafterPhase
 from app.run.supervise.events import RunFailed, last_line
 from app.run.supervise.events import DrafterGroupFailed, DrafterGroupStarted, RankProgress, RebuildDrafters
 from app.run.supervise.targets import START_TIMEOUT_S
+from app.storage.orphans import PROBE_PREFIX  # rank 0 writes <checkpoint.dir>/<PROBE_PREFIX><12 hex> per group start
 from app.storage.roots import is_uri, open_storage, redact
 from app.training.step_log import FILE_NAME as STEP_LOG_FILE, StepLog
 
 PROGRESS_TIMEOUT_S = 30.0  # a drafter rank that does not answer a progress query this long is unresponsive
 BUNDLE_WAIT_S = 90.0  # after a node loss: how long a restart waits for its bundle to be re-placed on a live node
 OLD_GROUP_EXIT_S = 60.0  # how long a rebuild waits for the killed ranks to be gone
-PROBE_PREFIX = ".probe-"  # rank 0 writes <checkpoint.dir>/.probe-<nonce> at each group start
 
 
 def check_probe(root: str, name: str, token: str, where: str) -> None:

@@ -1,0 +1,49 @@
+"""Issue 35, the low items: start-up cleanup removes only names this project writes; URI credentials
+are hidden up to the host (a password holding `@`); a bad checkpoint.dir is one line before anything
+and the lease never creates a bucket; the per-user cache folder."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+# ---- start-up cleanup: a fixed prefix -----------------------------------------------------------------
+
+def test_start_up_cleanup_leaves_a_user_s_tmp_and_old_files_alone(tmp_path: Path) -> None:
+    """A user's `notes.tmp-1`, `results.old-2/`, `.tmp-mine/` and `.old-mine/` beside a run stay; the
+    staging, set-aside and probe names the project writes go (or come back). Before: every name
+    holding `.tmp-` or `.old-` was deleted."""
+    from app.storage.publish import LocalStorage
+    from app.training.checkpoint import clean_orphans
+
+    user = ["notes.tmp-1", "results.old-2", ".tmp-mine", ".old-mine", ".probe-mine", "a.dflash-tmp-x"]
+    (tmp_path / "notes.tmp-1").write_text("mine")
+    for name in user[1:]:
+        (tmp_path / name).mkdir()
+    store = LocalStorage(tmp_path)
+    staged = store.stage("ckpt-00000006")  # a crash mid-save leaves it
+    assert staged.name.startswith(".dflash-tmp-ckpt-00000006-")
+    ours = store.stage("ckpt-00000004")
+    (ours / "state.json").write_text("{}")
+    store.publish(ours, "ckpt-00000004")
+    (tmp_path / "ckpt-00000004").rename(tmp_path / ".dflash-old-ckpt-00000004")  # crashed between the renames
+    (tmp_path / ".dflash-probe-0123456789ab").write_text("tok")
+    done = clean_orphans(tmp_path)
+    assert sorted(done) == [f"removed .dflash-probe-0123456789ab", f"removed {staged.name}", "restored ckpt-00000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(user + ["ckpt-00000004"])
+
+
+def test_a_rewrite_sets_the_old_copy_aside_under_the_fixed_prefix(tmp_path: Path, monkeypatch) -> None:
+    """Where the atomic exchange is unavailable, a rewrite renames the old copy to `.dflash-old-<name>`."""
+    from app.storage import publish
+
+    monkeypatch.setattr(publish, "exchange", lambda a, b: False)
+    seen = []
+    real_rename = Path.rename
+    monkeypatch.setattr(Path, "rename", lambda self, to: seen.append(Path(to).name) or real_rename(self, to))
+    store = publish.LocalStorage(tmp_path)
+    for _ in range(2):
+        store.publish(store.stage("drafter"), "drafter")
+    assert ".dflash-old-drafter" in seen and sorted(p.name for p in tmp_path.iterdir()) == ["drafter"]
