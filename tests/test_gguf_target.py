@@ -202,7 +202,8 @@ def test_export_names_the_verifier_engines_load(tmp_path: Path, target: str, wan
     assert summary["verifier"] == want
     printed: list[str] = []
     print_serving(summary, printed.append)
-    assert printed[0] == f"verifier (the target engines load, named in drafter-speculators/config.json): {want}"
+    assert printed[0].startswith(f"verifier (the target engines load, named in drafter-speculators/config.json): "
+                                 f"{want} (from model.target); to name another")
 
 
 def test_a_plain_folder_target_is_its_own_verifier(tmp_path: Path) -> None:

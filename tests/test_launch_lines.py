@@ -13,6 +13,7 @@ import json
 import re
 import shlex
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -64,14 +65,29 @@ def missing(name: str, line: str) -> list[str]:
         if "--speculative-algorithm" in argv and argv[argv.index("--speculative-algorithm") + 1] != "DFLASH":
             bad.append("--speculative-algorithm is not DFLASH")
         return bad
-    if "--speculative-config" not in argv:
-        return ["--speculative-config"]
+    if "--speculative-config" not in argv:  # the speculators folder as the main model: its config says it all
+        return main_model_missing(argv[2]) if len(argv) == 3 else ["--speculative-config"]
     spec = json.loads(argv[argv.index("--speculative-config") + 1])
     bad = [k for k in rule.required if k not in spec]
     if spec.get("num_speculative_tokens") not in (None, BLOCK - 1):
         bad.append(f"num_speculative_tokens {spec['num_speculative_tokens']} != block_size - 1")
     if spec.get("method") not in (None, "dflash"):
         bad.append(f"method {spec['method']}")
+    return bad
+
+
+def main_model_missing(folder: str) -> list[str]:
+    """vLLM serving a speculators folder as its model (vllm/transformers_utils/config.py
+    maybe_override_with_speculators, SpeculatorsConfig.build_vllm_speculative_config): the verifier it names
+    is the model, method and token count come from the config."""
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    spec = cfg.get("speculators_config") or {}
+    bad = [] if cfg.get("speculators_model_type") == "dflash" else ["speculators_model_type dflash"]
+    if ((spec.get("proposal_methods") or [{}])[0]).get("speculative_tokens") != BLOCK - 1:
+        bad.append("proposal_methods[0].speculative_tokens = block_size - 1")
+    verifier = (spec.get("verifier") or {}).get("name_or_path") or ""
+    if not verifier or (verifier.startswith((".", "/", "~")) and not Path(verifier).is_absolute()):
+        bad.append(f"verifier.name_or_path {verifier!r}: a hub id or an absolute path")
     return bad
 
 
@@ -103,8 +119,9 @@ def printed(tmp_path_factory):
 
 
 def test_every_place_prints_every_engine(printed):
-    assert set(printed) == {f"{where} {engine}" for where in ("summary", "report")
-                            for engine in ("vllm", "sglang", "vllm_speculators")} | {"evaluate sglang", "evaluate vllm"}
+    engines = ("vllm", "sglang", "vllm_speculators", "vllm_speculators_main")
+    assert set(printed) == {f"{where} {engine}" for where in ("summary", "report") for engine in engines} | {
+        "evaluate sglang", "evaluate vllm"}
 
 
 def test_each_printed_line_has_its_engines_required_flags(printed):
@@ -131,7 +148,8 @@ def test_vllm_parser_accepts_each_vllm_line(printed):
         if engine_of(name.split()[1]) == "vllm":
             argv = shlex.split(line)
             ns = parser.parse_args(["--model", argv[2], *argv[3:]])
-            assert ns.speculative_config["num_speculative_tokens"] == BLOCK - 1, name
+            assert ns.speculative_config is None if len(argv) == 3 else \
+                ns.speculative_config["num_speculative_tokens"] == BLOCK - 1, name
 
 
 def test_sglang_parser_accepts_each_sglang_line(printed):

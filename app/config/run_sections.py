@@ -19,9 +19,15 @@ class CheckpointConfig:
     keep: int = 3
     lease_timeout_s: float = 120.0  # a run lease not refreshed for this long is stale: another run may take it
     export_dtype: str = "bfloat16"  # drafter/ weights: engines serve bf16 (an fp32 export is twice the size, cast anyway)
+    # The target drafter-speculators/config.json names (what `vllm serve <dir>/drafter-speculators` loads) and the
+    # launch lines serve: a hub id or a path on the serving machine; empty: model.target's folder, absolute.
+    verifier: str = ""
 
     def __post_init__(self) -> None:
         one_of("checkpoint.export_dtype", self.export_dtype, ("bfloat16", "float16", "float32"))
+        if self.verifier != self.verifier.strip() or has_credentials(self.verifier):
+            fail("checkpoint.verifier", redact(self.verifier), "is not a hub id (Qwen/Qwen3-8B) or a path: remove the "
+                 "surrounding spaces or credentials (it is written into drafter-speculators/config.json)")
         at_least("checkpoint.every_steps", self.every_steps, 1, "checkpoints are written every N >= 1 steps")
         at_least("checkpoint.keep", self.keep, 1, "keep at least the latest checkpoint")
         at_least("checkpoint.lease_timeout_s", self.lease_timeout_s, 10.0,

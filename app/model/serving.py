@@ -4,7 +4,9 @@
   `drafter-speculators/`). vLLM needs `"method": "dflash"` (it detects DFlash from the path only when
   "dflash" is in it) and `"num_speculative_tokens"` (it does not read `block_size` for DFlash, nor the
   speculators config's token count for a folder named in --speculative-config): `block_size - 1` drafts
-  the whole trained block, more asks for positions the drafter never trained. SGLang infers the block size
+  the whole trained block, more asks for positions the drafter never trained. `vllm serve <speculators
+  folder>` alone serves the verifier the folder names (`speculators_config.verifier.name_or_path`) with
+  the method and token count from its config. SGLang infers the block size
   from the folder but serves in the checkpoint's dtype unless told, so the line says `--dtype bfloat16`.
 - `speculators_config`: the config.json of the speculators format (`speculators_model_type: dflash`,
   the decoder nested in `transformer_layer_config`, `speculators_config.proposal_methods` with the token
@@ -46,6 +48,8 @@ def launch_lines(target: str, drafter_dir: str, block_size: int, speculators_dir
         spec = {**spec, "model": str(speculators_dir)}
         lines["vllm_speculators"] = (f"vllm serve {shlex.quote(str(target))} --speculative-config "
                                      f"{shlex.quote(json.dumps(spec))}")
+        # As the main model, vLLM takes all three from the folder: the verifier it names, method, token count.
+        lines["vllm_speculators_main"] = f"vllm serve {shlex.quote(str(speculators_dir))}"
     return lines
 
 

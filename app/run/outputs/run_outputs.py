@@ -85,31 +85,43 @@ def serving_outputs(cfg, model_dir: str, export_dir: str | None, tau: float | No
     SGLang launch lines with the run's real paths and `block_size - 1`, and the decode speed estimate
     from `tau`. The summary fields `serve` and `serving_estimate`; {} when nothing was exported. A
     speculators folder that cannot be written is a warning: `drafter/` is what the lines serve. `verifier`: the
-    target the engines load, when it is not `model_dir` (a GGUF target: its HF id or .gguf path; the summary's
-    `verifier`)."""
+    target the engines load, when it is not `model_dir` (a GGUF target: its HF id or .gguf path); the user's
+    `checkpoint.verifier` wins over both. The summary's `verifier` is the one written, `verifier_from` where it
+    came from."""
     from app.model.serving import SPECULATORS_DIR, cost_ratio, launch_lines, speed_estimate
     from app.storage.fetch import fetch_dir
 
     if not export_dir:
         return {}
     local = fetch_dir(export_dir, cache=False)  # a URI export: this node's one cached copy (app/storage/local_cache.py)
+    chosen = getattr(cfg.checkpoint, "verifier", "")
+    verifier, source = ((chosen, "checkpoint.verifier") if chosen
+                        else (engine_path(verifier or model_dir), "model.target"))
     spec_dir = None
     try:
         spec_dir = _write_speculators(cfg.checkpoint.dir, export_dir, local, model_dir, verifier)
     except (OSError, ValueError, KeyError) as exc:
         log(f"WARNING: {SPECULATORS_DIR}/ not written ({type(exc).__name__}: {exc})")
-    verifier = verifier or model_dir
     lines = launch_lines(verifier, export_dir, cfg.drafter.block_size, spec_dir)
     hf = json.loads((local / "config.json").read_text())
     ratio = cost_ratio(model_dir, local, int(hf["vocab_size"]), int(hf["hidden_size"]))
     estimate = speed_estimate(tau, ratio)
-    return {"serve": lines, "serving_estimate": estimate, "verifier": verifier}
+    return {"serve": lines, "serving_estimate": estimate, "verifier": verifier, "verifier_from": source}
+
+
+def engine_path(name: str) -> str:
+    """A verifier as an engine started in another folder finds it: an existing local path made absolute,
+    anything else (a hub id, a URI) as given."""
+    path = Path(name).expanduser()
+    return str(path.resolve()) if path.exists() else name
 
 
 def print_serving(summary: dict, log=print) -> None:
     """The launch lines (and the estimate) at the end of a run, one per line."""
     if summary.get("verifier"):
-        log(f"verifier (the target engines load, named in drafter-speculators/config.json): {summary['verifier']}")
+        log(f"verifier (the target engines load, named in drafter-speculators/config.json): {summary['verifier']} "
+            f"(from {summary.get('verifier_from', 'model.target')}); to name another, a hub id or a path on the "
+            "serving machine, set checkpoint.verifier=... or edit speculators_config.verifier.name_or_path there")
     for engine, line in (summary.get("serve") or {}).items():
         log(f"serve with {engine}: {line}")
     est = summary.get("serving_estimate")
