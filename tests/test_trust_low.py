@@ -47,3 +47,19 @@ def test_a_rewrite_sets_the_old_copy_aside_under_the_fixed_prefix(tmp_path: Path
     for _ in range(2):
         store.publish(store.stage("drafter"), "drafter")
     assert ".dflash-old-drafter" in seen and sorted(p.name for p in tmp_path.iterdir()) == ["drafter"]
+
+
+# ---- redaction up to the host ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, shown", [
+    ("s3://AKIA:p@ss@bucket/run", "s3://***@bucket/run"),
+    ("s3://AKIA:p@s@s/w+rd@bucket/run?scheme=http", "s3://***@bucket/run?scheme=http"),
+    ("s3://AKIA:se/cr@et@bucket", "s3://***@bucket"),
+    ("from s3://K:a@b@bucket/run and gs://t@ok@q/x", "from s3://***@bucket/run and gs://***@q/x"),
+    ("s3://K:S@bucket/run@v2", "s3://***@v2"),  # which `@` ends a password is unknowable: hide more, never less
+])
+def test_a_password_holding_an_at_sign_is_hidden_up_to_the_host(text: str, shown: str) -> None:
+    """Before: redaction stopped at the first `@`, so `s3://AKIA:p@ss@bucket` printed `ss@bucket`."""
+    from app.storage.roots import has_credentials, redact
+
+    assert redact(text) == shown and has_credentials(text) and redact(shown) == shown

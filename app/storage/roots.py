@@ -19,8 +19,11 @@ def is_uri(root: str | Path) -> bool:
 
 
 # Credentials a URI can carry: userinfo (`s3://KEY:SECRET@bucket`, a secret with `/` included) and
-# pyarrow's secret query options (`?access_key=..&secret_key=..&session_token=..`).
-_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][\w+.-]*://)(?:[^\s'\"@/?#]*|[^\s'\"@/?#]*:[^\s'\"@]*)@")
+# pyarrow's secret query options (`?access_key=..&secret_key=..&session_token=..`). The userinfo is hidden
+# up to the host, i.e. to the last `@` of the URI: a password may hold `@` and `/` (`s3://K:p@s/s@bucket`
+# showed `s/s@bucket` when the first `@` ended it), so a later `@` in the path is hidden too, never shown.
+_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][\w+.-]*://)(?:[^\s'\"@/?#]*|[^\s'\"@/?#]*:[^\s'\"@]*)@"
+                       r"(?:[^\s'\"]*@)?")
 _SECRET_QUERY = re.compile(r"(?P<name>[?&](?:access_key|[\w.-]*(?:secret|token|password|credential)[\w.-]*)=)[^&#\s'\"]*",
                            re.IGNORECASE)
 
