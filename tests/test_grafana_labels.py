@@ -51,8 +51,8 @@ def label_problems(expr: str, legend: str, labels: dict[str, set[str]]) -> list[
     bad += [f"by ({k}): no metric in the query carries it" for k in grouped if k not in available]
     outer = set(re.findall(r"^\s*\w+\s+by\s*\(([^)]*)\)", expr)[0].replace(" ", "").split(",")) \
         if re.match(r"^\s*\w+\s+by\s*\(", expr) else (available if not grouped else set())
-    bad += [f"legend {{{{{k}}}}}: the query's result has no such label" for k in re.findall(r"\{\{\s*(\w+)\s*\}\}", legend)
-            if k not in outer]
+    bad += [f"legend {{{{{k}}}}}: the query's result has no such label"
+            for k in re.findall(r"\{\{\s*(\w+)\s*\}\}", legend) if k not in outer]
     return bad
 
 
