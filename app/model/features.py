@@ -32,4 +32,5 @@ def features_from_hidden_states(hidden_states, layer_ids) -> torch.Tensor:
     bad = [l for l in layer_ids if not 0 <= l < n]
     if bad:
         raise ValueError(f"target_layer_ids {bad} outside the target's layers 0..{n - 1}")
-    return torch.cat([hidden_states[l + 1] for l in layer_ids], dim=-1)
+    home = hidden_states[0].device  # the embedding's: a target spread over GPUs has layers elsewhere
+    return torch.cat([hidden_states[l + 1].to(home) for l in layer_ids], dim=-1)

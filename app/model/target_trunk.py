@@ -65,6 +65,13 @@ class TargetTrunk:
             return
         self.base, layers = found
         self.num_layers = len(layers)
+        # Where the features are gathered: the embedding's device, where the job's ids are. A target spread
+        # over several GPUs (app/devices.py plan_target_map) runs its layers elsewhere; the payload is built here.
+        try:
+            embed = model.get_input_embeddings()
+        except (AttributeError, NotImplementedError):  # not an HF model, or one without the accessor
+            embed = None
+        self.out_device = getattr(getattr(embed, "weight", None), "device", None)  # None: the layer's own
         check_layer_ids(self.layer_ids, self.num_layers)
         self.deepest = max(self.layer_ids)
         # Feature slot(s) of each requested layer; a layer may be listed twice.
@@ -88,7 +95,7 @@ class TargetTrunk:
     def _write(self, h_BSH: torch.Tensor, layer: int) -> None:
         out = self._state.out
         if out == "alloc":  # first hook of the call: now the width and dtype are known
-            out = h_BSH.new_empty(*h_BSH.shape[:-1], len(self.layer_ids) * h_BSH.shape[-1])
+            out = h_BSH.new_empty(*h_BSH.shape[:-1], len(self.layer_ids) * h_BSH.shape[-1], device=self.out_device)
             self._state.out = out
         H = h_BSH.shape[-1]
         for slot in self.slots[layer]:

@@ -19,6 +19,8 @@ Part 2, what measures:
   training step, with the code the actors run (`app.bench.compute.gpu`'s own measurements, fewer jobs);
 - `drafter_memory`: a compiled drafter step per bucket at the real shapes with its peak memory against
   the README's figure (`bench memory`);
+- `target_spread` (2+ GPUs, else skipped): the target over two GPUs (topology.gpus_per_target=2), its
+  features against the one-GPU ones and prefill tokens/s both ways;
 - `transport`: one payload staged from shared memory to the device, pinned copy vs the registered mapping.
 Without CUDA (`--small` on CPU) the CUDA-only checks print `status=skipped reason=no_cuda`; the others
 run at tiny shapes. `--dry-run` walks the plan without running a check (on any machine, in a second).
@@ -250,6 +252,18 @@ def _tiny_trainer(device):
     return trainer, _random_batch([40, 27, 33], arch, device, torch.float32)
 
 
+def target_spread(ctx) -> tuple[str, dict]:
+    """topology.gpus_per_target=2 on this machine's first two GPUs (app/bench/compute/gpu_spread.py)."""
+    from app.bench.compute.gpu_spread import spread_prefill
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < 2:
+        return "skipped", {"reason": "needs_2_gpus", "gpus": gpus}
+    ctx.pop("drafter", None)  # GPU 0 holds the target alone, as a target actor's GPU does
+    status, kv, ctx["model"] = spread_prefill(ctx["setup"], _target(ctx))
+    return status, kv
+
+
 def transport(ctx) -> tuple[str, dict]:
     """One payload staged to the device: pinned copy vs the registered mapping (app/bench/transport/gpu_staging.py)."""
     from app.bench.transport import gpu_staging
@@ -268,7 +282,8 @@ CHECKS = [
     Check("resume", resume, 1, False, 30), Check("cuda_tests", cuda_tests, 1, True, 110),
     Check("real_step", real_step, 1, False, 80),
     Check("target_prefill", target_prefill, 2, False, 60), Check("drafter_step", drafter_step, 2, False, 60),
-    Check("drafter_memory", drafter_memory, 2, True, 90), Check("transport", transport, 2, False, 30),
+    Check("drafter_memory", drafter_memory, 2, True, 90), Check("target_spread", target_spread, 2, True, 60),
+    Check("transport", transport, 2, False, 30),
 ]
 
 
