@@ -10,7 +10,7 @@ def _row(step: int) -> dict:
 
 
 def _steps(rows: list[dict]) -> list:
-    return [r.get("step", r.get("event", "eval")) for r in rows]
+    return [r.get("step", r.get("event")) for r in rows]
 
 
 def test_tau_lands_in_the_row_of_its_step():
@@ -42,7 +42,8 @@ def test_the_hold_is_bounded_and_a_late_tau_is_its_own_row():
     out = [r for s in range(1, 8) for r in book.add_row(_row(s))]
     # Step 2 is let go when 4 rows wait, step 4 likewise: at most 3 rows wait behind an evaluation.
     assert _steps(out) == [1, 2, 3, 4, 5] and _steps(book.held) == [6, 7]
-    assert _steps(book.add_tau(2, 1.5, 1.5)) == ["eval"]  # its row is written: the tau is its own row
+    late = book.add_tau(2, 1.5, 1.5)  # its row is written: the tau is its own (event) row
+    assert late == [{"event": "eval", "eval_step": 2, "tau": 1.5, "tau_best": 1.5}]
     assert _steps(book.flush()) == [6, 7]
 
 

@@ -7,7 +7,7 @@
   by a newer offer). A row of an offered step holds itself and every later row (wandb's rows are
   ordered) until its tau arrives, a later step's tau arrives, the runner says it will not come, or more
   than `max_held` rows wait; a tau that finds no held row of its step (held past that bound) is its
-  own row with `eval_step`.
+  own row (`event: eval`, `eval_step`). A driver killed outright loses the rows held at that moment.
 - `pool_keys`: the pool per length bucket (queued items, pulls served, items produced) and the pull
   waits (the pool measures them over all buckets), the numbers the Ray dashboard shows, as wandb keys.
 """
@@ -40,7 +40,7 @@ class TauRows:
         self._measured = max(self._measured, step)
         row = next((r for r in reversed(self.held) if r.get("step") == step), None)
         if row is None:
-            return [{"eval_step": step, "tau": tau, "tau_best": best}] + self._ready()
+            return [{"event": "eval", "eval_step": step, "tau": tau, "tau_best": best}] + self._ready()
         row.update(tau=tau, tau_best=best)
         return self._ready()
 
