@@ -65,3 +65,26 @@ def test_pool_keys_per_bucket():
                                                                "pool/bucket1/pulls": 2, "pool/bucket2/produced": 12}
     assert (keys["pool/pull_waits"], keys["pool/pull_wait_p95_s"], keys["pool/buffered"]) == (4, 0.4, 8)
     assert len(keys) == 3 * 3 + 5 and pool_keys(None) == {}
+
+
+def test_the_runner_names_the_offers_that_will_not_report(tmp_path):
+    """Offers replaced in the pool before the runner took them, and the one replaced while waiting here,
+    are given up on (their rows go out without tau); the running one is not."""
+    from types import SimpleNamespace
+
+    from app.config.load import load_config
+    from app.run.evaluate.runner import EvalRunner
+    from app.run.outputs.monitor import RunMonitor
+
+    cfg = load_config("conf/tiny.yaml", [f"checkpoint.dir={tmp_path}", "eval.every_steps=2"])
+    offers = [(2, ["w2"]), (8, ["w8"]), (10, ["w10"])]  # rank 0 offered 4 and 6 too: the pool replaced them
+    pool = SimpleNamespace(take_eval=lambda: offers.pop(0) if offers else None, pause_target=lambda t: None)
+    sup = SimpleNamespace(cfg=cfg, plan=SimpleNamespace(cfg=cfg, eval_prompts=[[1, 2]], mask_token_id=3, resume_step=0),
+                          pool=pool, alive_targets=lambda: {})  # no target alive: step 2 is taken, never started
+    mon = RunMonitor()
+    runner = EvalRunner(sup, mon, None, print, None)
+    stats = SimpleNamespace(in_flight_by_target={})
+    for _ in range(3):
+        runner.add_pool(stats)
+    assert mon.eval_every == 2
+    assert mon.tau_given_up == [2, 4, 6, 8]  # 2 and 8 replaced while waiting, 4 and 6 in the pool; 10 waits

@@ -38,6 +38,7 @@ class EvalRunner:
         self._resume(list(earlier))
         if self.enabled:  # wandb puts each tau in the row of its step: it holds the offered steps' rows
             monitor.eval_every = sup.cfg.eval.every_steps
+        self._last_offer = getattr(self.plan, "resume_step", 0) or 0  # the newest offered step seen
 
     def _resume(self, earlier: list[dict]) -> None:
         """A resumed run goes on with the evaluations of its earlier starts (timeline `eval` rows) and
@@ -72,8 +73,7 @@ class EvalRunner:
         offer = self.sup.pool.take_eval()
         if offer is not None:
             step, weights = offer
-            if self.schedule.pending is not None and step > self.schedule.last_started_step:
-                self.monitor.give_up_tau(self.schedule.pending.step)  # replaced by this newer offer
+            self._skipped_before(step)
             self.schedule.offer(EvalOffer(step, weights[0]))
         in_flight = {t: len(jobs) for t, jobs in stats.in_flight_by_target.items()}
         alive = self._alive()
@@ -82,6 +82,18 @@ class EvalRunner:
             self._launch(run.offer, run.target_id, alive[run.target_id])
 
     # ---- steps ----------------------------------------------------------------------------
+
+    def _skipped_before(self, step: int) -> None:
+        """Offers that will report no tau, now that `step` is offered: the one waiting here (replaced) and
+        those rank 0 made since the last one seen, which the pool replaced before they were taken."""
+        if step <= max(self._last_offer, self.schedule.last_started_step):
+            return  # a rolled-back group offering a step again: nothing new (the schedule ignores it)
+        if self.schedule.pending is not None:
+            self.monitor.give_up_tau(self.schedule.pending.step)
+        every = self.cfg.eval.every_steps
+        for missed in range((self._last_offer // every + 1) * every, step, every):
+            self.monitor.give_up_tau(missed)
+        self._last_offer = step
 
     def _alive(self) -> dict[int, Any]:
         """Live targets by id, as the supervisor's own end-of-run evaluation picks them."""

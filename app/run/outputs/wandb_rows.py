@@ -24,11 +24,12 @@ class TauRows:
     def __init__(self, every: int = 0, max_held: int = MAX_HELD) -> None:
         self.every, self.max_held = every, max_held
         self.held: list[dict[str, Any]] = []
-        self._given_up = -1  # offered steps at or below this will not report (or were held too long)
-        self._measured = -1  # the newest step a tau arrived for
+        self._given_up: set[int] = set()  # offered steps that will not report (or were held too long)
+        self._measured = -1  # the newest step a tau arrived for: offers before it will not report either
 
     def _awaits(self, step: int) -> bool:
-        return self.every > 0 and step > 0 and step % self.every == 0 and step > max(self._given_up, self._measured)
+        return (self.every > 0 and step > 0 and step % self.every == 0 and step > self._measured
+                and step not in self._given_up)
 
     def add_row(self, row: dict[str, Any]) -> list[dict[str, Any]]:
         self.held.append(row)
@@ -46,7 +47,7 @@ class TauRows:
 
     def give_up(self, step: int) -> list[dict[str, Any]]:
         """The evaluation of `step` will not report (timed out, failed, replaced by a newer offer)."""
-        self._given_up = max(self._given_up, step)
+        self._given_up.add(step)
         return self._ready()
 
     def flush(self) -> list[dict[str, Any]]:
@@ -57,7 +58,7 @@ class TauRows:
         """The held rows before the first one still awaiting its tau."""
         cut = self._first_awaiting(0)
         while len(self.held) - cut > self.max_held:  # a tau that never comes must not hold the history forever
-            self._given_up = max(self._given_up, self.held[cut]["step"])
+            self._given_up.add(self.held[cut]["step"])
             cut = self._first_awaiting(cut)
         ready, self.held = self.held[:cut], self.held[cut:]
         return ready
