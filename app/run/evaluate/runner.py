@@ -86,14 +86,14 @@ class EvalRunner:
     def _skipped_before(self, step: int) -> None:
         """Offers that will report no tau, now that `step` is offered: the one waiting here (replaced) and
         those rank 0 made since the last one seen, which the pool replaced before they were taken."""
-        if step <= max(self._last_offer, self.schedule.last_started_step):
-            return  # a rolled-back group offering a step again: nothing new (the schedule ignores it)
+        if step <= self.schedule.last_started_step:
+            return  # a rolled-back group offering an evaluated step again: the schedule ignores it
         if self.schedule.pending is not None:
             self.monitor.give_up_tau(self.schedule.pending.step)
         every = self.cfg.eval.every_steps
         for missed in range((self._last_offer // every + 1) * every, step, every):
             self.monitor.give_up_tau(missed)
-        self._last_offer = step
+        self._last_offer = max(self._last_offer, step)
 
     def _alive(self) -> dict[int, Any]:
         """Live targets by id, as the supervisor's own end-of-run evaluation picks them."""
