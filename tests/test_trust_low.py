@@ -63,3 +63,75 @@ def test_a_password_holding_an_at_sign_is_hidden_up_to_the_host(text: str, shown
     from app.storage.roots import has_credentials, redact
 
     assert redact(text) == shown and has_credentials(text) and redact(shown) == shown
+
+
+# ---- a bad checkpoint.dir: one line, before anything; the lease never creates a bucket ------------------
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again: nothing listens there
+
+
+@pytest.mark.parametrize("root, says", [
+    ("foo://bucket/run", "foo"),
+    ("s3://bucket/run?endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1", "NETWORK_CONNECTION"),
+])
+def test_a_bad_checkpoint_dir_is_one_line_before_anything(root: str, says: str, tmp_path: Path, monkeypatch,
+                                                           capsys) -> None:
+    """An unknown scheme and an S3 endpoint nobody answers: the driver stops with one line naming
+    checkpoint.dir, exit 2, before planning (nothing tokenized, no cluster). Before: a pyarrow
+    traceback out of the lease. (The S3 client retries a refused connection for ~6 s: its HeadBucket
+    answer is stood in for here, as the real client words it, to keep the test fast.)"""
+    from types import SimpleNamespace
+
+    from app.config.load import load_config
+    from app.run import driver
+    from tests.s3_server import use_test_credentials
+
+    use_test_credentials()
+
+    def refused(path):
+        raise OSError(f"When getting information for bucket {path!r}: AWS Error NETWORK_CONNECTION during HeadBucket "
+                      "operation: curlCode: 7, Could not connect to server")
+
+    if root.startswith("s3://"):
+        unanswered = SimpleNamespace(base="bucket/run", fs=SimpleNamespace(type_name="s3", get_file_info=refused))
+        monkeypatch.setattr("app.storage.roots.UriStorage", lambda root: unanswered)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(driver, "make_plan", lambda cfg: pytest.fail("planned despite a bad checkpoint.dir"))
+    root = root.format(port=_closed_port())
+    cfg = load_config(Path(__file__).resolve().parents[1] / "conf/tiny.yaml", [f"checkpoint.dir={root}"])
+    assert driver.run(cfg) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("config error: checkpoint.dir=") and says in err, err
+
+
+def test_the_lease_never_creates_a_bucket(s3) -> None:
+    """A checkpoint.dir in a bucket that does not exist (the URI even allows bucket creation): refused in
+    one line and the bucket is still absent. Before: the lease's create_dir made the bucket."""
+    from pyarrow.fs import FileType
+
+    from app.config.errors import ConfigError
+    from app.run.lease import RunLease
+
+    missing = f"{s3.bucket}-missing"
+    uri = s3.uri("run").replace(s3.bucket, missing) + "&allow_bucket_creation=true"
+    with pytest.raises(ConfigError, match=f"bucket '{missing}' does not exist") as err:
+        RunLease(uri, 60).acquire()
+    assert "\n" not in str(err.value)
+    assert s3.filesystem().get_file_info(missing).type == FileType.NotFound
+    lease = RunLease(s3.uri("run-ok"), 60).acquire()  # an existing bucket with no prefix yet is fine
+    assert lease.held()
+    lease.release()
+
+
+def test_a_local_checkpoint_dir_under_a_file_is_one_line(tmp_path: Path) -> None:
+    from app.config.errors import ConfigError
+    from app.run.lease import RunLease
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match=r"checkpoint.dir=.*file/run: the folder cannot be created"):
+        RunLease(tmp_path / "file" / "run", 60).acquire()

@@ -26,9 +26,9 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-from app.config.errors import UserError
+from app.config.errors import ConfigError, UserError
 from app.storage.local_cache import pid_alive
-from app.storage.roots import is_uri, open_storage, redact
+from app.storage.roots import is_uri, open_storage, redact, root_problem
 
 LEASE_FILE = ".run-lease"
 
@@ -74,7 +74,11 @@ class RunLease:
     # ---- acquire / release ---------------------------------------------------------------------
 
     def acquire(self) -> "RunLease":
-        """Take the lease or raise `LeaseHeld` with who holds it."""
+        """Take the lease or raise `LeaseHeld` with who holds it; `ConfigError` (one line) for a root that
+        cannot hold a run (`root_problem`: unknown scheme, store unreachable, no such bucket)."""
+        if (problem := root_problem(self.root)) is not None:
+            raise ConfigError(f"checkpoint.dir={redact(self.root)}: {redact(problem)}; fix checkpoint.dir (a local path, "
+                              "or s3://bucket/prefix?endpoint_override=host:port&scheme=http for an S3 store)")
         (self._acquire_uri if is_uri(self.root) else self._acquire_local)()
         return self
 
@@ -127,7 +131,8 @@ class RunLease:
 
     def _acquire_uri(self) -> None:
         store = open_storage(self.root)
-        store.fs.create_dir(store.base, recursive=True)  # file:// needs the folder; object stores ignore it
+        if store.fs.type_name == "local":  # file:// needs the folder; on an object store a create_dir could make a bucket
+            store.fs.create_dir(store.base, recursive=True)
         holder = _read_json(store.read_file(LEASE_FILE))
         if holder is not None and not is_stale(holder, self.timeout_s, self.clock()):
             self._refuse(holder)

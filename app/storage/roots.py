@@ -4,6 +4,7 @@ every printed location.
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -38,6 +39,32 @@ def redact(text: str | Path) -> str:
 def has_credentials(text: str | Path) -> bool:
     """True when `text` holds a URI credential that `redact` would hide."""
     return redact(text) != str(text)
+
+
+def root_problem(root: str | Path) -> str | None:
+    """Why `root` cannot hold a run, in a few words, or None when it can: a scheme `pyarrow.fs` does not
+    know, a store that does not answer, a bucket that does not exist (a run never creates one), a local
+    folder that cannot be made. Asked before anything else touches the root."""
+    if not is_uri(root):
+        try:
+            Path(root).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            return f"the folder cannot be created ({e.strerror or type(e).__name__})"
+        return None if os.access(root, os.W_OK | os.X_OK) else "the folder is not writable by this user"
+    from pyarrow.fs import FileType
+
+    try:
+        store = UriStorage(str(root))
+        if store.fs.type_name in ("s3", "gcs"):  # object stores: the bucket must be there; its prefix need not
+            bucket = store.base.split("/", 1)[0]
+            if store.fs.get_file_info(bucket).type == FileType.NotFound:
+                return f"bucket {bucket!r} does not exist (a run never creates one: create it, or fix the name)"
+        else:
+            store.fs.get_file_info(store.base)
+    except (OSError, ValueError) as e:  # pyarrow: ArrowInvalid (a ValueError) for a bad URI, OSError for a store
+        text = str(e).strip()
+        return (text.splitlines()[0] if text else type(e).__name__)[:300]
+    return None
 
 
 def open_storage(root: str | Path) -> Storage:
