@@ -161,6 +161,8 @@ def test_every_pod_gets_ray_token_auth_from_the_secret():
 
 
 def test_network_policy_admits_only_the_jobs_own_pods_to_the_ray_ports():
+    """The job's pods reach each other; the operator, from its own namespace only (issue 35: any namespace
+    was admitted), the dashboard; a named monitoring namespace the metrics port."""
     docs = _rayjob_docs()
     policy, pods = docs["NetworkPolicy"], _pod_templates(docs["RayJob"])
     selector = policy["spec"]["podSelector"]["matchLabels"]
@@ -180,6 +182,9 @@ def test_network_policy_admits_only_the_jobs_own_pods_to_the_ray_ports():
                        for f in rule["from"])
         # Only the operator may reach a control port (the dashboard, to poll the job); others get metrics.
         assert ports == {8265} if operator else not ports & RAY_CONTROL_PORTS, rule
+        for source in rule["from"]:  # a namespace named by its name: a pod anywhere else cannot pose as one
+            names = source.get("namespaceSelector", {}).get("matchLabels", {})
+            assert names.get("kubernetes.io/metadata.name"), f"{source} admits pods of any namespace"
 
 
 def test_nothing_binds_the_dashboard_to_all_interfaces_without_auth():
