@@ -135,3 +135,20 @@ def test_a_local_checkpoint_dir_under_a_file_is_one_line(tmp_path: Path) -> None
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match=r"checkpoint.dir=.*file/run: the folder cannot be created"):
         RunLease(tmp_path / "file" / "run", 60).acquire()
+
+
+# ---- the per-user cache root ----------------------------------------------------------------------------
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a folder of another owner needs root")
+def test_a_cache_root_another_user_made_first_is_refused(tmp_path: Path, monkeypatch) -> None:
+    """`<tmp>/dflash-<uid>` created first by another user (uid 65534 here) is refused, never used."""
+    from app.storage.local_cache import cache_root
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    planted = tmp_path / f"dflash-{os.getuid()}"
+    planted.mkdir(mode=0o777)
+    os.chown(planted, 65534, 65534)
+    with pytest.raises(RuntimeError, match="not a folder of this user"):
+        cache_root()
+    os.rmdir(planted)
+    assert cache_root() == planted and (planted.stat().st_mode & 0o777, planted.stat().st_uid) == (0o700, os.getuid())
