@@ -88,7 +88,9 @@ class DrafterActor:
                                       self.device, reducer=lambda flat: dist.all_reduce(flat),
                                       autocast=self.dtype if self.dtype != torch.float32 else None,
                                       total_jobs=self.cfg.total_jobs, delay_s=self.cfg.faults.drafter_delay_s)
-        self.stager = PayloadStager(self.device, self.dtype, copy_threads=staging_threads(self.cfg.num_cpus))
+        # Pinned staging buffers sized to the run's largest payload, allocated (registered) once, here.
+        self.stager = PayloadStager(self.device, self.dtype, copy_threads=staging_threads(self.cfg.num_cpus),
+                                    max_bytes=self.cfg.max_payload_bytes)
         self.ledger: set[int] = set()
         self.epoch = 0
         if self.cfg.resume_from:
@@ -119,6 +121,7 @@ class DrafterActor:
                                    c.eval_every_steps, start_step=self.trainer.step))
         outcome = drive(loop, ops)
         ops.executor.shutdown(wait=False)
+        ops.close()  # the staging and receive buffers, unless a pull is still in flight (then at exit)
         self._enter(DrafterPhase.COMPUTE)
         result = DrafterResult(self.rank, self.trainer.step, outcome.stopped, self.weights_checksum(), ops.last_ckpt,
                                self.export() if (self.rank == 0 and not outcome.stopped) else None,

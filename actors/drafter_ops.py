@@ -31,7 +31,17 @@ class RankOps:
         self.t_step = time.perf_counter()
         self.last_ckpt: str | None = None
         self.skipped = 0  # jobs of skipped non-finite steps
-        self.receiver = NixlReceiver()  # pool.transport=nixl payloads into reused buffers; others pass through
+        # pool.transport=nixl payloads into reused buffers (pinned on CUDA: staged from in place); others pass through
+        cuda = actor.device.type == "cuda"
+        self.receiver = NixlReceiver(pin=cuda)
+        if cuda and actor.stager.store is None:
+            actor.stager.store = self.receiver
+
+    def close(self) -> None:
+        """Free the stager's and the receiver's buffers once no pull is in flight (one still running uses them)."""
+        if self.pending is None or self.pending.done():
+            self.receiver.close()
+            self.a.stager.close()
 
     def step_start(self, _: StepStart) -> None:
         self.t_step = time.perf_counter()

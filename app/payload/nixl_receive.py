@@ -6,7 +6,9 @@ may still be in use (the staging copies out of it on CUDA; on CPU the compute th
 conversion does, at the start of the next micro-step). Each buffer is touched (zero-filled) and registered
 with NIXL once and reused for every job that fits, and grown (1.25x) for one that does not: receiving into
 fresh memory costs page faults and a registration per job (measured on CPU, 640 MB: 1.1-1.7 s into
-fresh memory, 0.35-0.54 s into a touched, registered one).
+fresh memory, 0.35-0.54 s into a touched, registered one). On CUDA (`pin`) the buffers are also
+page-locked, so the staging reads them in place by DMA (`covers`: the stager's `store`) instead of copying
+them into its own staging buffer first; `registration_s` counts what making them cost.
 
 The fetch is a blocking `ray.get` (Ray does not support `await` on a NIXL ref); it runs in the drafter's
 prefetch thread. A target that died before the read raises `OwnerDiedError` (an `ObjectLostError`) there,
@@ -23,8 +25,10 @@ class NixlReceiver:
     Ray's (`register_nixl_memory`, `set_target_for_ref`, `ray.get`), injected so the layout and the turns
     are tested without Ray."""
 
-    def __init__(self, register=None, deregister=None, set_target=None, get=None) -> None:
+    def __init__(self, register=None, deregister=None, set_target=None, get=None, pin: bool = False) -> None:
         self._ray = (register, deregister, set_target, get)
+        self.pin = pin  # page-locked receive buffers (CUDA): the device copy reads them in place
+        self.registration_s = 0.0
         self._buffers: list = [None, None]
         self._turn = 0
         self.jobs = 0
@@ -48,16 +52,36 @@ class NixlReceiver:
         return hidden_batch_from(pulled, tensors)
 
     def _grow(self, need: int, register, deregister):
+        import time
+
         import torch
 
         old = self._buffers[self._turn]
         if old is not None:
             deregister(old)
-        buf = torch.empty(int(need * 1.25), dtype=torch.uint8)
+            self._buffers[self._turn] = None
+        t0 = time.perf_counter()
+        buf = allocate(int(need * 1.25), self.pin)
         buf.fill_(0)  # touch every page now, not during a transfer
         register(buf)
+        self.registration_s += time.perf_counter() - t0
         self._buffers[self._turn] = buf
         return buf
+
+    def covers(self, addr: int, nbytes: int) -> bool:
+        """True when [addr, addr + nbytes) lies in one of the pinned receive buffers (the stager's `store`)."""
+        return self.pin and any(b is not None and b.data_ptr() <= addr and addr + nbytes <= b.data_ptr() + b.numel()
+                                for b in self._buffers)
+
+    def close(self) -> None:
+        """Deregister and drop the receive buffers (the drafter's shutdown)."""
+        if all(b is None for b in self._buffers):
+            return
+        _, deregister, _, _ = self._calls()
+        for i, b in enumerate(self._buffers):
+            if b is not None:
+                deregister(b)
+            self._buffers[i] = None
 
     def buffer_bytes(self) -> int:
         return sum(int(b.numel()) for b in self._buffers if b is not None)
@@ -73,6 +97,13 @@ class NixlReceiver:
             set_target = set_target or set_target_for_ref
             get = get or ray.get
         return register, deregister, set_target, get
+
+
+def allocate(nbytes: int, pin: bool):
+    """A receive buffer of `nbytes`, page-locked when `pin` (CUDA)."""
+    import torch
+
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
 
 def _view(buf, offset: int, spec):

@@ -10,12 +10,16 @@ with the batch so anchors and labels are sampled on the host (no per-sequence de
 On CPU nothing is staged: the compute thread converts the payload as before, reading the object
 store's read-only view in place (no copy out of the store).
 
-On CUDA the copy into the staging buffer is skipped where it can be: the object store's shared-memory
-mappings of this process are page-locked once (`StoreRegistration`, cudaHostRegister), so the
-host-to-device copy reads the store's view straight (DMA) and the payload crosses host memory once
-(Ray's seal into the store) instead of twice. The stager holds the newest view until the next payload is
-staged, then syncs its copy's event and lets it go (the pool holds the ref until the ack anyway). Payloads outside the registered store (a fallback allocation on disk, a failed registration)
-are staged by copy as before.
+Registration (page-locking host memory for DMA) costs time in proportion to the bytes: the staging
+buffers are the only memory a drafter registers, sized from the largest payload of the run
+(`max_bytes`, the largest bucket's job) and allocated pinned once, when the stager is made, then reused
+for every payload (`registration_s` counts it); `close` frees them. Page-locking the whole object store
+instead (`StoreRegistration`, cudaHostRegister of every store mapping: 200 GiB in docker/rayjob.yaml) took
+~40-100 s in every drafter process, at every group rebuild; it saves one host copy per payload, so it is
+kept as an opt-in (`store=`, what the transport benches compare), not the default. A stager given a
+`store` reads the views it covers in place: it holds the newest view until the next payload is staged,
+then syncs its copy's event and lets it go. pool.transport=nixl's receive buffers are pinned on CUDA and
+are such a store (app/payload/nixl_receive.py `NixlReceiver.covers`): fixed, reused, registered once.
 """
 from __future__ import annotations
 
@@ -39,12 +43,13 @@ class PayloadStager:
     """Turns `HiddenBatch` payloads into device `TrainBatch`es; `stage` runs in the prefetch thread."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, side_stream=None, copy_threads: int = 1,
-                 store=None) -> None:
+                 store=None, max_bytes: int = 0) -> None:
         """`side_stream`: a stand-in for the CUDA side stream; it turns the staging path on anywhere (a CPU
         test rehearses the CUDA path with it). `copy_threads`: threads for the host copy of a large payload
         (1: numpy's one-thread copy; python -m app.bench transport measures more). `store`: what says
-        whether a view is in page-locked store memory (`StoreRegistration`; on CUDA one over this process's
-        store mappings by default, else none: every payload is copied into a staging buffer)."""
+        whether a view is in page-locked memory the device copy may read in place (`StoreRegistration`, or the
+        nixl receiver); none by default: every payload is copied into a staging buffer. `max_bytes`: the run's
+        largest payload; both staging buffers are allocated (pinned on CUDA) at that size now, once."""
         self.device, self.dtype = device, dtype
         self.enabled = device.type == "cuda" or side_stream is not None
         self._pinned: list[torch.Tensor | None] = [None, None]
@@ -53,11 +58,14 @@ class PayloadStager:
         self._turn = 0
         self._stream = side_stream if side_stream is not None else (
             torch.cuda.Stream(device=device) if self.enabled else None)
-        self.store = store if store is not None else (
-            StoreRegistration(cuda_host_register) if device.type == "cuda" else None)
+        self.store = store
+        self.registration_s = 0.0  # seconds spent allocating (page-locking) staging buffers in this process
         self._pool = ThreadPoolExecutor(copy_threads - 1, thread_name_prefix="stage-copy") if copy_threads > 1 else None
         self.copy_threads = max(1, copy_threads)
         self.direct = 0  # payloads read in place from the registered store (no staging copy)
+        if self.enabled and max_bytes > 0:
+            for turn in (0, 1):
+                self._pinned[turn] = self._allocate(max_bytes)
 
     def stage(self, hb):
         """The payload as a device TrainBatch whose copy is in flight (CUDA), or `hb` unchanged (CPU)."""
@@ -127,10 +135,36 @@ class PayloadStager:
     def _buffer(self, nbytes: int) -> torch.Tensor:
         self._next_turn()
         buf = self._pinned[self._turn]
-        if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(int(nbytes * 1.25), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-            self._pinned[self._turn] = buf
+        if buf is None or buf.numel() < nbytes:  # a payload above max_bytes (or none given): grown, 1.25x
+            self._pinned[self._turn] = None  # the old one goes first: never both at once
+            buf = self._pinned[self._turn] = self._allocate(int(nbytes * 1.25))
         return buf
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        import time
+
+        t0 = time.perf_counter()
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        self.registration_s += time.perf_counter() - t0
+        return buf
+
+    def buffer_bytes(self) -> int:
+        """Bytes of staging buffers this stager holds."""
+        return sum(int(b.numel()) for b in self._pinned if b is not None)
+
+    def close(self) -> None:
+        """Wait for the copies in flight, drop the staging buffers and held views, stop the copy threads."""
+        for turn in (0, 1):
+            self._release(turn)
+            self._copied[turn] = None
+        self._pinned = [None, None]
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self.device.type == "cuda":  # freed pinned blocks stay in torch's host cache until emptied
+            empty = getattr(torch._C, "_accelerator_emptyHostCache", None) or getattr(torch._C, "_host_emptyCache", None)
+            if empty is not None:
+                empty()
 
     def ready(self, batch):
         """On the compute thread: make its stream wait for the batch's copy; returns the batch."""

@@ -34,6 +34,7 @@ class DrafterSetup:
     eval_every_steps: int = 0  # rank 0 offers its weights for an evaluation every N steps (eval.every_steps)
     step_log: str | None = None  # rank 0 appends each step's job ids here (logging.step_log, app/training/step_log.py)
     group_generation: int = 0  # stamped into each checkpoint: a rebuild ignores a killed group's late ones
+    max_payload_bytes: int = 0  # the run's largest job payload: the stager's pinned buffers, allocated once at it
 
 
 @dataclass(frozen=True)

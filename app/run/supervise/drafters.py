@@ -247,4 +247,5 @@ class DrafterGroup:
             total_steps=p.total_steps, total_jobs=len(p.jobs), resume_from=resume_from,
             data_fingerprint=p.data_fingerprint, eval_every_steps=cfg.eval.every_steps,
             step_log=str(self.step_log.path) if self.step_log else None, group_generation=self.generation,
+            max_payload_bytes=p.jobs.max_payload_bytes(),
         )
