@@ -335,3 +335,16 @@ def test_fractional_gpus_are_fine_for_one_drafter_and_for_targets() -> None:
     check_resources(one, {"GPU": 8, "CPU": 64}, use_gpu=True)  # one rank: no NCCL peer on its device
     whole = _tiny("topology.gpus_per_target=0.5", "topology.gpus_per_drafter=1", "topology.num_drafters=3")
     check_resources(whole, {"GPU": 8, "CPU": 64}, use_gpu=True)
+
+
+def test_a_target_over_several_gpus_needs_a_whole_number_and_accelerate() -> None:
+    """Issue 37 item 2: gpus_per_target > 1 spreads the target's layers over its bundle's GPUs (accelerate)."""
+    from app.config.checks import check_target_gpus
+
+    check_resources(_tiny("topology.gpus_per_target=2", "topology.gpus_per_drafter=1"), {"GPU": 16, "CPU": 64},
+                    use_gpu=True)
+    with pytest.raises(ConfigError, match=r"topology.gpus_per_target=1.5 is above 1 but not whole.*e.g. 1 or 2"):
+        check_resources(_tiny("topology.gpus_per_target=1.5"), {"GPU": 16, "CPU": 64}, use_gpu=True)
+    with pytest.raises(ConfigError, match="pip install accelerate, or set topology.gpus_per_target=1"):
+        check_target_gpus(2, accelerate=False)
+    check_target_gpus(0.5, accelerate=False)  # a share of one GPU loads on it whole

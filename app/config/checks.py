@@ -247,6 +247,8 @@ def check_drafter_gpus(topo: TopologyConfig, use_gpu: bool) -> None:
     first collective, after the targets have loaded), and Ray packs fractional GPU shares onto one device.
     A run can hold two ranks with num_drafters >= 2, or with rebalance=auto (a re-split or extra GPUs add
     ranks). Ray also refuses a share above 1 that is not whole."""
+    if use_gpu:
+        check_target_gpus(topo.gpus_per_target)
     share = topo.gpus_per_drafter
     if not use_gpu or share <= 0:
         return
@@ -261,6 +263,19 @@ def check_drafter_gpus(topo: TopologyConfig, use_gpu: bool) -> None:
             f"topology.gpus_per_drafter={share:g} with {why}: Ray can pack two drafter ranks onto one GPU, and "
             "NCCL refuses two ranks on one device at the first collective; set topology.gpus_per_drafter=1 (a "
             "GPU per rank), or topology.num_drafters=1 with topology.rebalance=off|advise")
+
+
+def check_target_gpus(share: float, accelerate: bool | None = None) -> None:
+    """A target over several GPUs (topology.gpus_per_target > 1) spreads its layers over them through
+    accelerate's device map (app/devices.py plan_target_map): a whole number, and accelerate installed."""
+    if share <= 1:
+        return
+    if share != int(share):
+        raise ConfigError(f"topology.gpus_per_target={share:g} is above 1 but not whole, which Ray refuses; "
+                          f"give a whole number of GPUs per target (e.g. {int(share)} or {int(share) + 1})")
+    if not (importlib.util.find_spec("accelerate") is not None if accelerate is None else accelerate):
+        raise ConfigError(f"topology.gpus_per_target={share:g} spreads each target over {share:g} GPUs with accelerate, "
+                          "which is not installed; pip install accelerate, or set topology.gpus_per_target=1")
 
 
 def check_target_memory(cfg: Config, heap_bytes: float) -> None:
