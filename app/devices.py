@@ -103,9 +103,22 @@ def plan_target_map(config, num_gpus: int, bytes_per_gpu: int, dtype: torch.dtyp
                          f"({TARGET_WEIGHT_SHARE:.0%} of a GPU); raise topology.gpus_per_target")
     if num_gpus > 1:
         limits = get_balanced_memory(model, max_memory=limits, no_split_module_classes=no_split, dtype=dtype)
-    plan = infer_auto_device_map(model, max_memory=limits, no_split_module_classes=no_split, dtype=dtype)
+    plan = dict(infer_auto_device_map(model, max_memory=limits, no_split_module_classes=no_split, dtype=dtype))
     assert all(isinstance(v, int) for v in plan.values()), f"a module was left off the GPUs: {plan}"
-    return dict(plan)
+    return _tied_head_with_embedding(model, plan)
+
+
+def _tied_head_with_embedding(model, plan: dict[str, int]) -> dict[str, int]:
+    """A tied LM head shares the embedding's weight, which lives on one GPU: the head runs there (the planner
+    does not see the tie on an empty-weights model and may put the head on the last GPU)."""
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if not getattr(text, "tie_word_embeddings", False):
+        return plan
+    names = {id(m): n for n, m in model.named_modules()}
+    embed, head = names.get(id(model.get_input_embeddings())), names.get(id(model.get_output_embeddings()))
+    if embed in plan and head in plan:
+        plan[head] = plan[embed]
+    return plan
 
 
 def spread_over_gpus(model) -> bool:

@@ -38,6 +38,14 @@ def test_two_gpus_get_the_layers_split_whole_and_in_order() -> None:
     assert all(not k.startswith("model.layers.") or k.count(".") == 2 for k in plan)  # no layer cut in pieces
 
 
+def test_a_tied_lm_head_stays_with_the_embedding() -> None:
+    """Small Qwen3s tie the head to the embedding: one weight, so one GPU runs both."""
+    cfg = tiny_qwen3_config(hidden=64, layers=LAYERS, vocab=512, tie=True)
+    _, total = _sizes()
+    plan = plan_target_map(cfg, 2, total, torch.bfloat16)
+    assert plan["lm_head"] == plan["model.embed_tokens"] == 0 and set(_layer_gpus(plan)) == {0, 1}
+
+
 def test_one_gpu_holds_all_and_too_little_memory_is_one_line_naming_the_fix() -> None:
     cfg, total = _sizes()
     assert set(plan_target_map(cfg, 1, total, torch.bfloat16).values()) == {0}
