@@ -1,16 +1,23 @@
-"""The run lease: one run at a time on a `checkpoint.dir`.
+"""The run lease: one run at a time on a `checkpoint.dir`, and the fencing token of each holder.
 
 Two drivers on one folder destroy each other (orphan cleanup, pruning and version sweeps delete the
 other's work). The driver takes the lease before it touches the folder and holds it to the end:
 
-- local folder: `<dir>/.run-lease`, created with `O_CREAT|O_EXCL` (exactly one creator wins), holding
-  host, pid, Ray job id, a random run id and a heartbeat the driver refreshes every quarter of
-  `checkpoint.lease_timeout_s`. A lease whose heartbeat is older than that, or whose holder is a dead
-  process on this host, is stale: it is moved aside under a unique name (one taker wins the rename) and
-  taken over.
-- URI (`s3://...`): `pyarrow.fs` has no conditional PUT, so the lease object is read, written, and read
-  back: a second run that starts while the first one holds a fresh lease is refused, but two runs
-  starting within the same second can both win. Start one run per URI.
+- local folder (and `file://`): `<dir>/.run-lease`, created with `O_CREAT|O_EXCL` (exactly one creator
+  wins), holding host, pid, Ray job id, a random run id and a heartbeat the driver refreshes every
+  quarter of `checkpoint.lease_timeout_s`. A lease whose heartbeat is older than that, or whose holder
+  is a dead process on this host, is stale: it is moved aside under a unique name (one taker wins the
+  rename) and taken over.
+- `s3://`: the same object, created only if absent (`If-None-Match: *`) and replaced only if unchanged
+  (`If-Match: <etag>`, a stale lease taken over, each heartbeat), so of any number of drivers starting
+  at once exactly one wins, and a holder whose lease was taken over learns it at its next heartbeat
+  (app/storage/conditional.py, boto3). Other URIs (or s3:// without boto3): `pyarrow.fs` has no
+  conditional PUT, so the lease object is read, written, and read back: two runs starting within the
+  same second can both win there. Start one run per such URI.
+
+Each new holder raises the folder's fencing counter by one and writes under that token
+(app/storage/fence.py): a checkpoint or export published by a run whose driver lost the lease (stopped
+with SIGSTOP while its drafters ran on) is refused (`FencedOut`).
 
 A refused start is one line, exit 2 (`LeaseHeld`). A holder that finds its lease taken over (its
 heartbeats were missed for longer than the timeout) calls `on_lost`: the driver stops at once.
@@ -23,10 +30,14 @@ import socket
 import threading
 import time
 import uuid
+import warnings
 from pathlib import Path
 from typing import Callable
+from urllib.parse import urlsplit
 
 from app.config.errors import ConfigError, UserError
+from app.storage import fence
+from app.storage.conditional import conditional_store
 from app.storage.local_cache import pid_alive
 from app.storage.roots import is_uri, open_storage, redact, root_problem
 
@@ -70,6 +81,9 @@ class RunLease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.taken_over: dict | None = None  # the stale holder this lease replaced, if any
+        self.token = 0  # this holder's fencing token (fence.py), set once the lease is taken
+        self._conditional = conditional_store(self.root)  # s3:// with boto3: exact create / replace
+        self._etag = ""  # the version of the lease object this holder wrote last (conditional stores)
 
     # ---- acquire / release ---------------------------------------------------------------------
 
@@ -79,8 +93,21 @@ class RunLease:
         if (problem := root_problem(self.root)) is not None:
             raise ConfigError(f"checkpoint.dir={redact(self.root)}: {redact(problem)}; fix checkpoint.dir (a local path, "
                               "or s3://bucket/prefix?endpoint_override=host:port&scheme=http for an S3 store)")
-        (self._acquire_uri if is_uri(self.root) else self._acquire_local)()
+        if self._conditional is not None:
+            self._acquire_conditional()
+        elif is_uri(self.root) and urlsplit(self.root).scheme != "file":
+            warnings.warn(f"checkpoint.dir={redact(self.root)}: no conditional write here (install boto3 for s3://), so "
+                          "two runs starting at the same moment could both take the lease; start one run per folder")
+            self._acquire_uri()
+        else:
+            self._acquire_local()
+        self.token = fence.current(open_storage(self.root)) + 1  # only the holder writes it: it only grows
+        open_storage(self.root).write_file(fence.FENCE_FILE, str(self.token).encode())
+        fence.adopt(self.root, self.token)
         return self
+
+    def _local_dir(self) -> Path:
+        return Path(urlsplit(self.root).path) if is_uri(self.root) else Path(self.root)
 
     def _record(self) -> bytes:
         return json.dumps({**self.me, "heartbeat": self.clock()}).encode()
@@ -91,7 +118,7 @@ class RunLease:
                         f"checkpoint.lease_timeout_s={self.timeout_s:g})")
 
     def _acquire_local(self) -> None:
-        path = Path(self.root) / LEASE_FILE
+        path = self._local_dir() / LEASE_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(3):  # a stale lease moved aside, then created again; a racing taker may win a round
             try:
@@ -129,6 +156,25 @@ class RunLease:
         aside.unlink(missing_ok=True)
         self.taken_over = holder
 
+    def _acquire_conditional(self) -> None:
+        """Create the lease object if absent; a stale one is replaced only if still the version read."""
+        store = self._conditional
+        for _ in range(3):  # a lease released between our create and our read: try again
+            if (etag := store.create(LEASE_FILE, self._record())) is not None:
+                self._etag = etag
+                return
+            found = store.read(LEASE_FILE)
+            if found is None:
+                continue
+            holder = _read_json(found.data) or {}
+            if not is_stale(holder, self.timeout_s, self.clock()):
+                self._refuse(holder)
+            if (etag := store.replace(LEASE_FILE, self._record(), found.etag)) is not None:
+                self._etag, self.taken_over = etag, holder
+                return
+        raise LeaseHeld(f"could not take the lease on checkpoint.dir={redact(self.root)}: other runs are starting "
+                        "on it at the same time; start one")
+
     def _acquire_uri(self) -> None:
         store = open_storage(self.root)
         if store.fs.type_name == "local":  # file:// needs the folder; on an object store a create_dir could make a bucket
@@ -149,7 +195,9 @@ class RunLease:
         if self._thread is not None:
             self._thread.join(timeout=5)
         if self.held():
-            if is_uri(self.root):
+            if self._conditional is not None:
+                self._conditional.delete(LEASE_FILE)
+            elif is_uri(self.root):
                 open_storage(self.root).remove_file(LEASE_FILE)
             else:
                 (Path(self.root) / LEASE_FILE).unlink(missing_ok=True)
@@ -163,6 +211,10 @@ class RunLease:
 
     def beat(self) -> bool:
         """Refresh the heartbeat; False (and nothing written) when another run has taken the lease over."""
+        if self._conditional is not None:  # replaced only if still ours: a taker's version is never overwritten
+            etag = self._conditional.replace(LEASE_FILE, self._record(), self._etag)
+            self._etag = etag or self._etag
+            return etag is not None
         if not self.held():
             return False
         open_storage(self.root).write_file(LEASE_FILE, self._record())

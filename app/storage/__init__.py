@@ -6,5 +6,7 @@ disk, a marker written last on object stores); `fetch.py`: a published folder br
 node; `local_cache.py`: this user's local disk for URI runs (staging, stale leftovers, the bounded
 download cache); `names.py`: every name a listing returns checked to stay inside its folder before
 anything is deleted or downloaded; `orphans.py`: the names written into a local checkpoint folder for
-a moment (one fixed prefix) and the start-up cleanup of what a crash left of them.
+a moment (one fixed prefix) and the start-up cleanup of what a crash left of them; `fence.py`: the
+fencing token that refuses a publish by a run that lost its lease; `conditional.py`: create-if-absent
+and replace-if-unchanged of one object on S3 (the lease).
 """

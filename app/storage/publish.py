@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from app.storage import fence
 from app.storage.local_cache import exchange
 from app.storage.names import inside
 from app.storage.orphans import aside_name, staging_name
@@ -101,7 +102,9 @@ class Storage(Protocol):
     def upload_dir(self, local: Path, rel: str, last: str) -> str:
         """Copy a local folder to `<root>/<rel>/` in place (no versions: the layout stays what readers
         such as inference engines expect), `last` removed first and written last, so a reader that waits
-        for it never sees a mix of old and new files. Returns the folder's location."""
+        for it never sees a mix of old and new files. Returns the folder's location. `FencedOut` when
+        another run holds the root's lease now (fence.py)."""
+        fence.check(self)
         self.remove_file(f"{rel}/{last}")
         files = {p.relative_to(local).as_posix(): p for p in sorted(Path(local).rglob("*"))
                  if p.is_file() and p.name != last}
@@ -127,6 +130,7 @@ class LocalStorage(Storage):
         return tmp
 
     def publish(self, staged: Path, name: str) -> str:
+        fence.check(self)  # a run that lost the lease (its driver stopped) must not publish any more
         final, old = self.path / name, self.path / aside_name(name)
         if final.exists() and exchange(staged, final):  # one atomic swap: never a moment without `name`
             shutil.rmtree(staged, ignore_errors=True)  # now holds the previous copy
@@ -148,6 +152,8 @@ class LocalStorage(Storage):
         shutil.rmtree(self.path / name, ignore_errors=True)
 
     def write_file(self, rel: str, data: bytes) -> str:
+        if not rel.startswith(".run-"):  # the lease and the fence themselves are the lease's business
+            fence.note(self)
         path = self.path / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")

@@ -9,6 +9,7 @@ import uuid
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+from app.storage import fence
 from app.storage.local_cache import cache_root, clean_stale_once, owned_tmp
 from app.storage.names import inside, stays_inside
 from app.storage.publish import MARKER, VERSION, Entry, Storage, version_name
@@ -47,6 +48,8 @@ class UriStorage(Storage):
     # ---- files -------------------------------------------------------------------------------
 
     def write_file(self, rel: str, data: bytes) -> str:
+        if not rel.startswith(".run-"):  # the lease and the fence themselves are the lease's business
+            fence.note(self)
         self._parent(rel)
         with self.fs.open_output_stream(self._path(rel)) as out:  # one PUT: readers see old or new
             out.write(data)
@@ -108,6 +111,7 @@ class UriStorage(Storage):
     def publish(self, staged: Path, name: str) -> str:
         version = f"v-{uuid.uuid4().hex[:12]}"
         try:
+            fence.check(self)  # a run that lost the lease (its driver stopped) must not publish any more
             for file in sorted(p for p in staged.rglob("*") if p.is_file()):
                 self.upload_file(f"{name}/{version}/{file.relative_to(staged).as_posix()}", file)
             self.write_file(f"{name}/{MARKER}", version.encode())  # the commit point
