@@ -128,6 +128,17 @@ class TargetActor:
         return result.to_dict()
 
 
+    def race_weights(self, folder: str, spec: EvalSpec) -> dict:
+        """Speculative decoding with the drafter exported to `folder` against this target alone, batch 1, timed
+        side by side on the spec's first eval.race_prompts prompts (`app.model.live_eval.race_exported`). Asked
+        at the end of the run, when no job competes for the cores, so it runs at normal priority."""
+        from app.model.live_eval import race_exported
+
+        with self.compute_lock:
+            return race_exported(self.model, self.model_dir, self.layer_ids, folder, spec, self.device,
+                                 self.dtype).to_dict()
+
+
 class BusyClock:
     """A target's busy seconds, job by job, with overlapping jobs never counting the same second twice
     (tokens / forward_s stays a true rate)."""

@@ -10,7 +10,10 @@ import pytest
 from app.model.live_eval import EvalSpec
 from app.run.evaluate.final_tau import FinalTau
 
-SPEC = EvalSpec(prompts=[[1, 2, 3]], drafter=None, eval=None, mask_token_id=0, seed=0, eos_token_id=None)
+from app.config.run_sections import EvalConfig  # noqa: E402
+
+SPEC = EvalSpec(prompts=[[1, 2, 3]], drafter=None, eval=EvalConfig(race_prompts=0), mask_token_id=0, seed=0,
+                eos_token_id=None)
 
 
 # ---- item 16: the end-of-run tau -----------------------------------------------------------------

@@ -107,9 +107,11 @@ class EvalConfig:
     max_new_tokens: int = 256
     every_steps: int = 500  # optimizer steps between evaluations during the run (0 = off; tau_trained is measured anyway)
     timeout_s: float = 900.0  # one tau measurement on one target (during the run or at its end); past it, skipped
+    race_prompts: int = 4  # held-out prompts the end of the run times speculative vs plain greedy decoding on (0 = off)
 
     def __post_init__(self) -> None:
         at_least("eval.num_prompts", self.num_prompts, 0, "a count cannot be negative")
+        at_least("eval.race_prompts", self.race_prompts, 0, "use 0 to turn the end-of-run speed race off")
         at_least("eval.every_steps", self.every_steps, 0, "use 0 to turn evaluation during the run off")
         at_least("eval.max_new_tokens", self.max_new_tokens, 1, "tau needs at least one generated token")
         if not 0 < self.timeout_s < float("inf"):  # a range test: nan fails it too (nan would never time out)

@@ -153,6 +153,40 @@ def measure_spec(target_model, drafter, head, arch, spec: EvalSpec, references: 
                            spec.eos_token_id, references=references)
 
 
+@dataclass(frozen=True)
+class RaceLine:
+    """The end of the run's speed race (`race_exported`): what a user of the exported drafter gets at batch 1."""
+
+    prompts: int
+    greedy_tok_s: float
+    spec_tok_s: float
+    speedup: float  # spec_tok_s / greedy_tok_s
+    identical: bool  # speculative output equal to plain greedy, token for token, on every prompt
+    tau: float  # tokens per verify forward in the timed speculative runs
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def race_exported(target_model, model_dir: str, layer_ids: list[int], folder: str, spec: EvalSpec, device,
+                  dtype) -> RaceLine:
+    """Speculative decoding with the drafter exported to `folder` against the target alone, on the spec's first
+    `eval.race_prompts` held-out prompts, both at batch 1 on the target's KV cache, interleaved prompt by prompt
+    after one warm-up (`app.model.spec_bench.race`), the outputs compared token for token."""
+    import time
+
+    from app.model.spec_bench import race
+
+    t0 = time.perf_counter()
+    drafter, head, arch = drafter_for(folder, model_dir, layer_ids, spec, device, dtype)
+    res = race(target_model, drafter, head, spec.prompts[: spec.eval.race_prompts], spec.eval.max_new_tokens,
+               list(arch.target_layer_ids), arch.block_size, spec.eos_token_id, warmup=1)
+    return RaceLine(prompts=len(spec.prompts[: spec.eval.race_prompts]), greedy_tok_s=res.greedy_tok_s,
+                    spec_tok_s=res.spec_tok_s, speedup=res.speedup, identical=res.identical, tau=res.tau,
+                    seconds=time.perf_counter() - t0)
+
+
 def export_best(drafter, arch, out_dir: str | Path, step: int, tau: float,
                 dtype: torch.dtype | None = None) -> Path | None:
     """Export to `out_dir` with `{step, tau}` in config.json, replacing it all at once; None (nothing

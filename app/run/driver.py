@@ -250,6 +250,9 @@ def build_summary(plan, sup, monitor: RunMonitor, outcome, tau, elapsed: float) 
         "tau_untrained": tau.untrained,
         "tau_trained": tau.trained,
         "tau_error": tau.reason,
+        # Measured, not estimated: the exported drafter against the target alone, batch 1 (eval.race_prompts).
+        "speedup_measured": (tau.race or {}).get("speedup"),
+        "speed_race": tau.race,
         "replicas_identical": len(checksums) == 1,
         "resumed_from_step": plan.resume_step,
         "elapsed_s": elapsed,

@@ -23,6 +23,7 @@ class TauResult:
     untrained: float | None
     trained: float | None
     reason: str | None = None
+    race: dict | None = None  # the exported drafter's speed race (app.model.live_eval.RaceLine), when measured
 
 
 def ask_tau(handle: Any, step: int, weights: Any, spec: EvalSpec, best_dir: str | None = None,
@@ -67,8 +68,27 @@ class FinalTau:
         tau_u, why_u = self._first_answer(alive, 0, None, first_u)
         tau_t, why_t = self._first_answer(alive[::-1], step, export_dir, first_t) if export_dir \
             else (None, "nothing was exported")
-        reason = "; ".join(f"{k}: {w}" for k, w in (("untrained", why_u), ("trained", why_t)) if w)
-        return TauResult(tau_u, tau_t, reason or None)
+        race, why_r = self._race(alive, export_dir) if export_dir and self.spec.eval.race_prompts \
+            else (None, None)
+        reason = "; ".join(f"{k}: {w}" for k, w in (("untrained", why_u), ("trained", why_t), ("race", why_r)) if w)
+        return TauResult(tau_u, tau_t, reason or None, race)
+
+    def _race(self, alive: list[tuple[int, Any]], export_dir: str) -> tuple[dict | None, str | None]:
+        """The exported drafter against the target alone on one live target that has not hung, within
+        eval.timeout_s (TargetActor.race_weights)."""
+        from ray.exceptions import GetTimeoutError, RayError
+
+        for tid, handle in alive:
+            if tid in self._hung:
+                continue
+            try:
+                return self._get(handle.race_weights.remote(export_dir, self.spec), self.timeout_s), None
+            except GetTimeoutError:
+                self._hung.add(tid)
+                return None, f"target {tid} gave no answer within eval.timeout_s={self.timeout_s:g} s"
+            except RayError as exc:
+                return None, f"target {tid}: {last_line(exc)}"
+        return None, "every live target hung in a tau measurement"
 
     def _first_answer(self, candidates: list[tuple[int, Any]], step: int, weights: Any,
                       first: tuple[Any, float] | None) -> tuple[float | None, str | None]:

@@ -95,8 +95,8 @@ def _summary_table(summary: dict) -> str:
 
 def _serving_table(summary: dict) -> str:
     """How to serve the drafter (the run's launch lines) and the decode speedup its tau buys."""
-    lines, est = summary.get("serve") or {}, summary.get("serving_estimate")
-    if not lines and not est:
+    lines, est, race = summary.get("serve") or {}, summary.get("serving_estimate"), summary.get("speed_race")
+    if not lines and not est and not race:
         return ""
     cells = [f"<tr><th>{html.escape(engine)}</th><td><code>{html.escape(line)}</code></td></tr>"
              for engine, line in lines.items()]
@@ -105,6 +105,12 @@ def _serving_table(summary: dict) -> str:
                      f"(1 + 1 / {est['ratio']:.3g}) ({html.escape(est['formula'])}; tau = tokens per target forward "
                      f"measured at the end of the run; ratio = verify/draft cost, from "
                      f"{html.escape(est['ratio_basis'])}; assumes {html.escape(est['assumes'])})</td></tr>")
+    if race:
+        same = "identical to plain greedy" if race["identical"] else "DIFFERENT from plain greedy (a decoding bug)"
+        cells.append(f"<tr><th>measured speedup</th><td>{race['speedup']:.2f}x: speculative "
+                     f"{race['spec_tok_s']:.1f} tok/s against the target alone {race['greedy_tok_s']:.1f} tok/s "
+                     f"(batch 1, KV cache, {race['prompts']} held-out prompts, tau {race['tau']:.3g}, "
+                     f"on this run's device; outputs {same})</td></tr>")
     return '<section id="serving"><h2>Serving</h2><table>' + "".join(cells) + "</table></section>"
 
 
