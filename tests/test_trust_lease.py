@@ -169,3 +169,34 @@ def test_a_root_no_lease_touched_is_not_fenced(tmp_path: Path, monkeypatch) -> N
     _publish(open_storage(tmp_path), tmp_path, "ckpt-00000001")
     assert fence.current(open_storage(tmp_path)) == 0 and not (tmp_path / fence.FENCE_FILE).exists()
     assert not (tmp_path / LEASE_FILE).exists()
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_a_lease_that_looks_stale_only_by_another_host_s_clock_is_not_taken(kind: str, tmp_path: Path, request) -> None:
+    """A holder on another host whose clock runs 61 s behind ours: its heartbeat looks older than the
+    60 s timeout. The taker watches the lease for a heartbeat period (15 s + 5 s) on its own clock; the
+    live holder rewrites it meanwhile, so the start is refused. A holder that wrote nothing while watched
+    is gone: its lease is taken. Before: taken at once, from a live run."""
+    import json
+
+    if kind == "s3":
+        s3 = request.getfixturevalue("s3")
+        request.getfixturevalue("atomic_puts")
+        root = s3.uri(f"skew-{uuid.uuid4().hex[:6]}")
+    else:
+        root = str(tmp_path / "run")
+    store = open_storage(root)
+    holder = {"host": "node-7", "pid": 4242, "run_id": "live", "heartbeat": 1000.0 - 61}
+    store.write_file(LEASE_FILE, json.dumps(holder).encode())
+    waits: list[float] = []
+
+    def holder_beats(seconds: float) -> None:
+        waits.append(seconds)
+        store.write_file(LEASE_FILE, json.dumps({**holder, "heartbeat": holder["heartbeat"] + 15}).encode())
+
+    with pytest.raises(LeaseHeld, match="host node-7, pid 4242"):
+        RunLease(root, 60, clock=lambda: 1000.0, sleep=holder_beats).acquire()
+    assert waits == [20.0]
+    lease = RunLease(root, 60, clock=lambda: 1100.0, sleep=waits.append).acquire()  # silent since: gone
+    assert lease.taken_over["run_id"] == "live" and waits == [20.0, 20.0] and lease.held()
+    lease.release()

@@ -15,6 +15,9 @@ other's work). The driver takes the lease before it touches the folder and holds
   conditional PUT, so the lease object is read, written, and read back: two runs starting within the
   same second can both win there. Start one run per such URI.
 
+A heartbeat is the holder's wall clock; another host's may run behind the taker's, so a lease from
+another host is taken only if it also stays unchanged for a heartbeat period on the taker's own clock.
+
 Each new holder raises the folder's fencing counter by one and writes under that token
 (app/storage/fence.py): a checkpoint or export published by a run whose driver lost the lease (stopped
 with SIGSTOP while its drafters ran on) is refused (`FencedOut`).
@@ -42,6 +45,7 @@ from app.storage.local_cache import pid_alive
 from app.storage.roots import is_uri, open_storage, redact, root_problem
 
 LEASE_FILE = ".run-lease"
+WATCH_MARGIN_S = 5.0  # past one heartbeat period, how long a lease from another host is watched before it is taken
 
 
 class LeaseHeld(UserError):
@@ -75,8 +79,9 @@ def describe(holder: dict) -> str:
 class RunLease:
     """The exclusive lease of one run on its `checkpoint.dir` (see the module docstring)."""
 
-    def __init__(self, root: str | Path, timeout_s: float, clock: Callable[[], float] = time.time) -> None:
-        self.root, self.timeout_s, self.clock = str(root), float(timeout_s), clock
+    def __init__(self, root: str | Path, timeout_s: float, clock: Callable[[], float] = time.time,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.root, self.timeout_s, self.clock, self.sleep = str(root), float(timeout_s), clock, sleep
         self.me = {"host": socket.gethostname(), "pid": os.getpid(), "job": submission_id(), "run_id": uuid.uuid4().hex}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -127,8 +132,7 @@ class RunLease:
                 holder = _read_local(path)
                 if holder is None:
                     continue  # released between our create and our read
-                if not is_stale(holder, self.timeout_s, self.clock()):
-                    self._refuse(holder)
+                self._check_stale(holder, lambda: _read_bytes(path))
                 self._move_aside(path, holder)
                 continue
             with os.fdopen(fd, "wb") as out:
@@ -136,6 +140,20 @@ class RunLease:
             return
         raise LeaseHeld(f"could not take the lease on checkpoint.dir={redact(self.root)}: other runs are starting "
                         "on it at the same time; start one")
+
+    def _check_stale(self, holder: dict, read: Callable[[], bytes | None]) -> None:
+        """Refuse unless `holder`'s lease is stale. Its heartbeat is the holder's wall clock: another
+        host's may run behind ours, so a lease from another host that only looks stale is watched for
+        one heartbeat period (and a margin) on our own clock: a live holder rewrites it, and keeps it."""
+        if not is_stale(holder, self.timeout_s, self.clock()):
+            self._refuse(holder)
+        if holder.get("host") in (None, socket.gethostname()):
+            return  # written by this host's clock, or a dead process here
+        before = read()
+        self.sleep(self.timeout_s / 4 + WATCH_MARGIN_S)
+        after = read()
+        if after is not None and after != before:
+            self._refuse(_read_json(after) or holder)
 
     def _move_aside(self, path: Path, holder: dict) -> None:
         """Rename the stale lease to a unique name (of several takers one wins the rename); if what was
@@ -167,8 +185,7 @@ class RunLease:
             if found is None:
                 continue
             holder = _read_json(found.data) or {}
-            if not is_stale(holder, self.timeout_s, self.clock()):
-                self._refuse(holder)
+            self._check_stale(holder, lambda: getattr(store.read(LEASE_FILE), "data", None))
             if (etag := store.replace(LEASE_FILE, self._record(), found.etag)) is not None:
                 self._etag, self.taken_over = etag, holder
                 return
@@ -180,8 +197,8 @@ class RunLease:
         if store.fs.type_name == "local":  # file:// needs the folder; on an object store a create_dir could make a bucket
             store.fs.create_dir(store.base, recursive=True)
         holder = _read_json(store.read_file(LEASE_FILE))
-        if holder is not None and not is_stale(holder, self.timeout_s, self.clock()):
-            self._refuse(holder)
+        if holder is not None:
+            self._check_stale(holder, lambda: store.read_file(LEASE_FILE))
         self.taken_over = holder
         store.write_file(LEASE_FILE, self._record())
         time.sleep(1.0)  # last writer wins: a run that wrote just after us is read back here
@@ -252,6 +269,13 @@ def _read_local(path: Path, settle_s: float = 2.0) -> dict | None:
         if data or time.monotonic() > deadline:
             return _read_json(data) if data else {"heartbeat": mtime}
         time.sleep(0.1)
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
 
 
 def _read_json(data: bytes | None) -> dict | None:

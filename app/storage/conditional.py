@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
 
-_LOST = {"PreconditionFailed", "ConditionalRequestConflict", "412", "409"}  # another writer got in first
+# Another writer got in first (or the object it was to replace is gone): the condition failed.
+_LOST = {"PreconditionFailed", "ConditionalRequestConflict", "412", "409", "NoSuchKey", "404"}
 
 
 @dataclass(frozen=True)
