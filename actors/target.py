@@ -18,7 +18,7 @@ import time
 from app.data.batching import start_job
 from app.config.run_sections import FaultsConfig
 from app.config.schema import ModelConfig
-from app.devices import compute_dtype, limit_threads, pick_device, target_load_kwargs
+from app.devices import compute_dtype, limit_threads, load_target, pick_device
 from app.faults import fire_once, injected_delay, sticky_target
 from app.messages import HiddenBatch, ItemMeta, JobSpec
 from app.model.live_eval import EvalSpec
@@ -26,13 +26,12 @@ from app.payload.transport import HeldPayloads, put_payload, warm_up_nixl
 
 
 class TargetActor:
-    """Frozen HF causal LM on one GPU (or CPU share), forward only."""
+    """Frozen HF causal LM on one GPU, spread over its bundle's GPUs (gpus_per_target > 1), or a CPU share;
+    forward only."""
 
     def __init__(self, target_id: int, model_dir: str, layer_ids: list[int], model_cfg: ModelConfig,
                  device: str, num_cpus: float, dataset, faults: FaultsConfig, run_dir: str,
                  transport: str = "object_store") -> None:
-        from transformers import AutoModelForCausalLM
-
         limit_threads(num_cpus)
         if faults.fail_target_restarts and not fire_once(run_dir, f"target_started_{target_id}"):
             raise RuntimeError(f"injected fault: target {target_id} cannot start again (faults.fail_target_restarts)")
@@ -43,8 +42,8 @@ class TargetActor:
         self.device = pick_device(device)
         self.dtype = compute_dtype(model_cfg.dtype, self.device)
         self.model_dir = model_dir
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_dir, **target_load_kwargs(self.device, self.dtype)).to(self.device).eval()  # straight onto the GPU
+        # Straight onto the GPU; over every GPU of its bundle when topology.gpus_per_target > 1 (app/devices.py).
+        self.model = load_target(model_dir, self.device, self.dtype)
         self.model.requires_grad_(False)
         from app.model.target_trunk import TargetTrunk
 
