@@ -152,3 +152,28 @@ def test_a_cache_root_another_user_made_first_is_refused(tmp_path: Path, monkeyp
         cache_root()
     os.rmdir(planted)
     assert cache_root() == planted and (planted.stat().st_mode & 0o777, planted.stat().st_uid) == (0o700, os.getuid())
+
+
+# ---- the download cache: unused entries go at the next start ------------------------------------------
+
+def test_downloads_unused_for_days_are_removed_at_start(tmp_path: Path, monkeypatch) -> None:
+    """A finished run's cached checkpoint versions and export stayed on every node forever (~25 GB a
+    run). At start, download entries nobody used for DOWNLOAD_STALE_S go; a recent one, and anything
+    not named as a download entry, stays."""
+    import time
+
+    from app.storage import local_cache
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    root = local_cache.cache_root()
+    downloads = root / local_cache.DOWNLOADS
+    downloads.mkdir()
+    old, recent, other = downloads / "0123456789ab-aaaaaaaaaaaa", downloads / "0123456789ab-bbbbbbbbbbbb", downloads / "notes"
+    for folder in (old, recent, other):
+        (folder / "files").mkdir(parents=True)
+        (folder / "files" / "w.bin").write_bytes(b"x" * 100)
+    now = time.time()
+    for folder in (old, other):
+        os.utime(folder, (now - local_cache.DOWNLOAD_STALE_S - 60,) * 2)
+    removed = local_cache.clean_stale(root, now=now)
+    assert removed == [old.name] and not old.exists() and recent.is_dir() and other.is_dir()

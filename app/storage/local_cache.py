@@ -31,11 +31,15 @@ from urllib.parse import urlsplit, urlunsplit
 
 KEEP_VERSIONS = 2  # checkpoint versions kept per run root: the one in use and the one replacing it
 LEGACY_STALE_S = 6 * 3600  # staging named before owners were recorded: stale once this old
+# A download no process used for this long (a finished run's checkpoint versions and exports) is removed
+# at the next start: each entry is marked when used, and a run resumes from its cache within days.
+DOWNLOAD_STALE_S = 3 * 24 * 3600
 STAGING_KINDS = ("stage-", ".fetch-", ".swap-")
 DOWNLOADS = "downloads"
 _TAG = re.compile(r"-(?P<pid>\d+)@(?P<host>.+)-[^-]+$")  # ...-<pid>@<host>-<mkdtemp's random part>
 _LEGACY_VERSION_CACHE = re.compile(r"v-[0-9a-f]{12}-[0-9a-f]{12}")  # the old layout: one folder per version
 _VERSION_TAIL = re.compile(r"/(?P<name>[^/]+)/v-[0-9a-f]{12}$")
+_DOWNLOAD_ENTRY = re.compile(r"[0-9a-f]{12}-[0-9a-f]{12}")  # <family>-<entry> digests: `download_entry`
 _cleaned: set[str] = set()
 
 
@@ -86,13 +90,18 @@ def pid_alive(pid: int) -> bool:
 
 def clean_stale(root: Path | None = None, now: float | None = None) -> list[str]:
     """Remove staging folders and partial downloads whose owner is gone (a SIGKILL mid-save leaves them),
-    and the old layout's per-version download copies. Looks at the cache root and one level below
-    (each run's cache folder, the downloads). Returns what it removed (names)."""
+    the old layout's per-version download copies, and downloads unused for `DOWNLOAD_STALE_S` (only
+    names `download_entry` makes). Looks at the cache root and one level below (each run's cache
+    folder, the downloads). Returns what it removed (names)."""
     root = cache_root() if root is None else root
     now = time.time() if now is None else now
     done: list[str] = []
     for folder in [root, *_subfolders(root)]:
         for entry in _scan(folder):
+            if folder == root / DOWNLOADS and _unused_download(entry, now):
+                _remove(Path(entry.path))
+                done.append(entry.name)
+                continue
             if not entry.name.startswith(STAGING_KINDS) and not (folder == root and _legacy_version_cache(entry)):
                 continue
             if entry.is_symlink():  # planted: drop the link, never what it points to
@@ -139,6 +148,14 @@ def _legacy_version_cache(entry: os.DirEntry) -> bool:
     if not (_LEGACY_VERSION_CACHE.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)):
         return False
     return {e.name for e in _scan(Path(entry.path)) if not e.name.startswith(STAGING_KINDS)} <= {"files"}
+
+
+def _unused_download(entry: os.DirEntry, now: float) -> bool:
+    """A download entry of ours (its name, a real folder, this user's) not used for DOWNLOAD_STALE_S."""
+    if not (_DOWNLOAD_ENTRY.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)):
+        return False
+    info = entry.stat(follow_symlinks=False)
+    return info.st_uid == os.getuid() and now - info.st_mtime > DOWNLOAD_STALE_S
 
 
 def _remove(path: Path) -> None:
