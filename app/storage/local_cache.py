@@ -11,7 +11,8 @@ a node ever resumed from stays cached, and an export was copied anew on every lo
   can tell a dead owner's leftovers from a live one's (`clean_stale`, once per process: `clean_stale_once`);
 - downloads live in `<cache_root>/downloads/<family>-<entry>/` (`files/` and `manifest.json`); an entry
   is installed whole by a rename (or an atomic exchange with the copy it replaces) and, per family (the
-  versions of one checkpoint root, or one export folder), only the `keep` most recently used stay.
+  versions of one checkpoint root, or one export folder), only the `keep` most recently used stay;
+  an entry no process used for `DOWNLOAD_STALE_S` (a finished run's) is removed at the next start.
 
 Nothing here follows a symlink: a planted link is unlinked, never entered.
 """
