@@ -118,13 +118,15 @@ def test_dockerfile_installs_the_project():
 
 
 def test_dockerfile_installs_the_extras_it_is_given():
-    """--build-arg EXTRAS=nixl must reach the dependency layer's pip install, and the default installs none."""
+    """--build-arg EXTRAS=nixl must reach the dependency layer's pip install, and the default installs s3 (boto3:
+    the exact run lease on an s3:// checkpoint.dir), an extra pyproject declares."""
     text = (DOCKER / "Dockerfile").read_text()
-    assert re.search(r'^ARG EXTRAS=""$', text, re.M)
+    assert re.search(r'^ARG EXTRAS="s3"$', text, re.M)
+    assert re.search(r'^s3 = \["boto3', (DOCKER.parent / "pyproject.toml").read_text(), re.M)
     dependency_install = re.search(r'pip install "(\.[^"]*)"', text)
     assert dependency_install, "the dependency layer does not install the project with its extras"
     spec = dependency_install.group(1)
-    for extras, expected in (("", "."), ("nixl", ".[nixl]")):
+    for extras, expected in (("", "."), ("s3", ".[s3]"), ("nixl", ".[nixl]")):
         shell = subprocess.run(["sh", "-c", f'EXTRAS="{extras}"; echo "{spec}"'], capture_output=True, text=True, check=True)
         assert shell.stdout.strip() == expected
 

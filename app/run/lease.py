@@ -101,8 +101,8 @@ class RunLease:
         if self._conditional is not None:
             self._acquire_conditional()
         elif is_uri(self.root) and urlsplit(self.root).scheme != "file":
-            warnings.warn(f"checkpoint.dir={redact(self.root)}: no conditional write here (install boto3 for s3://), so "
-                          "two runs starting at the same moment could both take the lease; start one run per folder")
+            warnings.warn(f"checkpoint.dir={redact(self.root)}: no conditional write here (for s3://: pip install "
+                          "'dflash-ray[s3]'), so two runs starting at the same moment could both take the lease; start one run per folder")
             self._acquire_uri()
         else:
             self._acquire_local()

@@ -33,7 +33,7 @@ from app.bench.common import add_overrides, bench_config, map_in_processes, prin
 
 # conf/smol.yaml's drafter, target layers, buckets and optimiser (what `make smol` trains), fed from the
 # bench's own pre-tokenized records; one drafter, so a step is one job, as in the Ray run's config.
-SMOL_BUDGET = ["data.format=tokenized", "data.eval_prompts=", "topology.num_drafters=1", "train.grad_accum=1",
+SMOL_BUDGET = ["data.format=tokenized", "data.eval_prompts=''", "topology.num_drafters=1", "train.grad_accum=1",
                "train.sample_every=0"]
 REFERENCES = ("untrained", "zero_features", "ngram", "prompt_lookup")
 GOAL = 0.5  # the trained drafter must beat the best training-free reference by this much tau (mean over seeds)
