@@ -11,6 +11,8 @@ outside it, so the copy overlaps the next job's forward. On CPU one call at a ti
 """
 from __future__ import annotations
 
+import contextlib
+
 import os
 import threading
 import time
@@ -117,7 +119,8 @@ class TargetActor:
             weights = with_retries(lambda: ray.get(weights[0]), transient_object_errors())
         # The pool pauses this target's jobs (the ones it held finish first); on CPU the evaluation
         # yields the cores to training.
-        with self.compute_lock, background_priority(self.device):
+        lowered = background_priority(self.device) if spec.background else contextlib.nullcontext()
+        with self.compute_lock, lowered:
             result, drafter, arch = evaluate_drafter(self.model, self.model_dir, self.layer_ids, step, weights, spec,
                                                      self.device, self.dtype, self.greedy_references)
         exported = export_best(drafter, arch, best_dir, step, result.tau, export_dtype(spec.export_dtype)) \

@@ -89,3 +89,16 @@ def test_race_exported_times_both_decoders_on_the_same_prompts_with_identical_ou
     assert line.prompts == 2 and line.identical
     assert line.speedup == pytest.approx(line.spec_tok_s / line.greedy_tok_s)
     assert line.greedy_tok_s > 0 and line.spec_tok_s > 0 and line.tau >= 1.0
+
+
+def test_the_end_of_run_measures_at_normal_priority_the_run_in_the_idle_class() -> None:
+    """The end of the run has the cores: its evaluations must not run in the idle class, which gets no CPU while
+    anything else runs on the machine (the smol run's final tau timed out that way beside another process)."""
+    clock, seen = _Clock(), []
+    target = _RacingTarget(clock, seconds=1.0, tau=2.0, race_s=1.0)
+    plain = target.remote
+    target.evaluate_weights = type("E", (), {"remote": staticmethod(lambda *a: seen.append(a[2].background) or plain(*a))})
+    spec = _spec(0)
+    assert spec.background  # what the runner's evaluations during the run get
+    FinalTau(spec, 10.0, clock, log=lambda _m: None, get=_fake_get(clock)).measure([(0, target)], "/x", 1)
+    assert seen == [False, False]

@@ -40,6 +40,9 @@ class EvalSpec:
     seed: int
     eos_token_id: int | None
     export_dtype: str = "bfloat16"
+    # On CPU, measure in the idle scheduling class (`background_priority`): during the run training has the cores.
+    # The end of the run measures with False: idle-class threads get no CPU at all while anything else runs.
+    background: bool = True
 
 
 def stop_token(eos_token_ids: tuple[int, ...]) -> int | None:

@@ -9,6 +9,7 @@ None with the reason, so the summary is written whatever happens here.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -42,7 +43,9 @@ class FinalTau:
 
     def __init__(self, spec: EvalSpec, timeout_s: float, clock: Callable[[], float], log: Callable[[str], None],
                  get: Callable[[Any, float], Any] | None = None) -> None:
-        self.spec, self.timeout_s, self.clock, self.log = spec, timeout_s, clock, log
+        # Training is over: measure at normal priority (an idle-class thread starves beside any other process).
+        self.spec = dataclasses.replace(spec, background=False)
+        self.timeout_s, self.clock, self.log = timeout_s, clock, log
         self._get = get or _ray_get
         self._hung: set[int] = set()  # targets that gave no answer in time: the other measurement skips them
 
