@@ -102,3 +102,23 @@ def test_the_end_of_run_measures_at_normal_priority_the_run_in_the_idle_class() 
     assert spec.background  # what the runner's evaluations during the run get
     FinalTau(spec, 10.0, clock, log=lambda _m: None, get=_fake_get(clock)).measure([(0, target)], "/x", 1)
     assert seen == [False, False]
+
+
+def test_a_dead_target_is_passed_over_for_the_race() -> None:
+    """The target picked first died after training (its call raises): the race runs on the next live one."""
+    from ray.exceptions import RayActorError
+
+    clock = _Clock()
+    dead = _RacingTarget(clock, seconds=1.0, tau=2.0, race_s=1.0)
+
+    class _Dead:
+        @staticmethod
+        def remote(*_a):
+            raise RayActorError()
+
+    dead.race_weights = _Dead
+    alive = _RacingTarget(clock, seconds=1.0, tau=2.0, race_s=1.0)
+    result = FinalTau(_spec(2), 10.0, clock, log=lambda _m: None, get=_fake_get(clock)).measure(
+        [(0, dead), (1, alive)], "/x", 1)
+    assert result.race == {"speedup": 1.5, "identical": True} and alive.raced == [("/x", 2)]
+    assert result.reason is None

@@ -77,21 +77,23 @@ class FinalTau:
         return TauResult(tau_u, tau_t, reason or None, race)
 
     def _race(self, alive: list[tuple[int, Any]], export_dir: str) -> tuple[dict | None, str | None]:
-        """The exported drafter against the target alone on one live target that has not hung, within
-        eval.timeout_s (TargetActor.race_weights)."""
+        """The exported drafter against the target alone on the first live target that has not hung and
+        answers within eval.timeout_s (TargetActor.race_weights); a dead one is passed over for the next."""
         from ray.exceptions import GetTimeoutError, RayError
 
+        errors = []
         for tid, handle in alive:
             if tid in self._hung:
                 continue
             try:
                 return self._get(handle.race_weights.remote(export_dir, self.spec), self.timeout_s), None
             except GetTimeoutError:
-                self._hung.add(tid)
-                return None, f"target {tid} gave no answer within eval.timeout_s={self.timeout_s:g} s"
+                self._hung.add(tid)  # a hung race holds its target: trying another would double the wait
+                errors.append(f"target {tid} gave no answer within eval.timeout_s={self.timeout_s:g} s")
+                break
             except RayError as exc:
-                return None, f"target {tid}: {last_line(exc)}"
-        return None, "every live target hung in a tau measurement"
+                errors.append(f"target {tid}: {last_line(exc)}")
+        return None, "; ".join(errors) or "every live target hung in a tau measurement"
 
     def _first_answer(self, candidates: list[tuple[int, Any]], step: int, weights: Any,
                       first: tuple[Any, float] | None) -> tuple[float | None, str | None]:
