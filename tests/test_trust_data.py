@@ -6,26 +6,14 @@ tokenizer of tests/chat_toys.py.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import pytest
 
-from app.config.schema import DataConfig
 from app.data.chat_mask import tokenize_conversation
 from app.data.dataset import load_dataset, load_eval_prompts
 from app.data.records import DataError, MalformedRecord
 from tests.chat_toys import QWEN_TEMPLATE, QWEN_TEMPLATE_MARKED, THREE_TURNS, bpe_tokenizer
-
-
-def _write_jsonl(path, records) -> str:
-    with open(path, "w") as f:
-        for r in records:
-            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
-    return str(path)
-
-
-def _cfg(**kw) -> DataConfig:
-    return replace(DataConfig(), **{"max_length": 512, **kw})
+from tests.test_data import _cfg, _write_jsonl
 
 
 # ---- C5: special tokens written as text ---------------------------------------------------------------
