@@ -20,6 +20,7 @@ from actors.drafter_ops import RankOps
 from app.devices import compute_dtype, limit_threads, pick_device
 from app.faults import fire_once
 from app.messages import DrafterPhase, DrafterProgress
+from app.storage import fence
 from app.training.checkpoint import TrainState, load_checkpoint, restore_rng, rng_state, save_checkpoint, state_checksum
 from app.training.checkpoint import GENERATION_KEY
 from app.training.drafter_io import DrafterResult, DrafterSetup
@@ -35,6 +36,7 @@ class DrafterActor:
     def __init__(self, rank: int, setup: DrafterSetup, pool) -> None:
         limit_threads(setup.num_cpus)
         self.rank, self.cfg, self.pool = rank, setup, pool
+        fence.join(setup.checkpoint.dir, setup.fence_token)  # publishes under its run's lease token (app/storage/fence.py)
         self.rendezvous = Rendezvous()
         self.step_log = StepLog(setup.step_log) if rank == 0 and setup.step_log else None  # rank 0 writes it
         self.device = pick_device(setup.device)
@@ -152,10 +154,15 @@ class DrafterActor:
                            scheduler=t.scheduler.state_dict(), rng=rng_state(),
                            extra={"data_fingerprint": self.cfg.data_fingerprint,
                                   GENERATION_KEY: self.cfg.group_generation})
-        return str(save_checkpoint(self.cfg.checkpoint.dir, state, self.cfg.checkpoint.keep))
+        with fence.stop_when_fenced():  # another run holds the folder now: one line, and this rank ends
+            return str(save_checkpoint(self.cfg.checkpoint.dir, state, self.cfg.checkpoint.keep))
 
     def export(self) -> str:
         """Rank 0: the drafter as an HF folder at `<checkpoint.dir>/drafter` (uploaded when a URI)."""
+        with fence.stop_when_fenced():  # another run holds the folder now: one line, and this rank ends
+            return self._export()
+
+    def _export(self) -> str:
         from app.model.export import export_drafter, export_dtype, publish_export
         from app.storage.roots import is_uri, open_storage
 

@@ -6,9 +6,11 @@ same folder. So every new holder of the lease raises a counter, `<root>/.run-fen
 holder writes it, so the counter only grows), and each process that writes entries into the root
 holds the token it saw first:
 
-- the driver adopts its lease's token (`adopt`);
-- any other process (a drafter rank) takes the value current at its first write (`note`, `check`): its
-  run's driver started it, so that is its run's token (rank 0 writes its probe at each group start);
+- the driver adopts its lease's token (`adopt`) and hands it to each drafter rank it starts
+  (`DrafterSetup.fence_token`, read here with `held`); the rank adopts it when it is made (`join`), so a
+  rank whose first write comes after another run took the folder (a rank restarted, or one that had
+  not written yet, while its driver was stopped) still writes under its own run's token;
+- any other process takes the value current at its first write (`note`, `check`);
 - before every publish (a checkpoint, the export) `check` reads the counter again and raises
   `FencedOut` when it is newer than the process's token: another run holds the folder now.
 
@@ -17,6 +19,9 @@ A root that no lease ever touched has no counter: nothing is fenced (tests, tool
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 FENCE_FILE = ".run-fence"
 _mine: dict[str, int] = {}  # root -> the token this process writes under
@@ -42,6 +47,18 @@ def adopt(root, token: int) -> None:
     _mine[_key(root)] = int(token)
 
 
+def held(root) -> int:
+    """The token this process writes `root` under (0: none yet); the driver passes it to its ranks."""
+    return _mine.get(_key(root), 0)
+
+
+def join(root, token: int) -> None:
+    """A writer started by the run holding `token` (a drafter rank, from its setup message): it writes
+    under that token from its first write on. 0 (a root no lease touched) leaves the first write's rule."""
+    if token > 0:
+        adopt(root, token)
+
+
 def note(store) -> None:
     """At a process's first write into the root: the counter then is its token (one read per process)."""
     if _key(store.root) not in _mine:
@@ -56,3 +73,15 @@ def check(store) -> None:
     if now > mine:
         raise FencedOut(f"another run took the lease on {store.location('')} (fencing token {now}, this run's is "
                         f"{mine}): this run must not write there any more; it stops")
+
+
+@contextmanager
+def stop_when_fenced(exit: Callable[[int], None] = os._exit, err=None) -> Iterator[None]:
+    """Around a rank's publish: a `FencedOut` is one line on stderr and the process ends (exit 2), as the
+    driver does when it finds its lease taken: nothing of this run may write the folder any more."""
+    try:
+        yield
+    except FencedOut as exc:
+        print(f"run stopped: {exc}", file=err or sys.stderr, flush=True)
+        exit(2)
+        raise  # only reached with an `exit` that returns (tests)

@@ -35,6 +35,7 @@ class DrafterSetup:
     step_log: str | None = None  # rank 0 appends each step's job ids here (logging.step_log, app/training/step_log.py)
     group_generation: int = 0  # stamped into each checkpoint: a rebuild ignores a killed group's late ones
     max_payload_bytes: int = 0  # the run's largest job payload: the stager's pinned buffers, allocated once at it
+    fence_token: int = 0  # the driver's lease token: rank 0 publishes under it, refused once a newer run holds the folder
 
 
 @dataclass(frozen=True)

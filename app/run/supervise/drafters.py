@@ -235,6 +235,7 @@ class DrafterGroup:
         check_probe(self.cfg.checkpoint.dir, name, token, where)
 
     def _setup(self, resume_from: str | None, bundles: list[int] | None):
+        from app.storage import fence
         from app.training.drafter_io import DrafterSetup
 
         p, cfg = self.plan, self.cfg
@@ -248,4 +249,5 @@ class DrafterGroup:
             data_fingerprint=p.data_fingerprint, eval_every_steps=cfg.eval.every_steps,
             step_log=str(self.step_log.path) if self.step_log else None, group_generation=self.generation,
             max_payload_bytes=p.jobs.max_payload_bytes(),
+            fence_token=fence.held(cfg.checkpoint.dir),  # the lease's token: a rank of a fenced-out run publishes nothing
         )
