@@ -22,8 +22,11 @@ only when it issues it. `add_jobs(list[JobSpec])` keeps each JobSpec as given, f
 
 Config values arrive checked (`app/config/schema.py`); the asserts here guard internal invariants.
 
-The module runs a little past 300 lines on purpose: the HSPool class is 260, and this docstring is the map of
-the pool's parts that a reader needs before any of them.
+Several drafter runs on one capture stream keep one HSPool each under `stream.py` (the producing side
+for all of them), which reaches in through `stream_side` and `job_state`.
+
+The module runs past 300 lines on purpose: the HSPool class is 270, and this docstring is the map of the
+pool's parts that a reader needs before any of them.
 """
 from __future__ import annotations
 
@@ -48,7 +51,7 @@ from app.pool.queue import JobQueue
 from app.pool.recovery import Recovery
 from app.pool.rounds import RoundTracker
 from app.pool.serving import Serving
-from app.pool.states import JobStates
+from app.pool.states import JobState, JobStates
 from app.pool.stats import PoolStats
 from app.pool.telemetry import PoolTelemetry
 
@@ -68,11 +71,13 @@ class HSPool:
         accum: int = 1,
         queue: Callable[[JobCatalog], JobQueue] = JobQueue,
         broken_after: int = 3,
+        on_change: Callable[[], None] | None = None,
     ) -> None:
         """`pull_policy`: None = `cfg.pull_policy`. `ranks` (drafters in the group; None = as many
         as pull) and `accum` (train.grad_accum) size a global step for the policy. `queue` builds
         the job queue over the catalog (a test passes a reference queue). `broken_after`: raises in a
-        row that make a target broken (supervision.broken_target_raises; see `strikes.py`)."""
+        row that make a target broken (supervision.broken_target_raises; see `strikes.py`). `on_change`:
+        called on every state change (the shared stream of several runs wakes its dispatch with it)."""
         assert num_buckets >= 1, num_buckets
         self.cfg = cfg
         self.num_buckets = num_buckets
@@ -99,6 +104,7 @@ class HSPool:
                                   self._states, self._catalog, self._queue, self._buffer, self._budget,
                                   self._ledger, self._wake, self._buffer_changed)
         self._event = asyncio.Event()
+        self._on_change = on_change
 
     # ---- producing side -------------------------------------------------------------------
 
@@ -152,6 +158,14 @@ class HSPool:
         in `stats().quarantined`), or not charged when the target is broken (`stats().broken_targets`);
         the rules: `Production.raised`. A target dying is `job_failed` instead."""
         return self._production.raised(target_id, job_id, error)
+
+    def stream_side(self) -> Production:
+        """The production part, for the shared stream of several runs (`stream.py`): it picks a job with
+        `candidate`, checks `fits` and `issue`s it to every run that still needs it."""
+        return self._production
+
+    def job_state(self, job_id: int) -> JobState | None:
+        return self._states.get(job_id)
 
     @property
     def broken_after(self) -> int:
@@ -310,6 +324,8 @@ class HSPool:
         # wait on the new event, so no wake-up is lost and none spins.
         ev, self._event = self._event, asyncio.Event()
         ev.set()
+        if self._on_change is not None:
+            self._on_change()
 
     # ---- internals ------------------------------------------------------------------------
 

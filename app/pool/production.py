@@ -76,6 +76,9 @@ class Production:
                  budget: Budget, tel: PoolTelemetry, clock: Callable[[], float],
                  changed: Callable[[], None], broken_after: int = 3) -> None:
         """`broken_after`: raises in a row that make a target broken (supervision.broken_target_raises)."""
+        # Several drafter runs on one stream (`stream.py`): the stream's own budget, counting a shared
+        # ref once, must also admit a job; None for a pool of its own.
+        self.gate: Callable[[int], bool] | None = None
         self.jobs_per_target = jobs_per_target
         self.in_flight = InFlight()
         self.quarantined: dict[int, str] = {}  # job id -> error of its last failure
@@ -101,18 +104,46 @@ class Production:
         job = self._choose(target_id)
         if job is None:
             return None
-        reserve = self._budget.reservation(job)
-        if not self._budget.fits(self.items_held, reserve):
+        if not self.fits(job):
             return None
         if job.job_id in self.retries:
             self.retries.remove(job.job_id)
         else:
             self._queue.pop()
+        self._start(job, target_id)
+        return job
+
+    def candidate(self, target_id: int) -> JobSpec | None:
+        """The job `next_job` would consider for this target, issuing nothing and checking no budget."""
+        if target_id in self.strikes.broken or self.in_flight.count(target_id) >= self.jobs_per_target:
+            return None
+        return self._choose(target_id)
+
+    def reservation(self, job: JobSpec) -> int:
+        return self._budget.reservation(job)
+
+    def fits(self, job: JobSpec) -> bool:
+        """Whether the budget (and the stream's gate, if any) admits this job now."""
+        reserve = self._budget.reservation(job)
+        return self._budget.fits(self.items_held, reserve) and (self.gate is None or self.gate(reserve))
+
+    def issue(self, job: JobSpec, target_id: int) -> None:
+        """Put this pending job (the head, a re-try, or any queued one: another run of the stream chose
+        it) in flight on the target; the caller checked `fits`."""
+        assert self._states.get(job.job_id) is JobState.PENDING, f"job {job.job_id} is not pending"
+        if job.job_id in self.retries:
+            self.retries.remove(job.job_id)
+        else:
+            self._queue.remove({job.job_id})
+        self.strikes.saw(target_id)
+        self._start(job, target_id)
+
+    def _start(self, job: JobSpec, target_id: int) -> None:
+        reserve = self._budget.reservation(job)
         self.in_flight.start(job, target_id, self._clock(), reserve)
         self._budget.reserve(reserve)
         self._states.move(job.job_id, JobState.IN_FLIGHT)
         self._changed()
-        return job
 
     def land(self, target_id: int, meta: ItemMeta, payload: Any) -> bool:
         """Buffer the item; False for a stale result (not in flight on this target)."""
@@ -185,7 +216,13 @@ class Production:
         job = self._queue.peek() or (self._queue.catalog.spec(self.retries[0]) if self.retries else None)
         if self.in_flight or job is None:
             return False
-        return not self._budget.fits(self.items_held, self._budget.reservation(job))
+        reserve = self._budget.reservation(job)
+        if not self._budget.fits(self.items_held, reserve):
+            return True
+        # Blocked only by the stream's shared budget: drain only while this run's own leases are part of
+        # what holds it (it acks them after the step); with none, it waits for the other runs instead of
+        # stepping on nothing.
+        return self.gate is not None and self._budget.leased > 0 and not self.gate(reserve)
 
     def _choose(self, target_id: int) -> JobSpec | None:
         """A re-try this target did not fail yet, else the queue's head, else a re-try it failed that

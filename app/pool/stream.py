@@ -1,0 +1,209 @@
+"""Several drafter runs on one capture stream: a plain class, no Ray.
+
+A sweep (`runs:` in the config, `app/config/sweep_section.py`) trains several drafters on the same
+data, schedule and targets. `SharedStream` keeps one `HSPool` per run (its own queue, buffer, leases,
+ledger, rollbacks, end-of-stream: everything a run's drafter group sees is what a single run sees) and
+is the producing side for all of them: a target forward runs once for every run that still needs the
+job, and its payload ref goes to each of those runs' buffers. The ref lives while any run holds it
+(Ray counts the references), so it is freed once every run has pulled and acked it.
+
+Issuing a job (`next_job`): each run's pool names the job it would issue next (`candidate`); the job
+goes to every run where it is still pending, and only when it fits every one of them and the stream's
+own budget. That budget counts a ref shared by several runs once: items = jobs buffered or in flight in
+any run, bytes = jobs held (in flight, buffered or leased) in any run. Per run, exactly-once stays the
+run's own ledger; a job is done for the stream when every run acked it.
+
+A slower or dead run: the fast runs wait, bounded by the budget. While one run's buffer holds the
+budget, no new job is issued, so the others starve (a dead run's drafters are rebuilt by the supervisor
+as in a single run, and it drains its buffer). Nothing is recomputed for the slow run's sake, and no
+run trains ahead of the budget. A run whose own leases are part of what holds the shared budget drains
+its step (`Production.stalled`), as a single run does when its leases hold its own budget.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from app.config.schema import PoolConfig
+from app.data.schedule import EpochJobs
+from app.messages import ItemMeta, JobSpec
+from app.pool.hs_pool import HSPool
+from app.pool.states import JobState
+
+_HELD = (JobState.IN_FLIGHT, JobState.BUFFERED, JobState.LEASED)  # a run holds the job's ref (or reservation)
+_COUNTED = (JobState.IN_FLIGHT, JobState.BUFFERED)  # and counts it against pool.capacity (leases do not)
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What one run's pool needs to size a global step: its drafter ranks and train.grad_accum."""
+
+    ranks: int
+    accum: int
+
+
+@dataclass
+class _Issue:
+    """One forward of a job: on which target, for which runs."""
+
+    target_id: int
+    runs: list[str]
+
+
+class SharedStream:
+    """One producing side (targets, shared budget) over one `HSPool` per run."""
+
+    def __init__(self, cfg: PoolConfig, num_buckets: int, runs: dict[str, RunShape], pull_policy: Any = None,
+                 clock: Callable[[], float] = time.monotonic, broken_after: int = 3) -> None:
+        assert runs, "a stream needs a run"
+        self.cfg = cfg
+        self.pools = {name: HSPool(cfg, num_buckets, pull_policy=pull_policy, clock=clock, ranks=shape.ranks,
+                                   accum=shape.accum, broken_after=broken_after, on_change=self._wake)
+                      for name, shape in runs.items()}
+        for pool in self.pools.values():
+            pool.stream_side().gate = self._fits_shared
+        self._in_flight: dict[int, list[_Issue]] = {}  # job id -> its forwards in flight
+        self._held: dict[int, int] = {}  # job id -> bytes (reservation, then payload) while any run holds it
+        self.forwards = 0  # target forwards issued (one per job and production, whatever the runs)
+        self.forwards_by_runs: dict[int, int] = {}  # how many runs each forward fed -> forwards
+        self._event = asyncio.Event()
+        self._waking = False
+
+    def pool(self, run: str) -> HSPool:
+        return self.pools[run]
+
+    # ---- jobs in: every run gets the same schedule ---------------------------------------------
+
+    def add_jobs(self, jobs: Iterable[JobSpec]) -> int:
+        jobs = list(jobs)
+        return max(pool.add_jobs(jobs) for pool in self.pools.values())
+
+    def add_epoch(self, jobs: EpochJobs, bytes_per_token: int = 0) -> int:
+        return max(pool.add_epoch(jobs, bytes_per_token) for pool in self.pools.values())
+
+    def finish_adding(self) -> None:
+        for pool in self.pools.values():
+            pool.finish_adding()
+
+    # ---- the producing side (the pool actor's dispatch loop and PoolControl call these) -----------
+
+    def next_job(self, target_id: int) -> JobSpec | None:
+        """The next job for this target, issued to every run that still needs it; None when the target's
+        slots are full, no run has a job, or the first job on offer does not fit a run that needs it."""
+        if self.in_flight_count(target_id) >= self.cfg.jobs_in_flight_per_target:
+            return None
+        for pool in self.pools.values():
+            job = pool.stream_side().candidate(target_id)
+            if job is None:
+                continue
+            needers = [name for name, p in self.pools.items() if p.job_state(job.job_id) is JobState.PENDING]
+            if not all(self.pools[name].stream_side().fits(job) for name in needers):
+                continue  # a run that needs it is full: wait for it (another run's own job may still fit)
+            reserve = max(self.pools[name].stream_side().reservation(job) for name in needers)
+            for name in needers:
+                self.pools[name].stream_side().issue(job, target_id)
+            self._in_flight.setdefault(job.job_id, []).append(_Issue(target_id, needers))
+            self._held[job.job_id] = max(self._held.get(job.job_id, 0), reserve)
+            self.forwards += 1
+            self.forwards_by_runs[len(needers)] = self.forwards_by_runs.get(len(needers), 0) + 1
+            return job
+        return None
+
+    def job_done(self, target_id: int, meta: ItemMeta, payload: Any) -> bool:
+        """The forward landed: its payload ref goes to every run it was issued for. False when stale."""
+        issue = self._pop(target_id, meta.job_id)
+        if issue is None:
+            return False
+        self._held[meta.job_id] = meta.nbytes
+        landed = [self.pools[name].job_done(target_id, meta, payload) for name in issue.runs]
+        return any(landed)
+
+    def job_failed(self, target_id: int, job_id: int) -> bool:
+        issue = self._pop(target_id, job_id)
+        return issue is not None and any([self.pools[n].job_failed(target_id, job_id) for n in issue.runs])
+
+    def job_raised(self, target_id: int, job_id: int, error: str) -> bool:
+        issue = self._pop(target_id, job_id)
+        return issue is not None and any([self.pools[n].job_raised(target_id, job_id, error) for n in issue.runs])
+
+    @property
+    def broken_after(self) -> int:
+        return next(iter(self.pools.values())).broken_after
+
+    def target_broken(self, target_id: int) -> bool:
+        return any(pool.target_broken(target_id) for pool in self.pools.values())
+
+    def target_added(self, target_id: int) -> None:
+        for pool in self.pools.values():
+            pool.target_added(target_id)
+
+    def target_lost(self, target_id: int) -> list[int]:
+        """The target died: its forwards go back to the front of every run's queue that was waiting for them."""
+        for job_id in [j for j, issues in self._in_flight.items() if any(i.target_id == target_id for i in issues)]:
+            self._pop(target_id, job_id)
+        ids: set[int] = set()
+        for pool in self.pools.values():
+            ids.update(pool.target_lost(target_id))
+        return sorted(ids)
+
+    def in_flight_count(self, target_id: int) -> int:
+        """Forwards on this target (one per job, whatever the runs it feeds)."""
+        return sum(1 for issues in self._in_flight.values() for i in issues if i.target_id == target_id)
+
+    # ---- the shared budget ------------------------------------------------------------------------
+
+    def held(self) -> tuple[int, int]:
+        """(items, bytes) the stream holds, a ref shared by several runs counted once: items buffered or
+        in flight in any run; bytes of jobs in flight, buffered or leased in any run."""
+        items = total = 0
+        for job_id in list(self._held):
+            states = [pool.job_state(job_id) for pool in self.pools.values()]
+            if not any(s in _HELD for s in states):
+                del self._held[job_id]  # every run acked it (or gave it back): its ref is gone
+                continue
+            total += self._held[job_id]
+            items += any(s in _COUNTED for s in states)
+        return items, total
+
+    def _fits_shared(self, reserve: int) -> bool:
+        items, total = self.held()
+        return items < self.cfg.capacity and total + reserve <= self.cfg.capacity_bytes
+
+    # ---- done, change notification ----------------------------------------------------------------
+
+    @property
+    def done(self) -> bool:
+        """Every run acked every job (or quarantined it)."""
+        return all(pool.done for pool in self.pools.values())
+
+    async def wait_changed(self) -> None:
+        await self._event.wait()
+
+    def notify(self) -> None:
+        self._wake()
+
+    def _wake(self) -> None:
+        # Any run's change may free the shared budget for another, so every run's waiting pulls look again
+        # (a run that holds leases then drains; see Production.stalled). Re-entered from the pools' wakes.
+        if self._waking:
+            return
+        self._waking = True
+        try:
+            ev, self._event = self._event, asyncio.Event()
+            ev.set()
+            for pool in self.pools.values():
+                pool.notify()
+        finally:
+            self._waking = False
+
+    def _pop(self, target_id: int, job_id: int) -> _Issue | None:
+        issues = self._in_flight.get(job_id, [])
+        issue = next((i for i in issues if i.target_id == target_id), None)
+        if issue is not None:
+            issues.remove(issue)
+            if not issues:
+                del self._in_flight[job_id]
+        return issue
