@@ -41,7 +41,7 @@ from urllib.parse import urlsplit
 from app.config.errors import ConfigError, UserError
 from app.storage import fence
 from app.storage.conditional import conditional_store
-from app.storage.local_cache import pid_alive
+from app.storage.local_cache import forget_downloads, pid_alive
 from app.storage.roots import is_uri, open_storage, redact, root_problem
 
 LEASE_FILE = ".run-lease"
@@ -207,7 +207,8 @@ class RunLease:
             self._refuse(now or {})
 
     def release(self) -> None:
-        """Stop the heartbeat and drop the lease if it is still ours."""
+        """Stop the heartbeat, drop the lease if it is still ours, and (URI roots) this run's downloads
+        on this node (app/storage/local_cache.py `forget_downloads`)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
@@ -218,6 +219,8 @@ class RunLease:
                 open_storage(self.root).remove_file(LEASE_FILE)
             else:
                 (Path(self.root) / LEASE_FILE).unlink(missing_ok=True)
+        if is_uri(self.root):  # the run ends here: its downloaded checkpoint versions and exports leave this node's disk
+            forget_downloads(open_storage(self.root).base)
 
     # ---- heartbeat -----------------------------------------------------------------------------
 

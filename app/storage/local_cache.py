@@ -12,7 +12,10 @@ a node ever resumed from stays cached, and an export was copied anew on every lo
 - downloads live in `<cache_root>/downloads/<family>-<entry>/` (`files/` and `manifest.json`); an entry
   is installed whole by a rename (or an atomic exchange with the copy it replaces) and, per family (the
   versions of one checkpoint root, or one export folder), only the `keep` most recently used stay;
-  an entry no process used for `DOWNLOAD_STALE_S` (a finished run's) is removed at the next start.
+  over all families the node keeps `KEEP_DOWNLOADS` entries (`bound_downloads`, at each install and at
+  start; one used within `BUSY_S` stays, a live process may read it); a run's own entries are removed
+  when it ends (`forget_downloads`, from the lease's release); an entry no process used for
+  `DOWNLOAD_STALE_S` (a finished run's elsewhere) is removed at the next start.
 
 Nothing here follows a symlink: a planted link is unlinked, never entered.
 """
@@ -35,6 +38,10 @@ LEGACY_STALE_S = 6 * 3600  # staging named before owners were recorded: stale on
 # A download no process used for this long (a finished run's checkpoint versions and exports) is removed
 # at the next start: each entry is marked when used, and a run resumes from its cache within days.
 DOWNLOAD_STALE_S = 3 * 24 * 3600
+# The node's bound over every run's downloads (each a checkpoint version or an export, GBs each): the
+# entries of two runs resuming here at once (a version in use, its replacement, an export each) fit.
+KEEP_DOWNLOADS = 6
+BUSY_S = 600  # an entry used this recently may be in a live process's hands: never evicted for the bound
 STAGING_KINDS = ("stage-", ".fetch-", ".swap-")
 DOWNLOADS = "downloads"
 _TAG = re.compile(r"-(?P<pid>\d+)@(?P<host>.+)-[^-]+$")  # ...-<pid>@<host>-<mkdtemp's random part>
@@ -118,7 +125,7 @@ def clean_stale(root: Path | None = None, now: float | None = None) -> list[str]
             if not alive:
                 _remove(Path(entry.path))
                 done.append(entry.name)
-    return done
+    return done + bound_downloads(root / DOWNLOADS, now)
 
 
 def clean_stale_once() -> list[str]:
@@ -152,11 +159,52 @@ def _legacy_version_cache(entry: os.DirEntry) -> bool:
 
 
 def _unused_download(entry: os.DirEntry, now: float) -> bool:
-    """A download entry of ours (its name, a real folder, this user's) not used for DOWNLOAD_STALE_S."""
-    if not (_DOWNLOAD_ENTRY.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)):
-        return False
-    info = entry.stat(follow_symlinks=False)
-    return info.st_uid == os.getuid() and now - info.st_mtime > DOWNLOAD_STALE_S
+    """A download entry of ours not used for DOWNLOAD_STALE_S."""
+    return _our_download(entry) and now - entry.stat(follow_symlinks=False).st_mtime > DOWNLOAD_STALE_S
+
+
+def _our_download(entry: os.DirEntry) -> bool:
+    """A name `download_entry` makes, a real folder (a link is never entered), this user's."""
+    return bool(_DOWNLOAD_ENTRY.fullmatch(entry.name)) and entry.is_dir(follow_symlinks=False) \
+        and entry.stat(follow_symlinks=False).st_uid == os.getuid()
+
+
+def bound_downloads(folder: Path, now: float | None = None, keep: int = KEEP_DOWNLOADS) -> list[str]:
+    """The node's bound: of this user's download entries in `folder`, the `keep` most recently used stay,
+    and any used within BUSY_S (a live process may be reading it). Returns the names removed."""
+    now = time.time() if now is None else now
+    found = sorted(((e.stat(follow_symlinks=False).st_mtime, Path(e.path)) for e in _scan(folder) if _our_download(e)),
+                   reverse=True)
+    removed = []
+    for used, path in found[keep:]:
+        if now - used >= BUSY_S:
+            _drop(path)
+            removed.append(path.name)
+    return removed
+
+
+def forget_downloads(base: str, root: Path | None = None) -> list[str]:
+    """A run's downloads on this node, removed when the run ends: the entries whose every file came from
+    under `base` (its checkpoint root as the store names it, `UriStorage.base`). Returns the names removed."""
+    folder = (cache_root() if root is None else root) / DOWNLOADS
+    prefix = base.rstrip("/") + "/"
+    removed = []
+    for entry in _scan(folder):
+        keys = [row[0] for row in read_manifest(Path(entry.path)) or [] if isinstance(row, list) and row]
+        if _our_download(entry) and keys and all(isinstance(k, str) and k.startswith(prefix) for k in keys):
+            _drop(Path(entry.path))
+            removed.append(entry.name)
+    return removed
+
+
+def _drop(entry: Path) -> None:
+    """Out of readers' sight first (one rename), then deleted."""
+    aside = owned_tmp(".swap-", entry.parent)
+    try:
+        entry.rename(aside / "old")
+    except OSError:
+        pass
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _remove(path: Path) -> None:
@@ -225,20 +273,16 @@ def install(tmp: Path, entry: Path) -> None:
 
 
 def evict(entry: Path, family: str, keep: int) -> list[str]:
-    """Drop the family's entries beyond the `keep` most recently used (`entry`, just installed, stays)."""
+    """Drop the family's entries beyond the `keep` most recently used (`entry`, just installed, stays),
+    then hold the node's bound (`bound_downloads`)."""
     others = [Path(e.path) for e in _scan(entry.parent) if e.name.startswith(f"{family}-")
               and e.is_dir(follow_symlinks=False) and e.path != str(entry)]
     others.sort(key=lambda p: p.stat().st_mtime, reverse=True)
     removed = []
     for old in others[max(0, keep - 1):]:
-        aside = owned_tmp(".swap-", entry.parent)  # out of readers' sight first, then deleted
-        try:
-            old.rename(aside / "old")
-        except OSError:
-            pass
-        shutil.rmtree(aside, ignore_errors=True)
+        _drop(old)
         removed.append(old.name)
-    return removed
+    return removed + bound_downloads(entry.parent)
 
 
 def exchange(a: Path, b: Path) -> bool:
