@@ -21,6 +21,7 @@ from omegaconf import MISSING
 
 from app.config.drafter_sections import DrafterConfig, TrainConfig
 from app.config.run_sections import CheckpointConfig, EvalConfig, FaultsConfig, LoggingConfig, SupervisionConfig
+from app.config.sweep_section import RunSpec, check_runs
 from app.config.tiny_section import TinyConfig
 from app.config.values import at_least, fail, finite, one_of, positive
 
@@ -172,8 +173,10 @@ class Config:
     supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    runs: list[RunSpec] = field(default_factory=list)  # several drafter runs on one stream (sweep_section.py)
 
     def __post_init__(self) -> None:
+        check_runs(self.runs, self.topology, self.topology.rebalance, self.data.max_length, self.drafter, self.train)
         if self.data.max_length < 2 * self.drafter.block_size:
             fail("data.max_length", self.data.max_length,
                   f"is shorter than 2 x drafter.block_size={self.drafter.block_size}; raise data.max_length")
