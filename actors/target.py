@@ -25,6 +25,8 @@ from app.faults import fire_once, injected_delay, sticky_target
 from app.messages import HiddenBatch, ItemMeta, JobSpec
 from app.model.live_eval import EvalSpec
 from app.payload.transport import HeldPayloads, put_payload, warm_up_nixl
+from app.replay.key import payload_dtype
+from app.replay.target_side import TargetCounts, TargetReplay, save_counts
 
 
 class TargetActor:
@@ -33,7 +35,7 @@ class TargetActor:
 
     def __init__(self, target_id: int, model_dir: str, layer_ids: list[int], model_cfg: ModelConfig,
                  device: str, num_cpus: float, dataset, faults: FaultsConfig, run_dir: str,
-                 transport: str = "object_store") -> None:
+                 transport: str = "object_store", replay=None) -> None:
         limit_threads(num_cpus)
         if faults.fail_target_restarts and not fire_once(run_dir, f"target_started_{target_id}"):
             raise RuntimeError(f"injected fault: target {target_id} cannot start again (faults.fail_target_restarts)")
@@ -60,6 +62,11 @@ class TargetActor:
         # Plain greedy outputs of the eval prompts: the target is frozen, so they are computed once
         # and every later evaluation checks against them for free (app/model/spec_decode.py).
         self.greedy_references: dict = {}
+        # pool.replay: a job whose sequences are all stored skips the forward (app/replay/target_side.py)
+        self.counts, self.replay = TargetCounts(), None
+        if replay is not None:
+            self.replay = TargetReplay.open(replay, model_dir, self.layer_ids,
+                                            payload_dtype(self.feature_dtype, self.dtype))
 
     def ping(self) -> int:
         return self.target_id
@@ -68,12 +75,14 @@ class TargetActor:
         """Hidden states of `hidden_states[l + 1]` for each configured layer, per sequence of the job."""
         self._maybe_inject_fault(job)
         seqs = [self.dataset.sequence(i) for i in job.seq_indices]
-        with self.compute_lock:
-            t0 = time.perf_counter()
-            injected_delay(self.faults.target_delay_s)  # counted in forward_s, as a slower GPU would be
-            pending = start_job(self.trunk, seqs, job.job_id, self.device, feature_dtype=self.feature_dtype)
-            self.jobs_done += 1
-        batch = pending.result()  # CUDA: waits for the pinned copy while the next job computes
+        t0 = time.perf_counter()
+        batch = self.replay.lookup(job.job_id, seqs) if self.replay else None
+        if batch is None:
+            batch, t0 = self._forward(job, seqs)
+        else:
+            self.counts.replay_hits += 1
+        if self.replay:
+            save_counts(self.run_dir, self.target_id, self.counts)
         meta = ItemMeta(
             job_id=job.job_id, bucket=job.bucket, num_seqs=len(seqs), num_tokens=int(batch.lengths_B.sum()),
             loss_tokens=int(batch.loss_mask_BS.sum()), nbytes=batch_nbytes(batch), target_id=self.target_id,
@@ -84,6 +93,18 @@ class TargetActor:
             self.held.add(job.job_id, tensors)
             return meta, payload
         return meta, batch
+
+    def _forward(self, job: JobSpec, seqs: list) -> tuple[HiddenBatch, float]:
+        with self.compute_lock:
+            t0 = time.perf_counter()
+            injected_delay(self.faults.target_delay_s)  # counted in forward_s, as a slower GPU would be
+            pending = start_job(self.trunk, seqs, job.job_id, self.device, feature_dtype=self.feature_dtype)
+            self.jobs_done += 1
+            self.counts.forwards += 1
+        batch = pending.result()  # CUDA: waits for the pinned copy while the next job computes
+        if self.replay:
+            self.replay.keep(batch)
+        return batch, t0
 
     def payloads_held(self) -> tuple[list[int], int]:
         """pool.transport=nixl: (job ids, bytes) of the payloads this target still holds for drafters."""

@@ -24,6 +24,7 @@ from app.config.run_sections import CheckpointConfig, EvalConfig, FaultsConfig, 
 from app.config.sweep_section import RunSpec, check_runs
 from app.config.tiny_section import TinyConfig
 from app.config.values import at_least, fail, finite, one_of, positive
+from app.storage.roots import has_credentials, is_uri
 
 
 @dataclass(frozen=True)
@@ -141,9 +142,15 @@ class PoolConfig:
     metrics_every_s: float = 2.0
     pull_policy: str = "stratified"  # stratified | round_robin (app/pool/pull_policy.py)
     transport: str = "object_store"  # object_store | nixl: how payloads reach the drafters (app/payload/transport.py)
+    replay: str = "off"  # off | local | an absolute folder or URI: the targets' features kept for replay (app/replay/)
+    replay_max_gb: float = 100.0  # GiB the replay store may hold; past it nothing more is written
 
     def __post_init__(self) -> None:
         one_of("pool.pull_policy", self.pull_policy, ("stratified", "round_robin"))
+        if str(self.replay).lower() == "false":  # YAML 1.1 reads a bare `off` as a boolean (False)
+            object.__setattr__(self, "replay", "off")
+        check_replay_setting(self.replay)
+        positive("pool.replay_max_gb", self.replay_max_gb, " GiB")
         one_of("pool.transport", self.transport, ("object_store", "nixl"))
         at_least("pool.capacity", self.capacity, 1, "the pool must hold at least one item")
         at_least("pool.capacity_bytes", self.capacity_bytes, 1, "the pool needs a positive byte budget")
@@ -155,6 +162,17 @@ class PoolConfig:
         at_least("pool.jobs_in_flight_per_target", self.jobs_in_flight_per_target, 1,
                   "a target with no job slot never works")
         positive("pool.metrics_every_s", self.metrics_every_s, " seconds")
+
+
+def check_replay_setting(value: str) -> None:
+    """pool.replay: off, local (this node's cache folder), an absolute folder, or a URI without credentials."""
+    if value in ("off", "local"):
+        return
+    if has_credentials(value):
+        fail("pool.replay", "***", "carries credentials; give them in the environment (AWS variables, a profile)")
+    if not (is_uri(value) or value.startswith("/")):
+        fail("pool.replay", value, "is not off, local, an absolute folder or a URI (scheme://...); each actor "
+             "would resolve a relative folder in its own working dir")
 
 
 @dataclass(frozen=True)

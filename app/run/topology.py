@@ -144,6 +144,7 @@ class Topology:
         import ray
 
         from actors.target import TargetActor, target_concurrency
+        from app.replay.spec import replay_spec
 
         topo, bundle = self.cfg.topology, self.shape(self.target_bundle(i))
         concurrency = target_concurrency(topo.device, self.plan.use_gpu, self.cfg.pool.jobs_in_flight_per_target)
@@ -151,7 +152,8 @@ class Topology:
             num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0, max_concurrency=concurrency,
             scheduling_strategy=self.strategy(self.target_bundle(i)),
         ).remote(i, model_dir, layer_ids, self.cfg.model, topo.device if self.plan.use_gpu else "cpu",
-                 bundle["CPU"], dataset_ref, faults, self.cfg.checkpoint.dir, transport=self.cfg.pool.transport)
+                 bundle["CPU"], dataset_ref, faults, self.cfg.checkpoint.dir, transport=self.cfg.pool.transport,
+                 replay=replay_spec(self.cfg))
 
     def make_drafters(self, setup: Any, pool: Any, bundles: list[int] | None = None) -> list[Any]:
         """One rank per bundle index in `bundles` (default: every drafter bundle); rank r sits in bundles[r].

@@ -1,0 +1,217 @@
+"""The replay store (issue 38 part 2): entries checked on every read, write-once, the byte budget, a job's
+batch assembled across epochs, and the TargetActor skipping its forward on a hit (its own counters)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from app.replay.backend import LocalFolder
+from app.replay.entry import BadEntry, decode_entry, encode_entry
+from app.replay.jobs import keep_job, replay_job
+from app.replay.key import ReplayKey, sequence_name
+from app.replay.store import ReplayStore
+
+KEY = ReplayKey(weights="w" * 32, layers=(1, 3), payload_dtype="float32")
+
+
+def _seq(seed: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 100, n).astype(np.int32), np.ones(n, np.uint8)
+
+
+def _rows(seed: int, n: int, d: int = 8) -> np.ndarray:
+    return np.random.default_rng(1000 + seed).standard_normal((n, d)).astype(np.float32)
+
+
+def _store(root: Path, key: ReplayKey = KEY, max_bytes: int = 1 << 30, log=None) -> ReplayStore:
+    return ReplayStore(LocalFolder(root), key, max_bytes, log=log or (lambda _: None))
+
+
+def _entry_files(root: Path) -> list[Path]:
+    return sorted(root.rglob("*.feat"))
+
+
+def test_an_entry_round_trips_and_any_corrupt_byte_is_refused() -> None:
+    ids, _ = _seq(0, 5)
+    rows = (np.arange(5 * 4, dtype=np.float32).reshape(5, 4) + 0.5).view(np.uint32).astype(np.uint16)
+    scales = np.linspace(0.1, 0.5, 5, dtype=np.float32)
+    data = encode_entry(sequence_name(ids), rows.astype(np.uint8), "float8_e4m3", scales)
+    got, got_scales = decode_entry(data, sequence_name(ids), 5, "float8_e4m3")
+    assert np.array_equal(got, rows.astype(np.uint8)) and np.array_equal(got_scales, scales)
+    for at in (0, 20, len(data) - 1):  # magic, header, body
+        bad = bytearray(data)
+        bad[at] ^= 0x01
+        with pytest.raises(BadEntry):
+            decode_entry(bytes(bad), sequence_name(ids), 5, "float8_e4m3")
+    with pytest.raises(BadEntry):  # truncated
+        decode_entry(data[:-1], sequence_name(ids), 5, "float8_e4m3")
+    with pytest.raises(BadEntry):  # another sequence's name, length or dtype
+        decode_entry(data, sequence_name(ids[:4]), 5, "float8_e4m3")
+    with pytest.raises(BadEntry):
+        decode_entry(data, sequence_name(ids), 4, "float8_e4m3")
+    with pytest.raises(BadEntry):
+        decode_entry(data, sequence_name(ids), 5, "bfloat16")
+
+
+def test_put_get_corrupt_wrong_key_and_a_second_writer(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    ids, _ = _seq(1, 7)
+    assert store.get(ids) is None and store.stats.misses == 1
+    assert store.put(ids, _rows(1, 7))
+    assert np.array_equal(store.get(ids).rows, _rows(1, 7))
+    # A second writer of the same entry (another target, another run) is refused; the first one's bytes stay.
+    other = _store(tmp_path)
+    assert not other.put(ids, _rows(2, 7)) and other.stats.refused == 1
+    assert np.array_equal(other.get(ids).rows, _rows(1, 7))
+    # Another key (layers, dtype or weights) is another folder: a miss, never these features.
+    for key in (ReplayKey(KEY.weights, (1, 2), "float32"), ReplayKey(KEY.weights, (1, 3), "bfloat16"),
+                ReplayKey("v" * 32, (1, 3), "float32")):
+        assert _store(tmp_path, key).get(ids) is None
+    # One flipped byte: the read refuses it, removes it, and a later write puts it back.
+    (path,) = _entry_files(tmp_path)
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0x10
+    path.write_bytes(bytes(raw))
+    assert store.get(ids) is None and store.stats.bad == 1 and not path.exists()
+    assert store.put(ids, _rows(1, 7)) and np.array_equal(store.get(ids).rows, _rows(1, 7))
+
+
+def test_a_manifest_of_another_key_turns_replay_off(tmp_path: Path) -> None:
+    said: list[str] = []
+    (tmp_path / KEY.folder).mkdir()
+    (tmp_path / KEY.folder / "manifest.json").write_text('{"key": {"weights": "someone else"}}')
+    store = _store(tmp_path, log=said.append)
+    ids, _ = _seq(3, 4)
+    assert not store.enabled and not store.put(ids, _rows(3, 4)) and store.get(ids) is None
+    assert len(said) == 1 and "replay is off" in said[0]
+
+
+def test_the_budget_stops_writing_and_says_so_once(tmp_path: Path) -> None:
+    said: list[str] = []
+    one = len(encode_entry(sequence_name(_seq(0, 10)[0]), _rows(0, 10), "float32"))
+    _store(tmp_path)  # writes the manifest
+    manifest = LocalFolder(tmp_path).used_bytes()
+    store = _store(tmp_path, max_bytes=manifest + 3 * one + one // 2, log=said.append)
+    written = [store.put(_seq(s, 10)[0], _rows(s, 10)) for s in range(6)]
+    used = LocalFolder(tmp_path).used_bytes()
+    assert written == [True] * 3 + [False] * 3 and store.stats.skipped_full == 3
+    assert used == manifest + 3 * one <= store.max_bytes
+    assert len(said) == 1 and "pool.replay_max_gb" in said[0]
+    # A later writer measures what is there: no room for more.
+    assert not _store(tmp_path, max_bytes=store.max_bytes).put(_seq(9, 10)[0], _rows(9, 10))
+
+
+def _batch_of(job_id: int, seqs: list, seeds: list[int]):
+    """A forward's batch for `seqs`: padded, with garbage past each length (as padded SDPA leaves)."""
+    from app.data.batching import pad_sequences
+    from app.messages import HiddenBatch
+
+    ids, mask, lengths = pad_sequences(seqs)
+    hidden = np.full((len(seqs), ids.shape[1], 8), 7.0, np.float32)
+    for r, (s, n) in enumerate(zip(seeds, lengths.tolist())):
+        hidden[r, :n] = _rows(s, n)
+    return HiddenBatch(job_id, hidden, "float32", ids, mask, lengths)
+
+
+def test_a_job_is_assembled_from_sequences_another_job_wrote(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    seqs = {s: _seq(s, 3 + s) for s in range(5)}
+    assert keep_job(store, _batch_of(1, [seqs[0], seqs[1], seqs[2]], [0, 1, 2])) == 3
+    assert keep_job(store, _batch_of(2, [seqs[3]], [3])) == 1
+    # The next epoch regroups: (3, 0) is all stored, (4, 1) is not: the whole job goes to the target.
+    got = replay_job(store, 7, [seqs[3], seqs[0]])
+    assert got is not None and got.job_id == 7 and got.hidden_dtype == "float32"
+    assert got.lengths_B.tolist() == [6, 3] and np.array_equal(got.input_ids_BS[1, :3], seqs[0][0])
+    assert np.array_equal(got.hidden_BSD[0, :6], _rows(3, 6)) and np.array_equal(got.hidden_BSD[1, :3], _rows(0, 3))
+    assert not got.hidden_BSD[1, 3:].any()  # zeros past the length, as a packed forward leaves them
+    assert replay_job(store, 8, [seqs[4], seqs[1]]) is None
+
+
+def test_fp8_scales_travel_with_their_codes(tmp_path: Path) -> None:
+    from app.data.batching import pad_sequences
+    from app.messages import HiddenBatch
+
+    store = _store(tmp_path, ReplayKey("w" * 32, (1,), "float8_e4m3"))
+    seqs = [_seq(0, 4), _seq(1, 2)]
+    ids, mask, lengths = pad_sequences(seqs)
+    codes = np.random.default_rng(0).integers(0, 255, (2, 4, 8)).astype(np.uint8)
+    scales = np.random.default_rng(1).random((2, 4)).astype(np.float32)
+    keep_job(store, HiddenBatch(1, codes, "float8_e4m3", ids, mask, lengths, scales))
+    got = replay_job(store, 2, seqs[::-1])
+    assert np.array_equal(got.hidden_BSD[0, :2], codes[1, :2]) and np.array_equal(got.hidden_scale_BS[0, :2], scales[1, :2])
+    assert np.array_equal(got.hidden_BSD[1], codes[0]) and np.array_equal(got.hidden_scale_BS[1], scales[0])
+
+
+def _tiny_run(model_dir: Path, run_dir: Path, replay: str | None):
+    """A TargetActor (in this process) over a 12-sequence dataset, and the jobs of two epochs."""
+    from actors.target import TargetActor
+    from app.config.run_sections import FaultsConfig
+    from app.config.schema import DataConfig, ModelConfig
+    from app.data.dataset import DataSummary, TokenizedDataset
+    from app.data.schedule import epoch_jobs
+    from app.replay.spec import ReplaySpec
+
+    seqs = [_seq(s, 6 + (5 * s) % 11) for s in range(12)]
+    offsets = np.concatenate([[0], np.cumsum([len(i) for i, _ in seqs])]).astype(np.int64)
+    data = TokenizedDataset(np.concatenate([i for i, _ in seqs]), np.concatenate([m for _, m in seqs]), offsets,
+                            DataSummary())
+    cfg = DataConfig(max_length=32, bucket_boundaries=[32], tokens_per_job=48, seed=0)
+    epochs = [epoch_jobs(data.lengths(), cfg, e).specs() for e in range(2)]
+    spec = ReplaySpec(replay, 1 << 30) if replay else None
+    target = TargetActor(0, str(model_dir), [1, 3], ModelConfig(target=str(model_dir), dtype="float32"), "cpu", 1,
+                         data, FaultsConfig(), str(run_dir), replay=spec)
+    return target, epochs
+
+
+def test_the_target_forwards_epoch_one_and_replays_epoch_two(tiny_target, tmp_path: Path) -> None:
+    """From the target's own counters: epoch 1's jobs are forwarded and written, epoch 2's (other groupings
+    of the same sequences) are served from the store with no forward, with the features a forward gives;
+    a corrupt entry sends its job back to the target."""
+    from app.replay.target_side import read_counts
+
+    _, model_dir = tiny_target
+    target, (first, second) = _tiny_run(model_dir, tmp_path / "run", str(tmp_path / "replay"))
+    assert {tuple(j.seq_indices) for j in first} != {tuple(j.seq_indices) for j in second}
+    for job in first:
+        target.forward(job)
+    target.replay.flush()
+    assert (target.counts.forwards, target.counts.replay_hits) == (len(first), 0)
+    replayed = [target.forward(job)[1] for job in second]
+    assert (target.counts.forwards, target.counts.replay_hits) == (len(first), len(second))
+    assert target.jobs_done == len(first)
+    assert read_counts(str(tmp_path / "run")).__dict__ == {"forwards": len(first), "replay_hits": len(second)}
+
+    plain, _ = _tiny_run(model_dir, tmp_path / "plain", None)
+    for job, got in zip(second, replayed):
+        want = plain.forward(job)[1]
+        assert np.array_equal(got.input_ids_BS, want.input_ids_BS) and np.array_equal(got.loss_mask_BS, want.loss_mask_BS)
+        for row, n in enumerate(want.lengths_B.tolist()):
+            np.testing.assert_allclose(got.hidden_BSD[row, :n], want.hidden_BSD[row, :n], rtol=1e-5, atol=1e-5)
+
+    (victim, *_) = _entry_files(tmp_path / "replay")
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    victim.write_bytes(bytes(raw))
+    for job in second:
+        target.forward(job)
+    target.replay.flush()
+    assert (target.counts.forwards, target.counts.replay_hits) == (len(first) + 1, 2 * len(second) - 1)
+    assert victim.exists()  # written again by that forward
+
+
+@pytest.mark.parametrize("value, message", [
+    ("rel/folder", "is not off, local, an absolute folder or a URI"),
+    ("s3://KEY:SECRET@bucket/replay", "carries credentials"),
+])
+def test_a_bad_replay_setting_is_refused_in_one_line(value: str, message: str) -> None:
+    from app.config.schema import PoolConfig
+
+    with pytest.raises(ValueError) as e:
+        PoolConfig(replay=value)
+    assert message in str(e.value) and "\n" not in str(e.value) and "SECRET" not in str(e.value)
+    with pytest.raises(ValueError, match=r"pool.replay_max_gb=0 must be > 0 GiB"):
+        PoolConfig(replay="local", replay_max_gb=0)
+    assert PoolConfig(replay=False).replay == "off"  # YAML 1.1's bare `off`
+    assert PoolConfig(replay="s3://bucket/replay?endpoint_override=h:9000").replay.startswith("s3://")
