@@ -21,7 +21,8 @@ LEAF_PACKAGES = ("app.storage",)  # packages at app/'s top whose every module is
 TOP_LEVEL_LEAVES = {"app", "app.messages", "app.devices", "app.faults", "app.ray_cluster", "app.metric_names",
                     "app.storage", "app.storage.roots", "app.storage.publish", "app.storage.uri_storage",
                     "app.storage.fetch", "app.storage.local_cache", "app.storage.names",
-                    "app.storage.orphans", "app.storage.fence", "app.storage.conditional"}
+                    "app.storage.orphans", "app.storage.fence", "app.storage.conditional",
+                    "app.storage.retry"}
 UPPER_PACKAGES = ("app.run", "app.bench")
 
 

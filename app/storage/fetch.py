@@ -14,7 +14,8 @@ from pathlib import Path
 from app.storage import local_cache
 from app.storage.names import stays_inside
 from app.storage.roots import is_uri, redact
-from app.storage.uri_storage import download
+from app.storage.retry import retried
+from app.storage.uri_storage import download, filesystem
 
 
 def safe_destination(folder: Path, key: str, base: str) -> Path:
@@ -53,13 +54,13 @@ def fetch_dir(location: str | Path, cache: bool = True) -> Path:
     in one rename; readers see a whole copy, the old or the new."""
     if not is_uri(location):
         return Path(location)
-    from pyarrow.fs import FileSelector, FileSystem, FileType
+    from pyarrow.fs import FileSelector, FileType
 
     local_cache.clean_stale_once()
     entry, family, keep = local_cache.download_entry(str(location))
     if cache and (entry / "files").is_dir():
         return local_cache.use(entry)
-    fs, base = FileSystem.from_uri(str(location))
+    fs, base = filesystem(str(location))  # transient errors retried (app/storage/retry.py)
     infos = [i for i in fs.get_file_info(FileSelector(base, recursive=True)) if i.type == FileType.File]
     manifest = sorted([i.path, i.size, i.mtime_ns] for i in infos)
     if (entry / "files").is_dir() and local_cache.read_manifest(entry) == manifest:
@@ -85,8 +86,11 @@ def read_text(location: str | Path, file: str) -> str:
     """One text file of an entry (e.g. a checkpoint's state.json) without fetching the rest."""
     if not is_uri(location):
         return (Path(location) / file).read_text()
-    from pyarrow.fs import FileSystem
+    fs, base = filesystem(str(location))
+    path = f"{base.rstrip('/')}/{file}"
 
-    fs, base = FileSystem.from_uri(str(location))
-    with fs.open_input_stream(f"{base.rstrip('/')}/{file}") as src:
-        return src.read().decode()
+    def get() -> str:
+        with fs.raw.open_input_stream(path) as src:
+            return src.read().decode()
+
+    return retried(get, f"read of {path}")

@@ -1,6 +1,7 @@
 """`UriStorage`: a checkpoint root that `pyarrow.fs` opens (s3://, gs://, file://, ...), where entries
 are published by a marker written last (the protocol: `publish.py`), and files are streamed in
-CHUNK pieces both ways: a multi-GB checkpoint file never sits in memory whole.
+CHUNK pieces both ways: a multi-GB checkpoint file never sits in memory whole. Each operation is
+tried again after a transient error (a 5xx, a transfer cut short: `retry.py`).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from app.storage import fence
 from app.storage.local_cache import cache_root, clean_stale_once, owned_tmp
 from app.storage.names import inside, stays_inside
 from app.storage.publish import MARKER, VERSION, Entry, Storage, version_name
+from app.storage.retry import RetryingFs, retried
 
 CHUNK = 8 << 20  # bytes a URI upload or download holds at once: checkpoints are multi-GB files
 
@@ -21,10 +23,8 @@ class UriStorage(Storage):
     """A `pyarrow.fs` URI (s3://, gs://, file://, ...): entries published by a marker written last."""
 
     def __init__(self, root: str) -> None:
-        from pyarrow.fs import FileSystem
-
         self.root = root.rstrip("/") if "?" not in root else root
-        self.fs, base = FileSystem.from_uri(root)
+        self.fs, base = filesystem(root)
         self.base = base.rstrip("/")
 
     # ---- locations ---------------------------------------------------------------------------
@@ -51,8 +51,12 @@ class UriStorage(Storage):
         if not rel.startswith(".run-"):  # the lease and the fence themselves are the lease's business
             fence.note(self)
         self._parent(rel)
-        with self.fs.open_output_stream(self._path(rel)) as out:  # one PUT: readers see old or new
-            out.write(data)
+
+        def put() -> None:
+            with self.fs.raw.open_output_stream(self._path(rel)) as out:  # one PUT: readers see old or new
+                out.write(data)
+
+        retried(put, f"write of {rel}")
         return self.uri(rel)
 
     def _parent(self, rel: str) -> None:
@@ -65,8 +69,12 @@ class UriStorage(Storage):
         """Streamed in CHUNK pieces (an S3 stream sends them as multipart parts): a multi-GB checkpoint
         file never sits in memory whole. One object, visible once the stream closes."""
         self._parent(rel)
-        with open(local, "rb") as src, self.fs.open_output_stream(self._path(rel)) as out:
-            copy_stream(src, out)
+
+        def put() -> None:  # the whole object again: a stream cut midway cannot go on where it stopped
+            with open(local, "rb") as src, self.fs.raw.open_output_stream(self._path(rel)) as out:
+                copy_stream(src, out)
+
+        retried(put, f"upload of {rel}")
         return self.uri(rel)
 
     def read_file(self, rel: str) -> bytes | None:
@@ -74,8 +82,12 @@ class UriStorage(Storage):
 
         if self.fs.get_file_info(self._path(rel)).type != FileType.File:
             return None
-        with self.fs.open_input_stream(self._path(rel)) as src:
-            return src.read()
+
+        def get() -> bytes:
+            with self.fs.raw.open_input_stream(self._path(rel)) as src:
+                return src.read()
+
+        return retried(get, f"read of {rel}")
 
     def file_size(self, rel: str) -> int | None:
         """The size of `<root>/<rel>`, or None when it does not exist."""
@@ -155,9 +167,25 @@ class UriStorage(Storage):
 
 
 def download(fs, path: str, dest: Path) -> None:
-    """One object to a local file, in CHUNK pieces (never the whole object in memory)."""
-    with fs.open_input_stream(path) as src, open(dest, "wb") as out:
-        copy_stream(src, out)
+    """One object to a local file, in CHUNK pieces (never the whole object in memory); the whole object
+    again after a transient error (`retry.py`)."""
+    def get() -> None:
+        with getattr(fs, "raw", fs).open_input_stream(path) as src, open(dest, "wb") as out:
+            copy_stream(src, out)
+
+    retried(get, f"download of {path}")
+
+
+def filesystem(uri: str):
+    """(filesystem, base path) of a URI, as `pyarrow.fs` opens it, its single calls retried (`RetryingFs`)."""
+    fs, base = _from_uri(uri)
+    return RetryingFs(fs), base
+
+
+def _from_uri(uri: str):
+    from pyarrow.fs import FileSystem
+
+    return FileSystem.from_uri(uri)
 
 
 def copy_stream(src, out) -> None:
