@@ -215,3 +215,15 @@ def test_a_bad_replay_setting_is_refused_in_one_line(value: str, message: str) -
         PoolConfig(replay="local", replay_max_gb=0)
     assert PoolConfig(replay=False).replay == "off"  # YAML 1.1's bare `off`
     assert PoolConfig(replay="s3://bucket/replay?endpoint_override=h:9000").replay.startswith("s3://")
+
+
+def test_the_replay_bench_measures_the_tiny_shape_side_by_side(tmp_path: Path) -> None:
+    """bench replay on the tiny target's shape: every figure measured (> 0), the payload its exact size
+    (8 sequences x 96 tokens x 2 layers x 64 wide, float32), and the next epoch's job served from the store."""
+    from app.bench.transport.replay import measure, tiny_shape
+
+    shape = tiny_shape()
+    assert (shape.seqs_per_job, shape.seq_len, shape.layer_ids) == (8, 96, [1, 3])
+    m = measure(shape, tmp_path, repeats=1)
+    assert m["payload_mb"] * 1e6 == 8 * 96 * 2 * 64 * 4
+    assert m["target_s"] > 0 and m["write_s"] > 0 and m["read_s"] > 0

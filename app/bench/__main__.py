@@ -21,6 +21,7 @@ BENCHES = {
     "transport_nixl": ("app.bench.transport.nixl", "the same path with pool.transport=nixl beside object_store, same run"),
     "gpu": ("app.bench.compute.gpu", "one CUDA GPU: target prefill and drafter step tok/s, MFU, copy overlap, peak memory"),
     "rebalance": ("app.bench.feeding.rebalance", "topology.rebalance auto vs off, one side made short by injected delays: jobs per virtual s"),
+    "replay": ("app.bench.transport.replay", "a job's features: target forward vs replay store write and read, tiny and SmolLM2 shapes"),
     "quality": ("app.bench.runs.quality", "tau per tiny corpus over 3 seeds beside n-gram and untrained drafters, copy shares"),
 }
 
