@@ -104,6 +104,45 @@ def test_a_line_just_under_the_cap_is_read(tmp_path, monkeypatch) -> None:
     assert got[0] == (1, {"text": "y" * 52}) and isinstance(got[1][1], MalformedRecord)
 
 
+def _write_parquet(path, rows: list[dict]):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+def test_a_parquet_row_over_the_cap_is_refused_with_its_row_number(tmp_path) -> None:
+    """A row holding a 17 MiB message between two honest rows: a malformed record naming row 2 (refused in
+    one line, or skipped under data.on_error=skip), never made into Python strings; rows 1 and 3 read.
+    Before: the row was read whole into Python like any other."""
+    from app.data.shards import MAX_LINE_BYTES, read_shard, whole_file
+
+    huge = [{"role": "user", "content": "x" * (17 << 20)}, {"role": "assistant", "content": "ok"}]
+    path = _write_parquet(tmp_path / "big.parquet", [{"messages": THREE_TURNS}, {"messages": huge},
+                                                      {"messages": THREE_TURNS}])
+    records = list(read_shard(whole_file(path)[0]))
+    assert [n for n, _ in records] == [1, 2, 3]
+    assert isinstance(records[1][1], MalformedRecord) and f"{MAX_LINE_BYTES >> 20} MiB" in str(records[1][1])
+    assert records[0][1] == records[2][1] == {"messages": THREE_TURNS}
+    tok = bpe_tokenizer(QWEN_TEMPLATE)
+    with pytest.raises(DataError, match=r"big\.parquet:2: malformed record: row of 1782\d{4} bytes is longer"):
+        load_dataset(_cfg(), 2, tok, [path])
+    assert len(load_dataset(_cfg(on_error="skip"), 2, tok, [path])) == 2
+
+
+def test_a_parquet_row_at_the_cap_is_read_and_one_byte_more_is_not(tmp_path, monkeypatch) -> None:
+    import pyarrow as pa
+
+    from app.data import shards
+
+    rows = [{"text": "y" * 100}, {"text": "y" * 101}, {"text": "z"}]
+    at_cap = pa.RecordBatch.from_pylist(rows).slice(0, 1).nbytes
+    monkeypatch.setattr(shards, "MAX_LINE_BYTES", at_cap)
+    got = list(shards.read_shard(shards.whole_file(_write_parquet(tmp_path / "edge.parquet", rows))[0]))
+    assert got[0] == (1, {"text": "y" * 100}) and isinstance(got[1][1], MalformedRecord) and got[2] == (3, {"text": "z"})
+
+
 # ---- C6: a lowered train.epochs on resume; JSON true ------------------------------------------------------
 
 def test_a_schedule_keeps_only_the_ledger_ids_it_schedules() -> None:

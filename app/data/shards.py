@@ -17,7 +17,8 @@ from app.data.records import DataError, MalformedRecord
 _READ_CHUNK = 1 << 22  # bytes per read while finding line starts
 # The longest JSONL line read: a longer one is a malformed record, skipped without being held in memory
 # (a 200 MB line was read, then parsed, whole). 16 MiB is a 128k-token conversation written with JSON's
-# six-byte \u escapes several times over; a sequence is cut at data.max_length tokens anyway.
+# six-byte \u escapes several times over; a sequence is cut at data.max_length tokens anyway. A Parquet
+# row's cells are capped at the same size.
 MAX_LINE_BYTES = 16 << 20
 _LINE_PIECE = 1 << 20  # bytes a line is read in
 
@@ -184,6 +185,21 @@ def _read_parquet(shard: Shard) -> Iterator[tuple[int, dict | MalformedRecord]]:
         return
     row = shard.first
     for batch in table.to_batches(max_chunksize=1024):
-        for rec in batch.to_pylist():
+        for rec in _rows(batch):
             yield row, rec
             row += 1
+
+
+def _rows(batch) -> Iterator[dict | MalformedRecord]:
+    """The batch's rows as records; a row whose cells hold more than MAX_LINE_BYTES (the JSONL line's
+    cap) is a malformed record, never turned into Python objects (a copy of it as large again)."""
+    if batch.nbytes <= MAX_LINE_BYTES:  # the common case: no row can be over, no per-row sizes
+        yield from batch.to_pylist()
+        return
+    for i in range(batch.num_rows):
+        row = batch.slice(i, 1)
+        if row.nbytes > MAX_LINE_BYTES:  # the bytes its cells reference (slice offsets counted)
+            yield MalformedRecord(f"row of {row.nbytes} bytes is longer than the {MAX_LINE_BYTES >> 20} MiB a record "
+                                  "may take: not read; shorten or split the record")
+        else:
+            yield row.to_pylist()[0]
