@@ -104,7 +104,7 @@ def run_chaos(config: str, overrides: list[str], run_dir: Path, n_faults: int, s
     if "sticky" in kinds:  # in effect from the first start: the pool has to find the target broken itself
         kinds.remove("sticky")
         overrides = [*overrides, sticky_override(rng, num_targets, state)]
-    injector = threading.Thread(target=inject, args=(state, kinds, rng, run_dir / FILE_NAME), daemon=True)
+    injector = threading.Thread(target=inject, args=(state, kinds, rng, run_dir / FILE_NAME, n_faults), daemon=True)
     survived, submissions = False, 0
     env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address, PYTHONUNBUFFERED="1")
     try:
@@ -155,8 +155,10 @@ def sticky_override(rng: random.Random, num_targets: int, state: ChaosState) -> 
     return f"faults.sticky_target_error={tid}"
 
 
-def inject(state: ChaosState, kinds: list[str], rng: random.Random, step_log: Path) -> None:
-    """The chaos thread: one fault after another, each once the run trains again after the last."""
+def inject(state: ChaosState, kinds: list[str], rng: random.Random, step_log: Path, total: int | None = None) -> None:
+    """The chaos thread: one fault after another, each once the run trains again after the last. `total`:
+    every fault of the rehearsal, the sticky target (fired before this thread, in `state.fired`) included."""
+    total = len(state.fired) + len(kinds) if total is None else total
     need_starts = 1  # group starts the step log must show before the next fault
     after = 0  # step-log lines already seen at the previous fault: the gap counts steps after them
     for kind in kinds:
@@ -173,7 +175,7 @@ def inject(state: ChaosState, kinds: list[str], rng: random.Random, step_log: Pa
                     state.planned_exits += kind == "driver"  # a pool kill is survived in the same job
             if what:
                 after = len(_lines(step_log))
-                _say(f"fault {len(state.fired)}/{len(kinds)}: {what}")
+                _say(f"fault {len(state.fired)}/{total}: {what}")  # of all faults: the sticky one counts in both
                 if kind != "target":  # a new group (or driver) must be training before the next fault
                     need_starts = _group_starts(step_log) + 1
                 break
