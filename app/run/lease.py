@@ -11,7 +11,8 @@ other's work). The driver takes the lease before it touches the folder and holds
 - `s3://`: the same object, created only if absent (`If-None-Match: *`) and replaced only if unchanged
   (`If-Match: <etag>`, a stale lease taken over, each heartbeat), so of any number of drivers starting
   at once exactly one wins, and a holder whose lease was taken over learns it at its next heartbeat
-  (app/storage/conditional.py, boto3). Other URIs (or s3:// without boto3): `pyarrow.fs` has no
+  (app/storage/conditional.py, boto3). `gs://`: the same with GCS's generation preconditions
+  (`ifGenerationMatch`, google-auth and requests). Other URIs (or either without its client): `pyarrow.fs` has no
   conditional PUT, so the lease object is read, written, and read back: two runs starting within the
   same second can both win there. Start one run per such URI.
 
@@ -102,7 +103,8 @@ class RunLease:
             self._acquire_conditional()
         elif is_uri(self.root) and urlsplit(self.root).scheme != "file":
             warnings.warn(f"checkpoint.dir={redact(self.root)}: no conditional write here (for s3://: pip install "
-                          "'dflash-ray[s3]'), so two runs starting at the same moment could both take the lease; start one run per folder")
+                          "'dflash-ray[s3]'; for gs://: pip install google-auth requests), so two runs starting at the "
+                          "same moment could both take the lease; start one run per folder")
             self._acquire_uri()
         else:
             self._acquire_local()
