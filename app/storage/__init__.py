@@ -8,5 +8,6 @@ download cache); `names.py`: every name a listing returns checked to stay inside
 anything is deleted or downloaded; `orphans.py`: the names written into a local checkpoint folder for
 a moment (one fixed prefix) and the start-up cleanup of what a crash left of them; `fence.py`: the
 fencing token that refuses a publish by a run that lost its lease; `conditional.py`: create-if-absent
-and replace-if-unchanged of one object on S3 (the lease).
+and replace-if-unchanged of one object on S3 and GCS (the lease); `retry.py`: transient storage errors
+(a 5xx, a transfer cut short) tried again with a bounded backoff.
 """
