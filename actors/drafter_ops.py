@@ -13,6 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from app.messages import Drained, DrafterPhase, EndOfStream, split_job_id
+from app.payload.layers import layer_columns, select_layers
 from app.payload.nixl_receive import NixlReceiver
 from app.training.drafter_io import step_record
 from app.training.effects import (AwaitPull, Checkpoint, Compute, Fetched, Gather, NonFinite, OfferEval, PullAnswered,
@@ -62,8 +63,16 @@ class RankOps:
         return Fetched(item, payload, time.perf_counter() - t0)
 
     def _fetch(self, acks: list[int]):
-        return fetch_next(self.a.pool, self.a.rank, self.generation, acks, self.a.stager.stage,
+        return fetch_next(self.a.pool, self.a.rank, self.generation, acks, self._stage,
                           receive=self.receiver.receive)
+
+    def _stage(self, batch):
+        """A run of a sweep takes its own layers out of the union the targets captured, then stages."""
+        captured = self.a.cfg.feature_layer_ids
+        columns = layer_columns(captured, self.a.cfg.layer_ids) if captured else None
+        if columns is not None:
+            batch = select_layers(batch, columns, len(captured))
+        return self.a.stager.stage(batch)
 
     def compute(self, eff: Compute) -> None:
         from app.model.loss import TrainBatch

@@ -16,6 +16,11 @@ target results are awaited by internal tasks that hold none. Blocked pulls do ho
 most a couple: its pull and its prefetch) plus room for acks, stats, step reports and job adds;
 `pool_max_concurrency` sizes it with a wide margin. A pull still waiting when its drafter dies is
 not cancelled by Ray; `release(drafter)` fences it (it raises LeaseRevoked and takes nothing).
+
+Several drafter runs on one stream (`runs=`): the targets feed a `SharedStream` (app/pool/stream.py)
+with one HSPool and one PoolControl (stop flag, eval offers, step records) per run; every drafter-side
+call names its run (`run=`, which the `RunScoped` handle of app/run/supervise/run_scoped.py adds). With no runs the
+actor is the single run's pool as before, and `run` is "".
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ from app.pool.control import PoolControl
 from app.pool.hs_pool import Drained, HSPool
 from app.pool.pull_policy import PullPolicy
 from app.pool.stats import PoolStats
+from app.pool.stream import RunShape, SharedStream
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +62,23 @@ class HSPoolActor:
         ranks: int | None = None,
         accum: int = 1,
         broken_after: int = 3,
+        runs: dict[str, RunShape] | None = None,
     ) -> None:
         """`pull_policy` None = pool_cfg.pull_policy; `ranks` x `accum` (drafters x train.grad_accum)
         is one global step, which the stratified policy mixes; `broken_after` =
-        supervision.broken_target_raises (see app/pool/strikes.py)."""
+        supervision.broken_target_raises (see app/pool/strikes.py). `runs`: several drafter runs on one
+        stream, each run's ranks and grad_accum by name; None = one run."""
         self._cfg = pool_cfg
-        self._pool = HSPool(pool_cfg, num_buckets, pull_policy=pull_policy, ranks=ranks, accum=accum,
-                            broken_after=broken_after)
+        self._runs: dict[str, PoolControl] = {}
+        self._stream: SharedStream | None = None
+        if runs:
+            self._stream = SharedStream(pool_cfg, num_buckets, runs, pull_policy=pull_policy,
+                                        broken_after=broken_after)
+            self._pool = self._stream  # the producing side: the dispatch loop and the target controls
+            self._runs = {name: PoolControl(pool) for name, pool in self._stream.pools.items()}
+        else:
+            self._pool = HSPool(pool_cfg, num_buckets, pull_policy=pull_policy, ranks=ranks, accum=accum,
+                                broken_after=broken_after)
         self._control = PoolControl(self._pool)
         self._run_name = run_name
         self._tasks: set[asyncio.Task] = set()
@@ -156,90 +172,107 @@ class HSPoolActor:
     async def finish_adding(self) -> None:
         self._pool.finish_adding()
 
-    async def restore_ledger(self, job_ids: list[int]) -> None:
-        self._pool.restore_ledger(job_ids)
+    async def restore_ledger(self, job_ids: list[int], run: str = "") -> None:
+        self._hs(run).restore_ledger(job_ids)
 
     # ---- drafters -------------------------------------------------------------------------
 
     async def pull(self, drafter_id: int, generation: int = 0,
-                   acks: list[int] | None = None) -> PulledItem | EndOfStream | Drained:
+                   acks: list[int] | None = None, run: str = "") -> PulledItem | EndOfStream | Drained:
         """Ack `acks` (the drafter's last step rides on its next pull: one call), then lease the next
         item, waiting for the reservoir; see app.pool.hs_pool.HSPool.pull (which times the wait)."""
         self._ensure_started()
-        return await self._pool.pull(drafter_id, generation, acks or ())
+        return await self._hs(run).pull(drafter_id, generation, acks or ())
 
-    async def ack(self, drafter_id: int, job_ids: list[int], generation: int | None = None) -> int:
-        return self._pool.ack(drafter_id, job_ids, generation)
+    async def ack(self, drafter_id: int, job_ids: list[int], generation: int | None = None, run: str = "") -> int:
+        return self._hs(run).ack(drafter_id, job_ids, generation)
 
-    async def payload_lost(self, drafter_id: int, job_id: int, generation: int | None = None) -> bool:
+    async def payload_lost(self, drafter_id: int, job_id: int, generation: int | None = None, run: str = "") -> bool:
         """See HSPool.payload_lost: re-issue one job whose hidden states were lost with a node."""
-        return self._pool.payload_lost(drafter_id, job_id, generation)
+        return self._hs(run).payload_lost(drafter_id, job_id, generation)
 
-    async def generation(self, drafter_id: int) -> int:
-        return self._pool.generation(drafter_id)
+    async def generation(self, drafter_id: int, run: str = "") -> int:
+        return self._hs(run).generation(drafter_id)
 
-    async def release(self, drafter_id: int) -> list[int]:
-        return self._pool.release(drafter_id)
+    async def release(self, drafter_id: int, run: str = "") -> list[int]:
+        return self._hs(run).release(drafter_id)
 
-    async def set_ranks(self, ranks: int | None) -> None:
+    async def set_ranks(self, ranks: int | None, run: str = "") -> None:
         """A rebuilt drafter group of another size: see HSPool.set_ranks."""
-        self._pool.set_ranks(ranks)
+        self._hs(run).set_ranks(ranks)
 
-    async def rollback(self, keep_ids: list[int]) -> int:
+    async def rollback(self, keep_ids: list[int], run: str = "") -> int:
         """Drafter group rebuilt from a checkpoint: see HSPool.rollback."""
-        return self._pool.rollback(keep_ids)
+        return self._hs(run).rollback(keep_ids)
 
-    async def ledger(self) -> list[int]:
-        return self._pool.ledger()
+    async def ledger(self, run: str = "") -> list[int]:
+        return self._hs(run).ledger()
+
+    async def stream_counts(self) -> dict:
+        """Several runs on one stream: target forwards issued, and how many runs each fed ({} for one run)."""
+        if self._stream is None:
+            return {}
+        return {"forwards": self._stream.forwards, "forwards_by_runs": dict(self._stream.forwards_by_runs)}
+
+    def _hs(self, run: str) -> Any:
+        """The HSPool a drafter-side call is about: its run's, or the one pool of a single run."""
+        return self._runs[run].pool if run else self._pool
+
+    def _ctl(self, run: str) -> PoolControl:
+        return self._runs[run] if run else self._control
 
     # ---- the driver's controls ------------------------------------------------------------
 
-    async def request_stop(self) -> None:
+    async def request_stop(self, run: str = "") -> None:
         """The driver got SIGTERM: drafter rank 0 sees this and the group checkpoints and returns."""
-        self._control.request_stop()
+        self._ctl(run).request_stop()
 
-    async def clear_stop(self) -> None:
+    async def clear_stop(self, run: str = "") -> None:
         """After a re-split's checkpoint: the rebuilt group trains on."""
-        self._control.clear_stop()
+        self._ctl(run).clear_stop()
 
-    async def stop_requested(self) -> bool:
-        return self._control.stop_requested
+    async def stop_requested(self, run: str = "") -> bool:
+        return self._ctl(run).stop_requested
 
-    async def offer_eval(self, step: int, weights: list) -> None:
+    async def offer_eval(self, step: int, weights: list, run: str = "") -> None:
         """Rank 0's weights at `step` (`[ref]`: the list keeps Ray from resolving it here); a newer
         offer replaces one not yet taken, so evaluation never queues up behind training."""
-        self._control.offer_eval(step, weights)
+        self._ctl(run).offer_eval(step, weights)
 
-    async def take_eval(self) -> tuple[int, list] | None:
+    async def take_eval(self, run: str = "") -> tuple[int, list] | None:
         """The newest offered weights, once (the driver's evaluation runner)."""
-        return self._control.take_eval()
+        return self._ctl(run).take_eval()
 
     # ---- telemetry ------------------------------------------------------------------------
 
-    async def report_step(self, rec: StepRecord) -> None:
-        self._control.report_step(rec)
+    async def report_step(self, rec: StepRecord, run: str = "") -> None:
+        self._ctl(run).report_step(rec)
 
-    async def report_restart(self, kind: str) -> None:
+    async def report_restart(self, kind: str, run: str = "") -> None:
         """The driver restarted a target (`target`) or rebuilt the drafters (`drafter_group`)."""
-        self._control.report_restart(kind)
+        self._ctl(run).report_restart(kind)
 
-    async def report_tau(self, step: int, tau: float) -> None:
+    async def report_tau(self, step: int, tau: float, run: str = "") -> None:
         """An evaluation's tau, for the `dflash_tau` gauge."""
-        self._control.report_tau(tau)
+        self._ctl(run).report_tau(tau)
 
-    async def drain_step_records(self) -> list[StepRecord]:
+    async def drain_step_records(self, run: str = "") -> list[StepRecord]:
         """Step records reported since the previous drain (for the driver's logging)."""
-        return self._control.drain_step_records()
+        return self._ctl(run).drain_step_records()
 
-    async def stats(self) -> PoolStats:
-        return self._control.stats()
+    async def stats(self, run: str = "") -> PoolStats:
+        """The pool's snapshot; one run's of several on one stream, with the shared targets' fields."""
+        return self._runs[run].stats(targets=self._control) if run else self._control.stats()
 
     async def _metrics_loop(self) -> None:
         from actors.pool_metrics import PoolMetrics
 
-        metrics = PoolMetrics(self._run_name)
+        runs = {name: (PoolMetrics(self._run_name, name), name) for name in self._runs} or \
+            {"": (PoolMetrics(self._run_name), "")}
         while True:
-            for rec in self._control.take_unexported():
-                metrics.step(rec)
-            metrics.tick(self._control.stats(), self._pool.drain_pull_waits())
+            for metrics, run in runs.values():
+                control = self._ctl(run)
+                for rec in control.take_unexported():
+                    metrics.step(rec)
+                metrics.tick(await self.stats(run), self._hs(run).drain_pull_waits())
             await asyncio.sleep(self._cfg.metrics_every_s)

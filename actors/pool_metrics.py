@@ -28,11 +28,12 @@ WAIT_BOUNDARIES_S = [0.001, 0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10
 class PoolMetrics:
     """Owns the ray.util.metrics objects; fed from PoolStats snapshots and step records."""
 
-    def __init__(self, run_name: str) -> None:
+    def __init__(self, run_name: str, drafter_run: str = "") -> None:
+        """`drafter_run`: the run of a sweep (`runs:`) these series are for, a label of each; "" = one run."""
         from ray.util.metrics import Counter, Gauge, Histogram
 
-        self.run = run_name
-        run = ("run",)
+        self.run, self.drafter_run = run_name, drafter_run
+        run = ("run", "drafter_run") if drafter_run else ("run",)
         self.pool_items = Gauge(mn.POOL_ITEMS, "Buffered items per length bucket (q_hsb)", run + ("bucket",))
         self.pool_bytes = Gauge(mn.POOL_BYTES, "Bytes buffered + leased + reserved in flight", run)
         self.capacity_bytes = Gauge(mn.POOL_CAPACITY_BYTES, "The pool's byte cap", run)
@@ -66,7 +67,8 @@ class PoolMetrics:
         self._loss: float | None = None
 
     def _t(self, **tags: Any) -> dict[str, str]:
-        return {"run": self.run, **{k: str(v) for k, v in tags.items()}}
+        run = {"run": self.run, "drafter_run": self.drafter_run} if self.drafter_run else {"run": self.run}
+        return {**run, **{k: str(v) for k, v in tags.items()}}
 
     def tick(self, st: PoolStats, waits: list[float], now: float | None = None) -> None:
         """Re-set every gauge and feed counters the deltas since the previous tick."""

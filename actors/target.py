@@ -71,6 +71,10 @@ class TargetActor:
     def ping(self) -> int:
         return self.target_id
 
+    def forward_count(self) -> int:
+        """Forwards this incarnation ran (replay hits not counted): a sweep's forwards per job are counted here."""
+        return self.counts.forwards
+
     def forward(self, job: JobSpec) -> tuple[ItemMeta, HiddenBatch]:
         """Hidden states of `hidden_states[l + 1]` for each configured layer, per sequence of the job."""
         self._maybe_inject_fault(job)

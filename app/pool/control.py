@@ -150,11 +150,13 @@ class PoolControl:
     def report_restart(self, kind: str) -> None:
         self.restarts[kind] = self.restarts.get(kind, 0) + 1
 
-    def stats(self) -> PoolStats:
-        """The pool's snapshot with this state filled in."""
+    def stats(self, targets: PoolControl | None = None) -> PoolStats:
+        """The pool's snapshot with this state filled in; the target fields from `targets` (the stream's
+        control, for one run of several on one stream) when given."""
+        shared = targets or self
         return dataclasses.replace(
-            self.pool.stats(), target_failures=list(self.failures), targets=sorted(self._targets),
-            paused_targets=sorted(self._paused), eval_offers_superseded=self.offers_superseded,
+            self.pool.stats(), target_failures=list(shared.failures), targets=sorted(shared._targets),
+            paused_targets=sorted(shared._paused), eval_offers_superseded=self.offers_superseded,
             restarts=dict(self.restarts), tau=self.tau,
         )
 

@@ -42,6 +42,7 @@ class RunPlan:
     total_steps: int
     bytes_per_token: int = 0  # 0 until use_device
     data_fingerprint: str = ""
+    feature_layer_ids: list[int] | None = None  # a run of a sweep: the layers the targets capture (its own a subset)
 
     @property
     def jobs_remaining(self) -> int:

@@ -36,6 +36,7 @@ class DrafterSetup:
     group_generation: int = 0  # stamped into each checkpoint: a rebuild ignores a killed group's late ones
     max_payload_bytes: int = 0  # the run's largest job payload: the stager's pinned buffers, allocated once at it
     fence_token: int = 0  # the driver's lease token: rank 0 publishes under it, refused once a newer run holds the folder
+    feature_layer_ids: list[int] | None = None  # a run of a sweep: the layers in each payload (layer_ids a subset)
 
 
 @dataclass(frozen=True)

@@ -249,5 +249,6 @@ class DrafterGroup:
             data_fingerprint=p.data_fingerprint, eval_every_steps=cfg.eval.every_steps,
             step_log=str(self.step_log.path) if self.step_log else None, group_generation=self.generation,
             max_payload_bytes=p.jobs.max_payload_bytes(),
+            feature_layer_ids=getattr(p, "feature_layer_ids", None),  # a run of a sweep (app/run/sweep.py)
             fence_token=fence.held(cfg.checkpoint.dir),  # the lease's token: a rank of a fenced-out run publishes nothing
         )
