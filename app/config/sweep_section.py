@@ -103,3 +103,13 @@ def run_config(cfg, spec: RunSpec):
         checkpoint=dataclasses.replace(cfg.checkpoint, dir=run_folder(cfg.checkpoint.dir, spec.name)),
         model=dataclasses.replace(cfg.model, target_layer_ids=list(spec.target_layer_ids or cfg.model.target_layer_ids)),
     )
+
+
+def sweep_root(cfg):
+    """The root config of a sweep as the placement sees it: each run's drafter count resolved, and
+    topology.num_drafters their sum (every run's ranks get a bundle). One run: `cfg` as is."""
+    if not cfg.runs:
+        return cfg
+    runs = [dataclasses.replace(r, drafters=run_drafters(r, cfg.topology)) for r in cfg.runs]
+    return dataclasses.replace(cfg, runs=runs, topology=dataclasses.replace(cfg.topology, num_drafters=sum(
+        r.drafters for r in runs)))

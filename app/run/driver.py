@@ -27,6 +27,9 @@ def run(cfg: Config) -> int:
     """Run (or resume) training; returns the process exit code."""
     from app.run.supervise.events import RunFailed
 
+    from app.config.sweep_section import sweep_root
+
+    cfg = sweep_root(cfg)  # several runs: topology.num_drafters is every run's ranks together
     lease = None
     try:
         check_dir_shared(cfg)
@@ -50,6 +53,10 @@ def run(cfg: Config) -> int:
         raise
     stop, restore_signals = install_stop_handler()
     try:
+        if cfg.runs:
+            from app.run.sweep import supervise_sweep
+
+            return supervise_sweep(plan, use_gpu, stop, log, build_summary, write_summary)
         return supervise(plan, use_gpu, stop)
     except RunFailed as exc:
         print(f"run failed: {redact(str(exc))}", file=sys.stderr)
@@ -206,6 +213,9 @@ def supervise(plan, use_gpu: bool, stop: threading.Event) -> int:
         if tau.reason:
             log(f"WARNING: tau not fully measured ({tau.reason})")
         summary = build_summary(plan, sup, monitor, outcome, tau, time.monotonic() - t0)
+        from app.run.sweep import target_forwards
+
+        summary["target_forwards"] = target_forwards(sup.alive_targets())  # the live targets' own counters
         summary.update(outputs.finish(outcome.steps, export_dir))  # tau_history, tau_best, split_advice
         summary.update(serving_outputs(cfg, plan.model_dir, export_dir,  # launch lines, drafter-speculators/
                                        tau.trained if tau.trained is not None else

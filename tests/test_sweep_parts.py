@@ -1,0 +1,43 @@
+"""The pure parts of a sweep (several drafter runs on one stream): a run's own layers out of the union
+payload, the placement's drafter count, and the sweep summary's forwards per job."""
+from __future__ import annotations
+
+import numpy as np
+
+from app.config.load import load_config
+from app.config.sweep_section import sweep_root
+from app.messages import HiddenBatch
+from app.payload.layers import layer_columns, select_layers
+from app.run.outputs.sweep_summary import flat_result, sweep_summary
+
+
+def _batch(layers: int, width: int) -> HiddenBatch:
+    hidden = np.concatenate([np.full((1, 3, width), layer, dtype=np.uint16) for layer in range(layers)], axis=-1)
+    z = np.zeros((1, 3), dtype=np.int64)
+    return HiddenBatch(7, hidden, "bfloat16", z, z.astype(np.uint8), np.array([3]))
+
+
+def test_a_run_reads_its_own_layers_in_its_order_out_of_the_union():
+    assert layer_columns([1, 3, 5], [1, 3, 5]) is None  # the same layers: the payload as it is
+    cols = layer_columns([1, 3, 5], [5, 1])
+    assert cols == [2, 0]
+    got = select_layers(_batch(3, 4), cols, 3)
+    assert got.hidden_BSD.shape == (1, 3, 8)
+    assert got.hidden_BSD[0, 0].tolist() == [2] * 4 + [0] * 4  # layer 5's slice, then layer 1's
+
+
+def test_the_placement_gives_every_run_its_ranks():
+    cfg = load_config("conf/tiny-sweep.yaml")
+    root = sweep_root(cfg)
+    assert [r.drafters for r in root.runs] == [2, 2] and root.topology.num_drafters == 4
+    one = load_config("conf/tiny.yaml")
+    assert sweep_root(one) is one
+
+
+def test_the_sweep_summary_counts_forwards_per_job():
+    runs = {"a": {"tau_trained": 2.0, "tau_best": {"tau": 2.1}, "jobs_acked": 34}, "b": {"tau_trained": 1.5}}
+    top = sweep_summary(runs, {"forwards": 36, "forwards_by_runs": {2: 34, 1: 2}}, 34, 34, 10.0)
+    assert top["forwards_per_job"] == 1.0 and top["forwards_issued"] == 36
+    assert top["forwards_by_runs_fed"] == {"1": 2, "2": 34}
+    flat = flat_result(top)
+    assert flat["a.tau_best"] == 2.1 and flat["b.tau_trained"] == 1.5 and flat["runs"] == 2
