@@ -41,3 +41,17 @@ def test_the_sweep_summary_counts_forwards_per_job():
     assert top["forwards_by_runs_fed"] == {"1": 2, "2": 34}
     flat = flat_result(top)
     assert flat["a.tau_best"] == 2.1 and flat["b.tau_trained"] == 1.5 and flat["runs"] == 2
+
+
+def test_the_chaos_rehearsal_of_a_sweep_paces_faults_on_every_run_s_step_log(tmp_path):
+    from app.bench.runs import chaos
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text('{"group_start": 0}\n' + '{"rank": 0, "step": 1}\n{"rank": 1, "step": 1}\n' * 3)
+    b.write_text('{"group_start": 0}\n')
+    state = chaos.ChaosState()
+    assert chaos._wait_training(state, [a, b], need_starts=2, steps=3, timeout=0.2)  # a trained 3 steps
+    assert not chaos._wait_training(state, [a, b], need_starts=3, steps=1, timeout=0.2)  # no third group start yet
+    assert not chaos._wait_training(state, [a, b], need_starts=2, steps=1, after=[7, 1], timeout=0.2)  # none since
+    b.write_text(b.read_text() + '{"group_start": 0}\n{"rank": 0, "step": 1}\n')  # b's group rebuilt and stepping
+    assert chaos._wait_training(state, [a, b], need_starts=3, steps=1, after=[7, 1], timeout=0.2)

@@ -18,6 +18,10 @@ the gaps gets every fault on any machine. It ends with one line:
 Trained counts come from the step log (`logging.step_log`, `app/training/step_log.py`): the job ids each
 rank put into each optimizer step, replayed along the lineage of the final weights. Not from the
 pool's ledger, which the mechanism under test writes itself.
+
+A config with several drafter runs on one stream (`runs:`, e.g. conf/tiny-sweep.yaml) is rehearsed the
+same way: a drafter fault kills a rank of any run, and the counts come from each run's own step log
+(`<checkpoint.dir>/runs/<name>/`), one set of fields per run (`<name>.trained_once`, ...).
 """
 from __future__ import annotations
 
@@ -81,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"chaos error: checkpoint.dir={redact(run_dir)} is not empty; chaos counts a run from scratch: pass "
               "checkpoint.dir=<a new folder>", file=sys.stderr)
         return 2
-    return run_chaos(args.config, overrides, run_dir, args.faults, args.seed, cfg.topology.num_targets)
+    return run_chaos(args.config, overrides, run_dir, args.faults, args.seed, cfg.topology.num_targets,
+                     [r.name for r in cfg.runs])
 
 
 def chaos_overrides(args) -> list[str]:
@@ -93,7 +98,10 @@ def chaos_overrides(args) -> list[str]:
             "checkpoint.every_steps=8", "logging.wandb_mode=disabled"]
 
 
-def run_chaos(config: str, overrides: list[str], run_dir: Path, n_faults: int, seed: int, num_targets: int = 1) -> int:
+def run_chaos(config: str, overrides: list[str], run_dir: Path, n_faults: int, seed: int, num_targets: int = 1,
+              runs: list[str] | None = None) -> int:
+    """`runs`: the names of a sweep's drafter runs (each counted from its own step log); None = one run."""
+    from app.config.sweep_section import RUNS_FOLDER
     from app.training.step_log import FILE_NAME, count_trained
 
     # The drivers it starts join this cluster with its token (inherited environment).
@@ -104,7 +112,9 @@ def run_chaos(config: str, overrides: list[str], run_dir: Path, n_faults: int, s
     if "sticky" in kinds:  # in effect from the first start: the pool has to find the target broken itself
         kinds.remove("sticky")
         overrides = [*overrides, sticky_override(rng, num_targets, state)]
-    injector = threading.Thread(target=inject, args=(state, kinds, rng, run_dir / FILE_NAME, n_faults), daemon=True)
+    folders = {name: run_dir / RUNS_FOLDER / name for name in runs} if runs else {"": run_dir}
+    logs = [folder / FILE_NAME for folder in folders.values()]
+    injector = threading.Thread(target=inject, args=(state, kinds, rng, logs, n_faults), daemon=True)
     survived, submissions = False, 0
     env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address, PYTHONUNBUFFERED="1")
     try:
@@ -133,18 +143,25 @@ def run_chaos(config: str, overrides: list[str], run_dir: Path, n_faults: int, s
     finally:
         state.done.set()
         ray.shutdown()
-    summary = json.loads((run_dir / "summary.json").read_text()) if survived else {}
-    scheduled = int(summary.get("jobs_scheduled", 0))
-    quarantined = int(summary.get("jobs_quarantined", 0) or 0)
-    trained = count_trained(run_dir / FILE_NAME) if (run_dir / FILE_NAME).exists() else None
-    counts = trained.count(scheduled, quarantined) if trained \
-        else {"trained_once": 0, "trained_twice": 0, "never_trained": scheduled}
-    result = {"faults": len(state.fired), "survived": survived, "jobs_scheduled": scheduled, **counts,
-              "quarantined": quarantined, "tau_untrained": summary.get("tau_untrained"),
-              "tau_trained": summary.get("tau_trained")}
+    top = json.loads((run_dir / "summary.json").read_text()) if survived else {}
+    scheduled = int(top.get("jobs_scheduled", 0))
+    result: dict = {"faults": len(state.fired), "survived": survived, "jobs_scheduled": scheduled}
+    ok = survived
+    for name, folder in folders.items():
+        summary = json.loads((folder / "summary.json").read_text()) if survived else {}
+        quarantined = int(summary.get("jobs_quarantined", 0) or 0)
+        log = folder / FILE_NAME
+        trained = count_trained(log) if log.exists() else None
+        counts = trained.count(scheduled, quarantined) if trained \
+            else {"trained_once": 0, "trained_twice": 0, "never_trained": scheduled}
+        fields = {**counts, "quarantined": quarantined, "tau_untrained": summary.get("tau_untrained"),
+                  "tau_trained": summary.get("tau_trained")}
+        result.update({f"{name}.{k}" if name else k: v for k, v in fields.items()})
+        ok = ok and counts["trained_twice"] == 0 and counts["never_trained"] == 0
+    if runs:
+        result["forwards_per_job"] = top.get("forwards_per_job")  # live targets' counters: restarted ones' not in it
     _say("fired: " + ", ".join(state.fired))
     print_result({k: _fmt(v) for k, v in result.items()})
-    ok = survived and counts["trained_twice"] == 0 and counts["never_trained"] == 0
     return 0 if ok else 1
 
 
@@ -155,16 +172,19 @@ def sticky_override(rng: random.Random, num_targets: int, state: ChaosState) -> 
     return f"faults.sticky_target_error={tid}"
 
 
-def inject(state: ChaosState, kinds: list[str], rng: random.Random, step_log: Path, total: int | None = None) -> None:
+def inject(state: ChaosState, kinds: list[str], rng: random.Random, step_logs: Path | list[Path],
+           total: int | None = None) -> None:
     """The chaos thread: one fault after another, each once the run trains again after the last. `total`:
-    every fault of the rehearsal, the sticky target (fired before this thread, in `state.fired`) included."""
+    every fault of the rehearsal, the sticky target (fired before this thread, in `state.fired`) included.
+    `step_logs`: the run's step log, or each drafter run's of a sweep (paced by the one training most)."""
     total = len(state.fired) + len(kinds) if total is None else total
-    need_starts = 1  # group starts the step log must show before the next fault
-    after = 0  # step-log lines already seen at the previous fault: the gap counts steps after them
+    step_logs = [step_logs] if isinstance(step_logs, Path) else list(step_logs)
+    need_starts = 1  # group starts the step logs must show (all together) before the next fault
+    after = [0] * len(step_logs)  # each log's lines already seen at the previous fault: the gap counts steps after them
     for kind in kinds:
         gap = rng.randint(*GAP_STEPS)
         while not state.done.is_set():
-            if not _wait_training(state, step_log, need_starts, gap, after):
+            if not _wait_training(state, step_logs, need_starts, gap, after):
                 return
             with state.lock:
                 driver = state.driver
@@ -174,10 +194,10 @@ def inject(state: ChaosState, kinds: list[str], rng: random.Random, step_log: Pa
                     state.fired.append(what)
                     state.planned_exits += kind == "driver"  # a pool kill is survived in the same job
             if what:
-                after = len(_lines(step_log))
+                after = [len(_lines(log)) for log in step_logs]
                 _say(f"fault {len(state.fired)}/{total}: {what}")  # of all faults: the sticky one counts in both
                 if kind != "target":  # a new group (or driver) must be training before the next fault
-                    need_starts = _group_starts(step_log) + 1
+                    need_starts = _group_starts(step_logs) + 1
                 break
             time.sleep(1.0)  # no victim right now (the run is between drivers): try again
 
@@ -211,21 +231,23 @@ def live_actor_pids(class_name: str) -> list[int]:
             if a.get("ActorClassName") == class_name and (len(jobs) != 1 or a.get("JobID") in jobs)]
 
 
-def _group_starts(step_log: Path) -> int:
-    return sum('"group_start"' in l for l in _lines(step_log))
+def _group_starts(step_logs: list[Path]) -> int:
+    return sum('"group_start"' in l for log in step_logs for l in _lines(log))
 
 
 def _lines(step_log: Path) -> list[str]:
     return step_log.read_text().splitlines() if step_log.exists() else []
 
 
-def _wait_training(state: ChaosState, step_log: Path, need_starts: int, steps: int = 1, after: int = 0,
-                   timeout: float = 900.0) -> bool:
-    """Until the log shows `need_starts` group starts and `steps` steps after the last start and after
-    line `after`; False when the run ended."""
+def _wait_training(state: ChaosState, step_logs: list[Path], need_starts: int, steps: int = 1,
+                   after: list[int] | None = None, timeout: float = 900.0) -> bool:
+    """Until the logs show `need_starts` group starts in all and one of them `steps` steps after its last
+    start and after its line `after`; False when the run ended."""
     deadline = time.monotonic() + timeout
+    after = after or [0] * len(step_logs)
     while time.monotonic() < deadline and not state.done.is_set():
-        if trained_since(_lines(step_log), need_starts, after) >= steps:
+        if _group_starts(step_logs) >= need_starts and max(
+                trained_since(_lines(log), 1, a) for log, a in zip(step_logs, after)) >= steps:
             return True
         time.sleep(0.5)
     return False
