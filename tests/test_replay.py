@@ -281,3 +281,53 @@ def test_training_on_replayed_features_gives_the_same_tau(tmp_path: Path) -> Non
     drift = max(float((plain[0][k] - first[0][k]).abs().max()) for k in plain[0])
     print(f"tau plain {plain[2]} replayed {first[2]} repeated {again[2]}; weights drift {drift:.2e}")
     assert 0 < drift < 1e-3 and plain[2] == first[2] > 1.0
+
+
+def test_a_uri_store_reads_writes_once_and_measures_through_pyarrow(tmp_path: Path) -> None:
+    """UriFolder (the checkpoint storage's pyarrow.fs, here over file://) behaves as the local folder: write once,
+    a corrupt entry refused, the budget measured from the listing."""
+    from app.replay.backend import UriFolder, open_backend
+
+    assert isinstance(open_backend(f"file://{tmp_path}/a"), LocalFolder)  # file:// gets the atomic local folder
+    backend = UriFolder(f"file://{tmp_path}/b")
+    store = ReplayStore(backend, KEY, 1 << 30, log=lambda _: None)
+    ids, _ = _seq(5, 9)
+    assert store.put(ids, _rows(5, 9)) and not store.put(ids, _rows(6, 9))
+    assert np.array_equal(store.get(ids).rows, _rows(5, 9))
+    assert backend.used_bytes() == sum(p.stat().st_size for p in (tmp_path / "b").rglob("*") if p.is_file())
+    (path,) = _entry_files(tmp_path / "b")
+    path.write_bytes(path.read_bytes()[:-1])
+    assert store.get(ids) is None and store.stats.bad == 1 and not path.exists()
+
+
+def test_a_dead_writers_temporary_file_is_removed_and_a_planted_link_never_read(tmp_path: Path) -> None:
+    import os
+
+    store = _store(tmp_path)
+    ids, _ = _seq(8, 5)
+    name = sequence_name(ids)
+    folder = tmp_path / KEY.folder / name[:2]
+    folder.mkdir(parents=True)
+    stale, fresh = folder / ".tmp-1-dead", folder / ".tmp-2-live"
+    stale.write_bytes(b"x")
+    fresh.write_bytes(b"y")
+    os.utime(stale, (0, 0))
+    assert LocalFolder(tmp_path).clean_stale(KEY.folder) == 1 and not stale.exists() and fresh.exists()
+    secret = tmp_path / "secret"
+    secret.write_bytes(encode_entry(name, _rows(8, 5), "float32"))
+    (folder / f"{name}.feat").symlink_to(secret)
+    assert store.get(ids) is None  # O_NOFOLLOW: a link planted under an entry's name is a miss
+
+
+def test_an_s3_store_refuses_a_second_writer_by_a_conditional_put(s3) -> None:
+    """On S3 (moto on loopback, the real pyarrow and boto3 clients) an entry is created with If-None-Match: two
+    writers of one sequence, one wins and the other's bytes never land; a second run's store reads the first's."""
+    from app.replay.backend import open_backend
+
+    uri = s3.uri("replay")
+    first, second = (ReplayStore(open_backend(uri), KEY, 1 << 30, log=lambda _: None) for _ in range(2))
+    assert first.backend.conditional is not None
+    ids, _ = _seq(11, 6)
+    assert first.put(ids, _rows(11, 6)) and not second.put(ids, _rows(12, 6))
+    assert second.stats.refused == 1 and np.array_equal(second.get(ids).rows, _rows(11, 6))
+    assert first.backend.used_bytes() > 6 * 8 * 4

@@ -110,6 +110,7 @@ class UriFolder:
             return self.conditional.create(rel, data) is not None
         if self.store.file_size(rel) is not None:  # no conditional put here: a racing writer may still win
             return False
+        self.store._parent(rel)  # a real filesystem's folders (object stores have none)
         with self.store.fs.open_output_stream(self.store._path(rel)) as out:  # one PUT: whole or nothing
             out.write(data)
         return True
