@@ -106,3 +106,37 @@ def _export(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text("{}")
     return path
+
+
+def test_a_sweep_run_s_folder_below_the_leased_root_is_fenced_too(tmp_path: Path, monkeypatch) -> None:
+    """A sweep writes each run under `<root>/runs/<name>`, its own root for checkpoints and the export,
+    while the lease and its counter are on `<root>`. Run A's driver hands its run folder's ranks token 1
+    and raises the folder's counter to it; sweep B takes the root over and does the same for the same
+    run name (token 2): A's rank is refused there. Before: the folder had no counter and the ranks were
+    handed token 0, so nothing below the root was ever fenced."""
+    root, now = str(tmp_path / "sweep"), [1000.0]
+    run_a = str(Path(root) / "runs" / "a")
+    monkeypatch.setattr(fence, "_mine", {})  # sweep A's driver
+    RunLease(root, 60, clock=lambda: now[0]).acquire()
+    assert _setup_message(run_a).fence_token == 1 and fence.current(open_storage(run_a)) == 1
+    monkeypatch.setattr(fence, "_mine", {})  # A's rank 0 of run a
+    fence.join(run_a, 1)
+    _publish(run_a, tmp_path, "ckpt-00000002")
+
+    now[0] += 61  # A's driver stopped
+    monkeypatch.setattr(fence, "_mine", {})  # sweep B's driver, the same run names
+    RunLease(root, 60, clock=lambda: now[0]).acquire()
+    assert _setup_message(run_a).fence_token == 2 and fence.current(open_storage(run_a)) == 2
+
+    monkeypatch.setattr(fence, "_mine", {})
+    fence.join(run_a, 1)  # A's rank again
+    with pytest.raises(fence.FencedOut, match="fencing token 2, this run's is 1"):
+        _publish(run_a, tmp_path, "ckpt-00000004")
+    assert sorted(p.name for p in Path(run_a).iterdir() if p.name.startswith("ckpt-")) == ["ckpt-00000002"]
+
+
+def test_a_uri_run_folder_keeps_its_query_and_finds_its_leased_root(monkeypatch) -> None:
+    monkeypatch.setattr(fence, "_mine", {})
+    fence.adopt("s3://b/sweep?endpoint_override=h:1&scheme=http", 3)
+    assert fence.held("s3://b/sweep/runs/a?endpoint_override=h:1&scheme=http") == 3
+    assert fence.held("s3://b/sweeping/runs/a?endpoint_override=h:1&scheme=http") == 0  # a name that starts alike

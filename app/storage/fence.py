@@ -7,9 +7,12 @@ holder writes it, so the counter only grows), and each process that writes entri
 holds the token it saw first:
 
 - the driver adopts its lease's token (`adopt`) and hands it to each drafter rank it starts
-  (`DrafterSetup.fence_token`, read here with `held`); the rank adopts it when it is made (`join`), so a
+  (`DrafterSetup.fence_token`, from `extend`); the rank adopts it when it is made (`join`), so a
   rank whose first write comes after another run took the folder (a rank restarted, or one that had
   not written yet, while its driver was stopped) still writes under its own run's token;
+- a folder below the leased root that a run writes as its own root (a sweep's `<root>/runs/<name>`) gets
+  its own counter, raised to the lease's token by the driver before its ranks start (`extend`): a later
+  holder of the root that writes the folder raises it past, and the earlier run's ranks are refused;
 - any other process takes the value current at its first write (`note`, `check`);
 - before every publish (a checkpoint, the export) `check` reads the counter again and raises
   `FencedOut` when it is newer than the process's token: another run holds the folder now.
@@ -48,8 +51,25 @@ def adopt(root, token: int) -> None:
 
 
 def held(root) -> int:
-    """The token this process writes `root` under (0: none yet); the driver passes it to its ranks."""
-    return _mine.get(_key(root), 0)
+    """The token this process writes `root` under, or the one of the leased root it lies below (0: none)."""
+    key = _key(root)
+    if key in _mine:
+        return _mine[key]
+    path = key.split("?", 1)[0]
+    below = [k for k in _mine if path.startswith(k.split("?", 1)[0].rstrip("/") + "/")]
+    return _mine[max(below, key=len)] if below else 0
+
+
+def extend(store) -> int:
+    """The token the driver hands the writers of `store.root`: its lease's. A folder below the leased root
+    (a sweep run's) gets its own counter raised to that token first (once per process), so a publish
+    there is checked against the folder's counter, which a later holder that writes it raises again."""
+    token = held(store.root)
+    if token and _key(store.root) not in _mine:
+        if current(store) < token:
+            store.write_file(FENCE_FILE, str(token).encode())
+        adopt(store.root, token)
+    return token
 
 
 def join(root, token: int) -> None:

@@ -250,5 +250,5 @@ class DrafterGroup:
             step_log=str(self.step_log.path) if self.step_log else None, group_generation=self.generation,
             max_payload_bytes=p.jobs.max_payload_bytes(),
             feature_layer_ids=getattr(p, "feature_layer_ids", None),  # a run of a sweep (app/run/sweep.py)
-            fence_token=fence.held(cfg.checkpoint.dir),  # the lease's token: a rank of a fenced-out run publishes nothing
+            fence_token=fence.extend(open_storage(cfg.checkpoint.dir)),  # the lease's token: a fenced-out run publishes nothing
         )
