@@ -55,3 +55,13 @@ def test_the_chaos_rehearsal_of_a_sweep_paces_faults_on_every_run_s_step_log(tmp
     assert not chaos._wait_training(state, [a, b], need_starts=2, steps=1, after=[7, 1], timeout=0.2)  # none since
     b.write_text(b.read_text() + '{"group_start": 0}\n{"rank": 0, "step": 1}\n')  # b's group rebuilt and stepping
     assert chaos._wait_training(state, [a, b], need_starts=3, steps=1, after=[7, 1], timeout=0.2)
+
+
+def test_the_sweep_report_shows_the_runs_side_by_side():
+    from app.run.outputs.sweep_summary import render_sweep
+
+    top = sweep_summary({"d1": {"tau_trained": 2.5}, "d2": {"tau_trained": 3.25, "tau_best": {"tau": 3.5}}},
+                        {"forwards": 34}, 34, 34, 1.0)
+    page = render_sweep(top, "tiny-sweep")
+    assert page.count('<tr><td><a href="runs/') == 2 and "runs/d2/report.html" in page
+    assert "<td>2.5</td>" in page and "<td>3.5</td>" in page and "34 target forwards (1 per job)" in page

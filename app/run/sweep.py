@@ -238,7 +238,7 @@ class SweepSupervisor(Supervisor):
 def supervise_sweep(plan, use_gpu: bool, stop: threading.Event, log, build_summary, write_summary) -> int:
     """`build_summary`, `write_summary`: the driver's own (app/run/driver.py), for each run's summary.json."""
     from app.run.outputs.monitor import RunMonitor
-    from app.run.outputs.sweep_summary import flat_result, sweep_summary
+    from app.run.outputs.sweep_summary import flat_result, render_sweep, sweep_summary
     from app.run.outputs.run_outputs import RunOutputs
     from app.run.plan import run_name
     from app.run.topology import Topology, plan_bundles
@@ -281,6 +281,9 @@ def supervise_sweep(plan, use_gpu: bool, stop: threading.Event, log, build_summa
         stream = ray.get(counts)
         top = sweep_summary(summaries, stream, counted, len(plan.jobs), time.monotonic() - t0)
         write_summary(cfg, top)
+        from app.storage.roots import open_storage
+
+        open_storage(cfg.checkpoint.dir).write_file("report.html", render_sweep(top, name).encode())
         print("RESULT " + " ".join(f"{k}={v}" for k, v in flat_result(top).items()), flush=True)
         return 0
     finally:

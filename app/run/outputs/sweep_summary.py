@@ -31,3 +31,23 @@ def flat_result(top: dict) -> dict:
         out[f"{n}.tau_best"] = best.get("tau") if isinstance(best, dict) else best
         out[f"{n}.jobs_acked"] = s.get("jobs_acked")
     return out
+
+
+def render_sweep(top: dict, title: str) -> str:
+    """The sweep's report.html: the runs side by side (one row each, tau first), the stream's forwards per
+    job, and a link to each run's own report.html (plots, faults, serving lines)."""
+    import html
+
+    def cell(v) -> str:
+        if isinstance(v, dict):
+            v = v.get("tau")
+        return html.escape(f"{v:.4g}" if isinstance(v, float) else str(v))
+
+    head = "".join(f"<th>{html.escape(k)}</th>" for k in ("run", *KEYS))
+    rows = "".join(f'<tr><td><a href="runs/{html.escape(n)}/report.html">{html.escape(n)}</a></td>'
+                   + "".join(f"<td>{cell(s.get(k))}</td>" for k in KEYS) + "</tr>" for n, s in top["runs"].items())
+    stream = (f"<p>{top['jobs_scheduled']} jobs, {cell(top['target_forwards'])} target forwards "
+              f"({cell(top['forwards_per_job'])} per job) for {len(top['runs'])} runs.</p>")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head><body>"
+            f"<h1>dflash-ray sweep: {html.escape(title)}</h1>{stream}<table id='runs' border='1'>"
+            f"<tr>{head}</tr>{rows}</table></body></html>")
