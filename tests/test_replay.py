@@ -226,7 +226,7 @@ def test_the_replay_bench_measures_the_tiny_shape_side_by_side(tmp_path: Path) -
     assert (shape.seqs_per_job, shape.seq_len, shape.layer_ids) == (8, 96, [1, 3])
     m = measure(shape, tmp_path, repeats=1)
     assert m["payload_mb"] * 1e6 == 8 * 96 * 2 * 64 * 4
-    assert m["target_s"] > 0 and m["write_s"] > 0 and m["read_s"] > 0
+    assert m["target_s"] > 0 and m["write_s"] > 0 and m["read_s"] > 0 and m["cold_s"] > 0
 
 
 @pytest.mark.slow  # the tiny config's plan (the cached tiny target) and two epochs of training, three times
