@@ -23,7 +23,8 @@ import time
 from typing import Any
 
 from app.run.plan import RunPlan
-from app.run.supervise.events import DrafterGroupFailed, RecreatePool, RunFailed, StopSignal, Tick
+from app.run.supervise.events import RebuildDrafters, RecreatePool, StopSignal, TargetFailed, Tick
+from app.run.supervise.policy import TargetState
 from app.run.supervisor import Supervisor
 from app.run.supervise.run_scoped import RunScoped, RunTopology
 
@@ -201,8 +202,6 @@ class SweepSupervisor(Supervisor):
 
     def _recreate_pool(self, action: RecreatePool) -> None:
         """A new pool from each run's checkpoint; the live targets handed over; every run's group rebuilt."""
-        from app.run.supervise.events import RebuildDrafters
-
         self.log(f"{action.reason.split('; the run stops here')[0]}; recreating it from each run's latest checkpoint "
                  f"({action.attempt}/{action.budget}, supervision.max_restarts_pool)")
         ledgers = {}
@@ -214,6 +213,9 @@ class SweepSupervisor(Supervisor):
         self._fill_all(ledgers)
         self.watch.new_pool()
         self._hand_over_targets()
+        for tid, slot in self.policy.targets.items():  # the dead pool would have reported these
+            if slot.state is TargetState.KILLED:
+                self._feed(TargetFailed(tid, "killed by the watchdog while the pool died"))
         if self.stop_event.is_set():
             for sup in self.runs.values():
                 sup.pool.request_stop()
