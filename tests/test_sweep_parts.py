@@ -65,3 +65,39 @@ def test_the_sweep_report_shows_the_runs_side_by_side():
     page = render_sweep(top, "tiny-sweep")
     assert page.count('<tr><td><a href="runs/') == 2 and "runs/d2/report.html" in page
     assert "<td>2.5</td>" in page and "<td>3.5</td>" in page and "34 target forwards (1 per job)" in page
+
+
+def _plan(tmp_path, *overrides):
+    from types import SimpleNamespace
+
+    from app.config.checks import TargetInfo
+    from app.data.schedule import ScheduledJobs
+    from app.run.plan import RunPlan
+
+    cfg = load_config("conf/tiny-sweep.yaml", [f"checkpoint.dir={tmp_path}", *overrides])
+    data = SimpleNamespace(tokens=np.arange(8), loss_mask=np.ones(8, np.uint8), offsets=np.array([0, 8]))
+    info = TargetInfo(num_layers=6, vocab_size=100, hidden_size=8, pad_token_id=0, eos_token_ids=(1,), mask_token_id=2)
+    return RunPlan(cfg=sweep_root(cfg), model_dir="", info=info, layer_ids=[3], mask_token_id=2, dataset=data,
+                   data_summary={}, jobs=ScheduledJobs([]), eval_prompts=[], resume_from=None, resume_step=0,
+                   resume_ledger=[], total_steps=1)
+
+
+def test_the_targets_capture_the_union_of_the_runs_layers_and_each_run_reads_its_own(tmp_path):
+    from app.run.sweep import plan_runs
+
+    plan = _plan(tmp_path)
+    runs = plan_runs(plan)
+    assert runs["depth1"].layer_ids == [3] and runs["depth2"].layer_ids == [1, 3]  # DFlash's default per depth
+    assert plan.layer_ids == [1, 3] and runs["depth1"].feature_layer_ids == [1, 3]
+    assert runs["depth1"].cfg.checkpoint.dir == f"{tmp_path}/runs/depth1" and runs["depth1"].resume_from is None
+
+
+def test_a_run_reading_a_layer_the_target_lacks_is_refused_before_any_actor(tmp_path):
+    import pytest
+
+    from app.config.errors import ConfigError
+    from app.run.sweep import plan_runs
+
+    plan = _plan(tmp_path, "runs=[{name: a}, {name: deep, target_layer_ids: [1, 9]}]")
+    with pytest.raises(ConfigError, match=r"runs\[deep\] reads target layers \[9\].*layers 0..5"):
+        plan_runs(plan)
