@@ -331,3 +331,28 @@ def test_an_s3_store_refuses_a_second_writer_by_a_conditional_put(s3) -> None:
     assert first.put(ids, _rows(11, 6)) and not second.put(ids, _rows(12, 6))
     assert second.stats.refused == 1 and np.array_equal(second.get(ids).rows, _rows(11, 6))
     assert first.backend.used_bytes() > 6 * 8 * 4
+
+
+def test_a_failing_write_is_said_and_the_writer_lives_on(tmp_path: Path) -> None:
+    """A store error on the writer thread (a full disk, a bucket's error) is one line per job; the next jobs are
+    still written and a lookup never waits forever on a job that failed."""
+    from app.replay.target_side import TargetReplay
+
+    said: list[str] = []
+    store = _store(tmp_path, log=said.append)
+    replay = TargetReplay(store)
+    seqs = [_seq(20, 5), _seq(21, 6)]
+    real_create, calls = store.backend.create, []
+
+    def flaky(rel: str, data: bytes) -> bool:
+        calls.append(rel)
+        if len(calls) == 1:
+            raise RuntimeError("SlowDown: please reduce your request rate")
+        return real_create(rel, data)
+
+    store.backend.create = flaky
+    replay.keep(_batch_of(1, seqs[:1], [20]))
+    replay.keep(_batch_of(2, seqs[1:], [21]))
+    replay.flush()
+    assert len(said) == 1 and "job 1" in said[0] and "SlowDown" in said[0]
+    assert replay.lookup(3, seqs[:1]) is None and replay.lookup(4, seqs[1:]) is not None
