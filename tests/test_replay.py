@@ -356,3 +356,29 @@ def test_a_failing_write_is_said_and_the_writer_lives_on(tmp_path: Path) -> None
     replay.flush()
     assert len(said) == 1 and "job 1" in said[0] and "SlowDown" in said[0]
     assert replay.lookup(3, seqs[:1]) is None and replay.lookup(4, seqs[1:]) is not None
+
+
+def test_a_store_that_fails_is_a_miss_and_an_unusable_root_is_refused_before_any_actor(tmp_path: Path) -> None:
+    from app.config.checks import check_replay_root
+    from app.config.errors import ConfigError
+    from app.replay.spec import ReplaySpec
+    from app.replay.target_side import TargetReplay
+
+    said: list[str] = []
+    store = _store(tmp_path, log=said.append)
+    ids, _ = _seq(30, 4)
+    store.put(ids, _rows(30, 4))
+
+    def broken(rel: str) -> bytes:
+        raise OSError("Connection reset by peer")
+
+    store.backend.read = broken
+    assert store.get(ids) is None and store.get(ids) is None  # the target computes the job
+    assert len(said) == 1 and "said once" in said[0]
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(ConfigError, match=r"pool.replay=.* cannot hold the replay store: .*pool.replay=off"):
+        check_replay_root(str(tmp_path / "file" / "store"))
+    check_replay_root("local")
+    assert TargetReplay.open(ReplaySpec(str(tmp_path / "file" / "store"), 1 << 30), str(tmp_path / "file"),
+                             [1], "float32", log=said.append) is None
+    assert "cannot be opened" in said[-1]

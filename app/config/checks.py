@@ -38,6 +38,17 @@ def check_paths(cfg: Config) -> None:
             raise ConfigError(f"data.train_files[{i}]={f!r} does not exist; fix the path")
     if cfg.data.eval_prompts and not Path(cfg.data.eval_prompts).is_file():
         raise ConfigError(f"data.eval_prompts={cfg.data.eval_prompts!r} does not exist; fix the path or set it to ''")
+    check_replay_root(cfg.pool.replay)
+
+
+def check_replay_root(replay: str) -> None:
+    """A pool.replay folder or URI that cannot hold a store (unknown scheme, no such bucket, a folder that
+    cannot be made) stops the run here, before any actor; `local` is each node's own cache folder."""
+    from app.storage.roots import redact, root_problem
+
+    if replay not in ("off", "local") and (problem := root_problem(replay)) is not None:
+        raise ConfigError(f"pool.replay={redact(replay)!r} cannot hold the replay store: {problem}; "
+                          "fix it, or set pool.replay=off")
 
 
 @dataclass(frozen=True)

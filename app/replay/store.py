@@ -54,7 +54,7 @@ class ReplayStore:
         self.backend, self.key, self.max_bytes, self.writers = backend, key, int(max_bytes), max(1, writers)
         self.log, self.stats = log, StoreStats()
         self.enabled = self._check_manifest(target)
-        self.full_said = False
+        self.full_said = self.unreadable_said = False
         backend.clean_stale(key.folder)
         self._measure()
 
@@ -65,7 +65,7 @@ class ReplayStore:
         if not self.enabled:
             return None
         name = sequence_name(input_ids)
-        data = self.backend.read(self._rel(name))
+        data = self._read(self._rel(name))
         if data is None:
             self.stats.misses += 1
             return None
@@ -74,10 +74,29 @@ class ReplayStore:
         except BadEntry as e:
             self.stats.bad += 1
             self.log(f"replay: entry {name} failed its check ({e}); the target computes it again")
-            self.backend.remove(self._rel(name))
+            self._remove(self._rel(name))
             return None
         self.stats.hits += 1
         return Stored(rows, scales)
+
+    def _read(self, rel: str) -> bytes | None:
+        try:
+            return self.backend.read(rel)
+        except Exception as e:  # noqa: BLE001 - a store that fails a read is a miss: the target computes the job
+            self._say_unreadable(e)
+            return None
+
+    def _remove(self, rel: str) -> None:
+        try:
+            self.backend.remove(rel)
+        except Exception as e:  # noqa: BLE001 - left in place, it fails its check again on the next read
+            self._say_unreadable(e)
+
+    def _say_unreadable(self, e: Exception) -> None:
+        if not self.unreadable_said:
+            self.unreadable_said = True
+            self.log(f"replay: the store failed a read ({type(e).__name__}: {str(e)[:200]}); such jobs go to the "
+                     "target (said once)")
 
     # ---- writes ------------------------------------------------------------------------------
 

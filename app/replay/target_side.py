@@ -48,11 +48,20 @@ class TargetReplay:
 
     @classmethod
     def open(cls, spec: ReplaySpec, model_dir: str, layer_ids: list[int], payload_dtype: str,
-             log: Callable[[str], None] = print) -> "TargetReplay":
+             log: Callable[[str], None] = print) -> "TargetReplay | None":
+        """The target's replay, or None (said in one line) when the store cannot be opened: the target then
+        forwards every job, as with replay off."""
+        from app.storage.roots import redact
+
         key = ReplayKey(weights=weights_digest(model_dir), layers=tuple(int(x) for x in layer_ids),
                         payload_dtype=payload_dtype)
-        store = ReplayStore(open_backend(resolve_location(spec.location)), key, spec.max_bytes, spec.writers,
-                            spec.target, log)
+        try:
+            store = ReplayStore(open_backend(resolve_location(spec.location)), key, spec.max_bytes, spec.writers,
+                                spec.target, log)
+        except Exception as e:  # noqa: BLE001 - a store gone since the config check must not stop the target
+            log(f"replay: {redact(spec.location)} cannot be opened ({type(e).__name__}: {redact(str(e))[:200]}); "
+                "this target forwards every job")
+            return None
         return cls(store)
 
     def lookup(self, job_id: int, seqs: list) -> HiddenBatch | None:
