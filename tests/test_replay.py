@@ -99,6 +99,9 @@ def test_the_budget_stops_writing_and_says_so_once(tmp_path: Path) -> None:
     assert written == [True] * 3 + [False] * 3 and store.stats.skipped_full == 3
     assert used == manifest + 3 * one <= store.max_bytes
     assert len(said) == 1 and "pool.replay_max_gb" in said[0]
+    listings = []
+    store.backend.used_bytes = lambda: listings.append(1) or used
+    assert not store.put(_seq(7, 10)[0], _rows(7, 10)) and listings == []  # full for good: no listing per sequence
     # A later writer measures what is there: no room for more.
     assert not _store(tmp_path, max_bytes=store.max_bytes).put(_seq(9, 10)[0], _rows(9, 10))
 

@@ -120,6 +120,8 @@ class ReplayStore:
         return True
 
     def _room_for(self, nbytes: int) -> bool:
+        if self.full_said:  # a store only grows: once full, full for good (and no listing per sequence)
+            return False
         room_then = max(0, self.max_bytes - self.measured)
         if self.since_measure + nbytes > room_then / (4 * self.writers):  # others may have written meanwhile
             self._measure()
