@@ -8,6 +8,10 @@ outlives this process.
 On CUDA the actor runs with `max_concurrency = pool.jobs_in_flight_per_target` (see `target_concurrency`):
 forwards take turns under one lock, while the job that just finished waits for its pinned host copy
 outside it, so the copy overlaps the next job's forward. On CPU one call at a time, as before.
+
+With `pool.replay` on, a job whose sequences are all in the replay store is served from it without a
+forward, and a forwarded job's features are written there (`app/replay/target_side.py`); the target counts
+its forwards and replay hits itself (`self.counts`, saved under `<run dir>/replay-counts/`).
 """
 from __future__ import annotations
 
