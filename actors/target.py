@@ -150,8 +150,8 @@ class TargetActor:
         # yields the cores to training.
         lowered = background_priority(self.device) if spec.background else contextlib.nullcontext()
         with self.compute_lock, lowered:
-            result, drafter, arch = evaluate_drafter(self.model, self.model_dir, self.layer_ids, step, weights, spec,
-                                                     self.device, self.dtype, self.greedy_references)
+            result, drafter, arch = evaluate_drafter(self.model, self.model_dir, spec.layer_ids or self.layer_ids, step,
+                                                     weights, spec, self.device, self.dtype, self.greedy_references)
         exported = export_best(drafter, arch, best_dir, step, result.tau, export_dtype(spec.export_dtype)) \
             if best_dir and result.tau > beat_tau else None  # None too when a better best landed meanwhile
         if exported is not None:
@@ -166,7 +166,7 @@ class TargetActor:
         from app.model.live_eval import race_exported
 
         with self.compute_lock:
-            return race_exported(self.model, self.model_dir, self.layer_ids, folder, spec, self.device,
+            return race_exported(self.model, self.model_dir, spec.layer_ids or self.layer_ids, folder, spec, self.device,
                                  self.dtype).to_dict()
 
 

@@ -19,7 +19,7 @@ def test_two_runs_on_one_stream_train_every_job_once_from_one_forward_each(ray_c
     from app.training.step_log import FILE_NAME, count_trained
 
     cfg = load_config(ROOT / "conf/tiny-sweep.yaml", tiny_overrides(
-        tmp_path, "topology.num_targets=2", "train.epochs=1", "eval.every_steps=0", "eval.race_prompts=0", RUNS))
+        tmp_path, "topology.num_targets=2", "train.epochs=1", "eval.every_steps=10", "eval.race_prompts=0", RUNS))
     assert run(cfg) == 0
     top = json.loads((tmp_path / "summary.json").read_text())
     jobs = top["jobs_scheduled"]
@@ -34,5 +34,7 @@ def test_two_runs_on_one_stream_train_every_job_once_from_one_forward_each(ray_c
         own = json.loads((run_dir / "summary.json").read_text())
         assert own["drafter_run"] == name and own["jobs_acked"] == jobs and own["jobs_acked_twice"] == 0
         assert own["tau_trained"] is not None and top["runs"][name]["tau_trained"] == own["tau_trained"]
+        # tau during the run too, on a drafter of the run's own depth and layers (the targets capture both runs')
+        assert len(own["tau_history"]) >= 2 and own["tau_history"][0][0] < own["steps"], own["tau_history"]
         arch = json.loads((run_dir / "drafter" / "config.json").read_text())
         assert arch["num_hidden_layers"] == int(name[-1])  # each run exported its own depth

@@ -43,6 +43,9 @@ class EvalSpec:
     # On CPU, measure in the idle scheduling class (`background_priority`): during the run training has the cores.
     # The end of the run measures with False: idle-class threads get no CPU at all while anything else runs.
     background: bool = True
+    # The target layers the drafter reads; None = the target's own. A run of a sweep reads a subset of the
+    # union its targets capture (app/run/sweep.py), and its drafter is built for its own layers.
+    layer_ids: tuple[int, ...] | None = None
 
 
 def stop_token(eos_token_ids: tuple[int, ...]) -> int | None:

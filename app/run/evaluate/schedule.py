@@ -19,8 +19,10 @@ from app.model.live_eval import EvalSpec
 def eval_spec(plan, eos_token_id: int | None) -> EvalSpec:
     """The run's one EvalSpec: its held-out prompts and settings, decoding up to `eos_token_id`."""
     cfg = plan.cfg
+    # A run of a sweep: its own layers, a subset of what the targets capture (the targets' own otherwise).
+    own_layers = tuple(plan.layer_ids) if getattr(plan, "feature_layer_ids", None) else None
     return EvalSpec(plan.eval_prompts, cfg.drafter, cfg.eval, plan.mask_token_id, cfg.train.seed, eos_token_id,
-                    cfg.checkpoint.export_dtype)
+                    cfg.checkpoint.export_dtype, layer_ids=own_layers)
 
 
 @dataclass(frozen=True)
