@@ -261,6 +261,14 @@ def supervise_sweep(plan, use_gpu: bool, stop: threading.Event, log, build_summa
             f"({', '.join(f'{n}: {s.cfg.topology.num_drafters}' for n, s in sweep.runs.items())} drafters), "
             f"target layers {plan.layer_ids}")
         sweep.run()
+        for n, sup in sweep.runs.items():  # train.on_nonfinite=stop in any run: as a single run, nothing exported
+            nonfinite = next((r.nonfinite for r in sup.outcome.drafter_results if r.nonfinite), "")
+            if nonfinite:
+                from app.run.supervise.events import RunFailed
+
+                raise RunFailed(f"run {n}: step {sup.outcome.steps} is non-finite ({nonfinite}); stopped before "
+                                "checkpointing or exporting it, each run's last checkpoint is its resume point; lower "
+                                f"its train.lr or train.max_grad_norm, or set train.on_nonfinite=skip")
         stopped = any(sup.outcome.stopped for sup in sweep.runs.values())
         if stopped:
             log("stopped cleanly; resubmit the same command to resume every run")
