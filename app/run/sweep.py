@@ -248,6 +248,9 @@ def supervise_sweep(plan, use_gpu: bool, stop: threading.Event, log, build_summa
     cfg = plan.cfg
     runs = plan_runs(plan)
     name = run_name(cfg)
+    if cfg.logging.wandb_mode != "disabled":  # one wandb run per process: several at once are not wired yet
+        log(f"WARNING: logging.wandb_mode={cfg.logging.wandb_mode} logs nothing for a sweep (runs:); each run's "
+            "timeline, summary.json and report.html are in its folder, and the metrics carry a drafter_run label")
     topo = Topology(cfg, plan_bundles(cfg.topology, use_gpu), name)
     sweep = SweepSupervisor(plan, runs, topo, lambda _: RunMonitor(), stop, log=log)
     outputs = {n: RunOutputs(sup.cfg, f"{name}/{n}", sup.monitor, sup.plan.resume_step, log=sup.log)
