@@ -116,12 +116,13 @@ class HSPoolActor:
         """A re-split retires this target: see PoolControl.remove_target."""
         return self._control.remove_target(target_id)
 
-    async def pause_target(self, target_id: int) -> None:
-        """Issue no training jobs to this target (it evaluates); the ones it holds finish."""
-        self._control.pause(target_id)
+    async def pause_target(self, target_id: int, run: str = "") -> None:
+        """Issue no training jobs to this target (it evaluates); the ones it holds finish. Several runs on
+        one stream: it trains again once every run that paused it resumed it."""
+        self._control.pause(target_id, run)
 
-    async def resume_target(self, target_id: int) -> None:
-        self._control.resume(target_id)
+    async def resume_target(self, target_id: int, run: str = "") -> None:
+        self._control.resume(target_id, run)
 
     async def _dispatch_loop(self) -> None:
         while True:

@@ -140,3 +140,16 @@ def test_the_pull_wait_is_measured_once_by_the_pool_on_its_clock():
     assert (waits.count, waits.sum_s, waits.p50_s) == (1, 2.5, 2.5)
     assert pool.drain_pull_waits() == [2.5] and pool.drain_pull_waits() == []  # the histogram's batch
     assert pool.stats().pull_waits.count == 1  # draining leaves the all-time stats alone
+
+
+def test_a_target_two_runs_of_a_sweep_evaluate_on_trains_again_once_both_resumed_it():
+    c = control()
+    a = object()
+    c.add_target(0, a)
+    c.pause(0, "depth1")
+    c.pause(0, "depth2")
+    c.pause(0, "depth2")  # a retried call changes nothing
+    c.resume(0, "depth1")
+    assert drain_jobs(c, 0, a) == [] and c.stats().paused_targets == [0]  # depth2 still evaluates on it
+    c.resume(0, "depth2")
+    assert drain_jobs(c, 0, a) == [0, 1] and c.stats().paused_targets == []

@@ -25,7 +25,7 @@ class PoolControl:
         records reported before the exporter starts, or while it is stuck, must not pile up)."""
         self.pool = pool
         self._targets: dict[int, Any] = {}
-        self._paused: set[int] = set()
+        self._paused: dict[int, set[str]] = {}  # target -> who paused it (the runs of a sweep; "" for one run)
         self.failures: list[TargetFailure] = []  # oldest first
         self._offer: tuple[int, list] | None = None
         self.offers_superseded = 0  # offers replaced by a newer one before the driver took them
@@ -91,17 +91,21 @@ class PoolControl:
         is ignored like a replaced incarnation's. Returns the re-queued job ids."""
         if self._targets.pop(target_id, None) is None:
             return []
-        self._paused.discard(target_id)
+        self._paused.pop(target_id, None)
         ids = self.pool.target_lost(target_id)
         self.pool.notify()
         return ids
 
-    def pause(self, target_id: int) -> None:
-        """Issue no training jobs to this target (it evaluates); the ones it holds finish."""
-        self._paused.add(target_id)
+    def pause(self, target_id: int, by: str = "") -> None:
+        """Issue no training jobs to this target (it evaluates); the ones it holds finish. `by`: the run of a
+        sweep evaluating on it; the target trains again once every run that paused it resumed it."""
+        self._paused.setdefault(target_id, set()).add(by)
 
-    def resume(self, target_id: int) -> None:
-        self._paused.discard(target_id)
+    def resume(self, target_id: int, by: str = "") -> None:
+        pausers = self._paused.get(target_id, set())
+        pausers.discard(by)
+        if not pausers:
+            self._paused.pop(target_id, None)
         self.pool.notify()
 
     # ---- evaluation offers, stop ----------------------------------------------------------

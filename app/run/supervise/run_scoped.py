@@ -11,7 +11,8 @@ from typing import Any
 
 PER_RUN = frozenset({"pull", "ack", "payload_lost", "generation", "release", "set_ranks", "rollback", "ledger",
                      "request_stop", "clear_stop", "stop_requested", "offer_eval", "take_eval", "report_step",
-                     "report_restart", "report_tau", "drain_step_records", "stats", "restore_ledger"})
+                     "report_restart", "report_tau", "drain_step_records", "stats", "restore_ledger",
+                     "pause_target", "resume_target"})  # a target another run evaluates on stays paused
 
 
 class _RunMethod:
