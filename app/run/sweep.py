@@ -83,6 +83,7 @@ class RunSupervisor(Supervisor):
         self.group = DrafterGroup(self.plan, self.topo, self.pool, self.monitor, stream.bundles, self._drain_records,
                                   self.log, self.clock)
         self.done = False
+        self.started = False  # its group's first start ran (SweepSupervisor.run)
 
     def alive_targets(self) -> list[tuple[int, Any]]:
         return self.stream.alive_targets()
@@ -154,9 +155,7 @@ class SweepSupervisor(Supervisor):
             sup.fleet = self.fleet
         self.group = DrafterGroup(self.plan, self.topo, self.pool, self.monitor, self.bundles, lambda: None,
                                   self.log, self.clock)  # unused: the runs hold the groups
-        self._feed_all(self.fleet.start_all())
-        for sup in self.runs.values():
-            sup._feed(sup.group.start(sup.plan.resume_from))
+        self._feed_all(self.fleet.start_all())  # the groups start in `run`, where a pool dying meanwhile is recreated
 
     def _schedule_refs(self, ray) -> list:
         from app.data.costs import sequence_rows
@@ -177,6 +176,10 @@ class SweepSupervisor(Supervisor):
 
         while True:
             try:
+                for sup in self.runs.values():  # the first start (or a start the pool's death cut short)
+                    if not sup.started:
+                        sup.started = True
+                        sup._feed(sup.group.start(sup.plan.resume_from))
                 finished = [sup.turn() for sup in list(self.runs.values())]
                 if all(finished):
                     break
@@ -220,6 +223,7 @@ class SweepSupervisor(Supervisor):
             for sup in self.runs.values():
                 sup.pool.request_stop()
         for sup in self.runs.values():
+            sup.started = True  # a group whose first start the pool's death cut short starts in this rebuild
             if not sup.done:
                 sup.monitor.note(f"pool died -> recreated ({action.attempt}/{action.budget})")
                 sup._feed(sup.group.rebuild(RebuildDrafters("pool recreated", action.attempt, action.budget,
