@@ -118,11 +118,13 @@ def test_dockerfile_installs_the_project():
 
 
 def test_dockerfile_installs_the_extras_it_is_given():
-    """--build-arg EXTRAS=nixl must reach the dependency layer's pip install, and the default installs s3 (boto3:
-    the exact run lease on an s3:// checkpoint.dir), an extra pyproject declares."""
+    """--build-arg EXTRAS=nixl must reach the dependency layer's pip install, and the default installs s3 and gs (boto3,
+    google-auth: the exact run lease on an s3:// or gs:// checkpoint.dir), extras pyproject declares."""
     text = (DOCKER / "Dockerfile").read_text()
-    assert re.search(r'^ARG EXTRAS="s3"$', text, re.M)
-    assert re.search(r'^s3 = \["boto3', (DOCKER.parent / "pyproject.toml").read_text(), re.M)
+    assert re.search(r'^ARG EXTRAS="s3,gs"$', text, re.M)
+    pyproject = (DOCKER.parent / "pyproject.toml").read_text()
+    assert re.search(r'^s3 = \["boto3', pyproject, re.M)
+    assert re.search(r'^gs = \["google-auth', pyproject, re.M)
     dependency_install = re.search(r'pip install "(\.[^"]*)"', text)
     assert dependency_install, "the dependency layer does not install the project with its extras"
     spec = dependency_install.group(1)
