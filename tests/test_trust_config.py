@@ -32,9 +32,9 @@ def _error(*overrides: str, path: Path | None = ROOT / "conf/tiny.yaml") -> str:
 
 def _float_keys() -> list[str]:
     """Every float field of every section, found from the schema (a new one is covered by itself)."""
-    sections = typing.get_type_hints(Config)
-    return [f"{section.name}.{name}" for section in dataclasses.fields(Config)
-            for name, tp in typing.get_type_hints(sections[section.name]).items() if tp is float]
+    sections = {k: v for k, v in typing.get_type_hints(Config).items() if dataclasses.is_dataclass(v)}  # not runs: a list
+    return [f"{name}.{key}" for name, section in sections.items()
+            for key, tp in typing.get_type_hints(section).items() if tp is float]
 
 
 # ---- item 4: nan and inf ---------------------------------------------------------------------

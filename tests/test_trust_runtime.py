@@ -296,7 +296,7 @@ def test_a_user_error_while_supervising_exits_2_with_one_line(monkeypatch, capsy
                        "check_object_store": lambda *_a: None, "_object_store_bytes": lambda: 0.0,
                        "supervise": supervise}.items():
         monkeypatch.setattr(driver, name, fake)
-    assert driver.run(SimpleNamespace()) == 2
+    assert driver.run(SimpleNamespace(runs=[])) == 2  # one run, no sweep
     assert capsys.readouterr().err == ("config error: the placement group of 2 bundles (9 CPU) was not ready "
                                        "after 120 s: ...\n")
 
