@@ -260,12 +260,7 @@ def install(tmp: Path, entry: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)  # now the previous copy
         return
     if entry.exists():
-        aside = owned_tmp(".swap-", entry.parent)
-        try:
-            entry.rename(aside / "old")
-        except OSError:
-            pass
-        shutil.rmtree(aside, ignore_errors=True)
+        _drop(entry)
     try:
         tmp.rename(entry)
     except OSError:  # another fetch installed it meanwhile
