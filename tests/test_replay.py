@@ -385,3 +385,21 @@ def test_a_store_that_fails_is_a_miss_and_an_unusable_root_is_refused_before_any
     assert TargetReplay.open(ReplaySpec(str(tmp_path / "file" / "store"), 1 << 30), str(tmp_path / "file"),
                              [1], "float32", log=said.append) is None
     assert "cannot be opened" in said[-1]
+
+
+def test_the_summary_sums_every_target_incarnation_s_own_counts(tmp_path, monkeypatch) -> None:
+    """summary.json's replay_forwards / replay_hits: each incarnation's count file (a restarted target's old one
+    too), summed; nothing when replay is off."""
+    import json
+
+    from app.replay import target_side
+    from app.replay.target_side import TargetCounts, replay_summary, save_counts
+
+    run = tmp_path / "run"
+    save_counts(str(run), 0, TargetCounts(forwards=3, replay_hits=5))
+    save_counts(str(run), 1, TargetCounts(forwards=4, replay_hits=0))
+    folder = next(p.parent for p in tmp_path.rglob("target-1-*.json"))
+    (folder / "target-0-999999.json").write_text(json.dumps({"forwards": 2, "replay_hits": 1}))  # an earlier life
+    assert replay_summary("local", str(run)) == {"replay_forwards": 9, "replay_hits": 6}
+    assert replay_summary("off", str(run)) == {}
+    assert target_side.COUNTS_DIR in str(folder)

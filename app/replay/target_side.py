@@ -124,3 +124,12 @@ def read_counts(run_dir: str) -> TargetCounts:
         total.forwards += int(got.get("forwards", 0))
         total.replay_hits += int(got.get("replay_hits", 0))
     return total
+
+
+def replay_summary(replay: str, run_dir: str) -> dict:
+    """summary.json's replay figures (pool.replay on): forwards and replay hits of every target incarnation,
+    summed from their own count files (a killed target's last save included), not from the store."""
+    if replay == "off":
+        return {}
+    counts = read_counts(run_dir)
+    return {"replay_forwards": counts.forwards, "replay_hits": counts.replay_hits}

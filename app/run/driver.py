@@ -216,6 +216,9 @@ def supervise(plan, use_gpu: bool, stop: threading.Event) -> int:
         from app.run.sweep import target_forwards
 
         summary["target_forwards"] = target_forwards(sup.alive_targets())  # the live targets' own counters
+        from app.replay.target_side import replay_summary
+
+        summary.update(replay_summary(cfg.pool.replay, cfg.checkpoint.dir))
         summary.update(outputs.finish(outcome.steps, export_dir))  # tau_history, tau_best, split_advice
         summary.update(serving_outputs(cfg, plan.model_dir, export_dir,  # launch lines, drafter-speculators/
                                        tau.trained if tau.trained is not None else

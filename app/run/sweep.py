@@ -297,6 +297,9 @@ def supervise_sweep(plan, use_gpu: bool, stop: threading.Event, log, build_summa
 
         stream = ray.get(counts)
         top = sweep_summary(summaries, stream, counted, len(plan.jobs), time.monotonic() - t0)
+        from app.replay.target_side import replay_summary
+
+        top.update(replay_summary(cfg.pool.replay, cfg.checkpoint.dir))
         write_summary(cfg, top)
         from app.storage.roots import open_storage
 
