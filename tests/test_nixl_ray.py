@@ -19,6 +19,7 @@ from app.config.schema import PoolConfig
 from app.messages import EndOfStream, JobSpec
 from app.pool.hs_pool import Drained
 from app.payload.transport import HeldPayloads, warm_up_nixl
+from app.replay.target_side import TargetCounts
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow,
               pytest.mark.skipif(not nixl_installed(), reason="pool.transport=nixl needs pip install 'dflash-ray[nixl]'")]
@@ -53,6 +54,7 @@ class CheapTarget(TargetActor):
         self.device, self.trunk = torch.device("cpu"), IdsTrunk()
         self.compute_lock, self.busy, self.jobs_done = threading.Lock(), BusyClock(), 0
         self.transport, self.held = transport, HeldPayloads()
+        self.counts, self.replay = TargetCounts(), None  # no replay store: every job is a forward
         if transport == "nixl":
             warm_up_nixl()
 
