@@ -3,7 +3,8 @@
 vLLM serves the speculators folder's `speculators_config.verifier.name_or_path` as the target
 (vllm/transformers_utils/config.py maybe_override_with_speculators): a relative path there only works
 from the training run's folder, so the export writes the target folder absolute, or the hub id / path
-the user gives in `checkpoint.verifier`, and the summary says which and how to change it.
+the user gives in `checkpoint.verifier`, and the summary says which and how to change it. vLLM 0.34 takes
+only a hub id there, so the main-model line is printed for a hub-id verifier alone.
 """
 from __future__ import annotations
 
@@ -48,7 +49,15 @@ def test_a_relative_target_is_named_absolute(run):
     want = str(root / "models" / "target")
     assert _named(root) == want and summary["verifier"] == want and summary["verifier_from"] == "model.target"
     assert shlex.split(summary["serve"]["vllm"])[2] == want
-    assert summary["serve"]["vllm_speculators_main"] == f"vllm serve {root / 'run' / 'drafter-speculators'}"
+    # vLLM refuses a local verifier in a folder served as the main model: no such line, and the reason
+    assert "vllm_speculators_main" not in summary["serve"]
+    assert summary["serve_none"]["vllm_speculators_main"].startswith(
+        f"vLLM serves drafter-speculators/ as its main model only when the verifier it names is a hub repository id, "
+        f"and {want} is a local path")
+    printed: list[str] = []
+    print_serving(summary, printed.append)
+    assert [r for r in printed if r.startswith("no ")] == [
+        f"no vllm_speculators_main line: {summary['serve_none']['vllm_speculators_main']}"]
 
 
 def test_the_users_verifier_is_named_and_served(run):
@@ -58,6 +67,8 @@ def test_the_users_verifier_is_named_and_served(run):
     assert shlex.split(summary["serve"]["vllm"])[2] == "Qwen/Qwen3-8B"
     sglang = shlex.split(summary["serve"]["sglang"])
     assert sglang[sglang.index("--model-path") + 1] == "Qwen/Qwen3-8B"
+    assert summary["serve"]["vllm_speculators_main"] == f"vllm serve {root / 'run' / 'drafter-speculators'}"
+    assert summary["serve_none"] == {}
     printed: list[str] = []
     print_serving(summary, printed.append)
     assert printed[0] == ("verifier (the target engines load, named in drafter-speculators/config.json): Qwen/Qwen3-8B "

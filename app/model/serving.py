@@ -6,7 +6,9 @@
   speculators config's token count for a folder named in --speculative-config): `block_size - 1` drafts
   the whole trained block, more asks for positions the drafter never trained. `vllm serve <speculators
   folder>` alone serves the verifier the folder names (`speculators_config.verifier.name_or_path`) with
-  the method and token count from its config. SGLang infers the block size
+  the method and token count from its config, but only when that verifier names a hub repository:
+  vLLM 0.34 refuses a local one (`remote_verifier`), so for a local verifier there is no such line, and
+  `no_main_line` says why in one line. SGLang infers the block size
   from the folder but serves in the checkpoint's dtype unless told, so the line says `--dtype bfloat16`.
 - `speculators_config`: the config.json of the speculators format (`speculators_model_type: dflash`,
   the decoder nested in `transformer_layer_config`, `speculators_config.proposal_methods` with the token
@@ -33,8 +35,34 @@ def num_speculative_tokens(block_size: int) -> int:
     return int(block_size) - 1
 
 
+def remote_verifier(name: str) -> bool:
+    """Whether `vllm serve <speculators folder>` can load `name` as the folder's verifier. vLLM 0.34's
+    maybe_override_with_speculators (vllm/transformers_utils/config.py) raises "Speculators verifier must
+    name a remote model repository. Select local verifiers explicitly with --model and --speculative-config."
+    unless the name passes huggingface_hub's validate_repo_id and no local path of that name exists (an
+    absolute path fails the first, an existing relative folder the second). The existence is judged on
+    this machine, where the run writes the folder."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return not (Path(name).exists() or Path(name).is_symlink())
+
+
+def no_main_line(target: str) -> str:
+    """Why a run prints no `vllm_speculators_main` line for verifier `target` (one line)."""
+    return (f"vLLM serves {SPECULATORS_DIR}/ as its main model only when the verifier it names is a hub "
+            f"repository id, and {target} is a local path (vLLM 0.34 refuses it: \"Speculators verifier must name "
+            "a remote model repository\"); serve it with the vllm_speculators line, which gives the verifier on "
+            "the command line, or set checkpoint.verifier to the target's hub id")
+
+
 def launch_lines(target: str, drafter_dir: str, block_size: int, speculators_dir: str | None = None) -> dict[str, str]:
-    """Shell lines that serve `target` with the drafter at `drafter_dir` (paths quoted for a shell)."""
+    """Shell lines that serve `target` with the drafter at `drafter_dir` (paths quoted for a shell). With
+    `speculators_dir`, also the lines that serve that folder: `vllm_speculators` always, and
+    `vllm_speculators_main` only for a verifier vLLM accepts there (`remote_verifier`)."""
     spec = {"method": "dflash", "model": str(drafter_dir), "num_speculative_tokens": num_speculative_tokens(block_size)}
     lines = {
         "vllm": f"vllm serve {shlex.quote(str(target))} --speculative-config {shlex.quote(json.dumps(spec))}",
@@ -48,8 +76,10 @@ def launch_lines(target: str, drafter_dir: str, block_size: int, speculators_dir
         spec = {**spec, "model": str(speculators_dir)}
         lines["vllm_speculators"] = (f"vllm serve {shlex.quote(str(target))} --speculative-config "
                                      f"{shlex.quote(json.dumps(spec))}")
-        # As the main model, vLLM takes all three from the folder: the verifier it names, method, token count.
-        lines["vllm_speculators_main"] = f"vllm serve {shlex.quote(str(speculators_dir))}"
+        # As the main model, vLLM takes all three from the folder: the verifier it names, method, token count;
+        # a local verifier stops it there (remote_verifier), so the line is printed for a hub id only.
+        if remote_verifier(str(target)):
+            lines["vllm_speculators_main"] = f"vllm serve {shlex.quote(str(speculators_dir))}"
     return lines
 
 

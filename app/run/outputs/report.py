@@ -100,6 +100,8 @@ def _serving_table(summary: dict) -> str:
         return ""
     cells = [f"<tr><th>{html.escape(engine)}</th><td><code>{html.escape(line)}</code></td></tr>"
              for engine, line in lines.items()]
+    cells += [f"<tr><th>{html.escape(engine)}</th><td>none: {html.escape(why)}</td></tr>"
+              for engine, why in (summary.get("serve_none") or {}).items()]
     if est:
         cells.append(f"<tr><th>expected decode speedup</th><td>{est['speedup']:.2f}x = {est['tau']:.3g} / "
                      f"(1 + 1 / {est['ratio']:.3g}) ({html.escape(est['formula'])}; tau = tokens per target forward "

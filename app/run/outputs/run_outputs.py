@@ -83,12 +83,14 @@ def serving_outputs(cfg, model_dir: str, export_dir: str | None, tau: float | No
                     verifier: str | None = None) -> dict:
     """After the export: `drafter-speculators/` beside `drafter/` (app/model/serving.py), the vLLM and
     SGLang launch lines with the run's real paths and `block_size - 1`, and the decode speed estimate
-    from `tau`. The summary fields `serve` and `serving_estimate`; {} when nothing was exported. A
+    from `tau`. The summary fields `serve`, `serve_none` (a form the engine refuses for this verifier -> why
+    it is not in `serve`: `vllm_speculators_main` for a local verifier) and `serving_estimate`; {} when
+    nothing was exported. A
     speculators folder that cannot be written is a warning: `drafter/` is what the lines serve. `verifier`: the
     target the engines load, when it is not `model_dir` (a GGUF target: its HF id or .gguf path); the user's
     `checkpoint.verifier` wins over both. The summary's `verifier` is the one written, `verifier_from` where it
     came from."""
-    from app.model.serving import SPECULATORS_DIR, cost_ratio, launch_lines, speed_estimate
+    from app.model.serving import SPECULATORS_DIR, cost_ratio, launch_lines, no_main_line, speed_estimate
     from app.storage.fetch import fetch_dir
 
     if not export_dir:
@@ -103,10 +105,14 @@ def serving_outputs(cfg, model_dir: str, export_dir: str | None, tau: float | No
     except (OSError, ValueError, KeyError) as exc:
         log(f"WARNING: {SPECULATORS_DIR}/ not written ({type(exc).__name__}: {exc})")
     lines = launch_lines(verifier, export_dir, cfg.drafter.block_size, spec_dir)
+    # A form the engine refuses for this verifier is not printed; the summary says why in its place.
+    none = {"vllm_speculators_main": no_main_line(verifier)} if spec_dir and "vllm_speculators_main" not in lines \
+        else {}
     hf = json.loads((local / "config.json").read_text())
     ratio = cost_ratio(model_dir, local, int(hf["vocab_size"]), int(hf["hidden_size"]))
     estimate = speed_estimate(tau, ratio)
-    return {"serve": lines, "serving_estimate": estimate, "verifier": verifier, "verifier_from": source}
+    return {"serve": lines, "serve_none": none, "serving_estimate": estimate, "verifier": verifier,
+            "verifier_from": source}
 
 
 def engine_path(name: str) -> str:
@@ -124,6 +130,8 @@ def print_serving(summary: dict, log=print) -> None:
             "serving machine, set checkpoint.verifier=... or edit speculators_config.verifier.name_or_path there")
     for engine, line in (summary.get("serve") or {}).items():
         log(f"serve with {engine}: {line}")
+    for engine, why in (summary.get("serve_none") or {}).items():
+        log(f"no {engine} line: {why}")
     est = summary.get("serving_estimate")
     if est:
         log(f"expected decode speedup {est['speedup']:.2f}x ({est['formula']}, tau {est['tau']:.2f}, verify/draft "
