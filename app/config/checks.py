@@ -16,6 +16,7 @@ from pathlib import Path
 
 from app.config.errors import ConfigError
 from app.config.drafter_sections import resolve_layer_ids
+from app.config.layer_checks import check_layers
 from app.config.schema import Config, TopologyConfig
 from app.config.tiny_section import TINY_TARGET
 
@@ -123,15 +124,9 @@ def resolved_mask_token_id(cfg: Config, info: TargetInfo) -> int:
 
 
 def check_target(cfg: Config, info: TargetInfo) -> None:
-    """Layer ids inside the target, mask token a real, non-special row, head_dim flex can run on CUDA."""
-    for lid in cfg.model.target_layer_ids:
-        if not 0 <= lid < info.num_layers:
-            raise ConfigError(
-                f"model.target_layer_ids={list(cfg.model.target_layer_ids)} has {lid}, outside the target's "
-                f"{info.num_layers} layers (0..{info.num_layers - 1}); use ids in that range or [] for the default"
-            )
-    check_layer_order(resolved_layer_ids(cfg, info), info.num_layers, given=bool(cfg.model.target_layer_ids),
-                      draft_layers=cfg.drafter.num_layers)
+    """Every drafter's layer ids as the engines read them (the root's and each run's of a sweep,
+    app/config/layer_checks.py), mask token a real, non-special row, head_dim flex can run on CUDA."""
+    check_layers(cfg, info.num_layers)
     check_head_dim(info.head_dim, cfg.topology.device != "cpu" and cfg.topology.gpus_per_drafter > 0)
     mask = resolved_mask_token_id(cfg, info)
     if not 0 <= mask < info.vocab_size:
@@ -145,33 +140,6 @@ def check_target(cfg: Config, info: TargetInfo) -> None:
             f"drafter.mask_token_id={mask} is the target's {which} token; pick an unused row that is "
             "neither pad nor eos"
         )
-
-
-def check_layer_order(layer_ids: list[int], num_layers: int, given: bool = True, draft_layers: int = 0) -> None:
-    """The layer ids the engines read as trained: strictly ascending, no repeats, not the last layer.
-
-    vLLM and SGLang sort the ids (features come out permuted against `fc`) and fail on repeats; the
-    last layer's features are what the final norm is applied to: vLLM then feeds un-normed features
-    where training used normed ones (silently), SGLang errors and the speculators converter drops it.
-    `given`: the ids come from model.target_layer_ids (else they are DFlash's default spread)."""
-    ids = [int(i) for i in layer_ids]
-    what = (f"model.target_layer_ids={ids}" if given else
-            f"model.target_layer_ids=[] (the DFlash default for a {num_layers}-layer target and "
-            f"drafter.num_layers={draft_layers} is {ids})")
-    fix = ("list distinct ascending ids below the last layer" if given else
-           "list distinct ascending ids below the last layer in model.target_layer_ids, or lower drafter.num_layers")
-    repeated = sorted({i for i in ids if ids.count(i) > 1})
-    if repeated:
-        raise ConfigError(f"{what} repeats layer {repeated[0]}: vLLM and SGLang fail to load repeated target layer "
-                          f"ids; {fix}")
-    if ids != sorted(ids):
-        raise ConfigError(f"{what} is not ascending: vLLM and SGLang sort the ids, so the features would reach fc "
-                          f"permuted against training; write them as {sorted(ids)}")
-    if num_layers - 1 in ids:
-        raise ConfigError(f"{what} has {num_layers - 1}, the target's last layer: training reads its hidden state "
-                          f"after the final norm, vLLM before it (silently wrong features), SGLang refuses it and the "
-                          f"speculators converter drops it; "
-                          f"{fix} (at most {num_layers - 2})")
 
 
 MIN_FLEX_HEAD_DIM = 16  # compiled flex_attention on CUDA refuses narrower heads
