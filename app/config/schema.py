@@ -2,7 +2,8 @@
 
 Here: the root and the pipeline's sections (`model`, `topology`, `data`, `pool`). The tiny target's
 section is `tiny_section.py`, the drafter's (`drafter`, `train`) `drafter_sections.py`, the run's
-(`checkpoint`, `logging`, `supervision`, `faults`, `eval`) `run_sections.py`.
+(`checkpoint`, `logging`, `supervision`, `faults`, `eval`) `run_sections.py`, the learning checks (`health`)
+`health_section.py`.
 
 The YAML files in `conf/` are merged onto this schema (see `app/config/load.py`), CLI `key=value`
 overrides go on top, and the result is converted to these dataclasses. Each actor receives only its
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from omegaconf import MISSING
 
 from app.config.drafter_sections import DrafterConfig, TrainConfig
+from app.config.health_section import HealthConfig
 from app.config.run_sections import CheckpointConfig, EvalConfig, FaultsConfig, LoggingConfig, SupervisionConfig
 from app.config.sweep_section import RunSpec, check_runs
 from app.config.tiny_section import TinyConfig
@@ -191,6 +193,7 @@ class Config:
     supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)  # the drafter's learning checks (health_section.py)
     runs: list[RunSpec] = field(default_factory=list)  # several drafter runs on one stream (sweep_section.py)
 
     def __post_init__(self) -> None:
