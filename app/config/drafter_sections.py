@@ -21,6 +21,7 @@ class DrafterConfig:
     mask_token_id: int = -1  # -1 = the tokenizer's mask token (the tiny target reserves one); else an id >= 0
     ce_chunk_rows: int = 1024  # rows of the LM head computed at once in the loss
     max_rows: int = 65536  # query rows (blocks x block_size) per drafter sub-batch; 0 = a whole job at once
+    loss_negatives: int = 0  # 0 = the loss's softmax over the whole vocabulary; N = sampled softmax (labels + N ids)
 
     def __post_init__(self) -> None:
         at_least("drafter.num_layers", self.num_layers, 1, "the drafter needs a layer")
@@ -32,6 +33,8 @@ class DrafterConfig:
             fail("drafter.mask_token_id", self.mask_token_id, "must be -1 (the tokenizer's mask token) or an id >= 0")
         at_least("drafter.ce_chunk_rows", self.ce_chunk_rows, 1, "the loss computes at least one row at a time")
         at_least("drafter.max_rows", self.max_rows, 0, "0 = no bound; else rows per sub-batch")
+        at_least("drafter.loss_negatives", self.loss_negatives, 0,
+                 "0 = the full vocabulary; else uniform negatives per micro-batch (e.g. 4096)")
 
     @property
     def gamma(self) -> float:

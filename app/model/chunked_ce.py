@@ -57,7 +57,7 @@ class _ChunkedCE(torch.autograd.Function):
 
 class _WeightedCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_RH, weight_VH, labels_R, w_R, chunk_rows: int, topk: int):
+    def forward(ctx, hidden_RH, weight_VH, labels_R, w_R, chunk_rows: int, topk: int, bias_V=None):
         R = hidden_RH.shape[0]
         dev = hidden_RH.device
         nll = torch.empty(R, dtype=torch.float32, device=dev)
@@ -68,6 +68,8 @@ class _WeightedCE(torch.autograd.Function):
         for lo in range(0, R, chunk_rows):
             hi = min(R, lo + chunk_rows)
             logits = (hidden_RH[lo:hi] @ weight_VH.T).float()
+            if bias_V is not None:  # a sampled slice's log-correction (app/model/vocab_sample.py)
+                logits += bias_V
             lse = torch.logsumexp(logits, dim=-1)
             nll[lo:hi] = lse - logits.gather(1, labels_R[lo:hi, None])[:, 0]
             pred[lo:hi] = logits.argmax(dim=-1)
@@ -88,7 +90,7 @@ class _WeightedCE(torch.autograd.Function):
     def backward(ctx, grad_loss, _g_nll, _g_pred, _g_topk):
         (grad_RH,) = ctx.saved_tensors
         assert not ctx.needs_input_grad[1], "the LM head is frozen; weighted CE gives no weight grad"
-        return grad_RH * grad_loss.to(grad_RH.dtype), None, None, None, None, None
+        return grad_RH * grad_loss.to(grad_RH.dtype), None, None, None, None, None, None
 
 
 def weighted_chunked_ce(hidden_RH: torch.Tensor, weight_VH: torch.Tensor, labels_R: torch.Tensor,
@@ -100,6 +102,37 @@ def weighted_chunked_ce(hidden_RH: torch.Tensor, weight_VH: torch.Tensor, labels
     if chunk_rows < 1:
         raise ValueError(f"drafter.ce_chunk_rows={chunk_rows} must be >= 1")
     return _WeightedCE.apply(hidden_RH, weight_VH, labels_R, w_R, int(chunk_rows), int(topk))
+
+
+def sampled_weighted_ce(hidden_RH: torch.Tensor, weight_VH: torch.Tensor, vslice, w_R: torch.Tensor,
+                        chunk_rows: int = 1024):
+    """`weighted_chunked_ce` over a `VocabSlice`'s columns (sampled softmax): (sum of w * NLL, NLL [R], argmax
+    [R] as vocabulary ids, within the slice). The loss and its gradient are the slice's; see vocab_sample.py."""
+    if chunk_rows < 1:
+        raise ValueError(f"drafter.ce_chunk_rows={chunk_rows} must be >= 1")
+    weight_CH = weight_VH.index_select(0, vslice.cols_C)
+    loss, nll, pred, _ = _WeightedCE.apply(hidden_RH, weight_CH, vslice.local_labels_R, w_R, int(chunk_rows), 0,
+                                           vslice.bias_C)
+    return loss, nll, vslice.cols_C[pred]
+
+
+@torch.no_grad()
+def full_nll_argmax(hidden_RH: torch.Tensor, weight_VH: torch.Tensor, labels_R: torch.Tensor,
+                    chunk_rows: int = 1024, topk: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The full vocabulary's NLL [R], argmax [R] and label-in-top-k [R], no gradient (the exact figures a
+    sampled step is checked against)."""
+    R = hidden_RH.shape[0]
+    nll = torch.empty(R, dtype=torch.float32, device=hidden_RH.device)
+    pred = torch.empty(R, dtype=torch.long, device=hidden_RH.device)
+    hit = torch.zeros(R, dtype=torch.bool, device=hidden_RH.device)
+    for lo in range(0, R, chunk_rows):
+        hi = min(R, lo + chunk_rows)
+        logits = (hidden_RH[lo:hi] @ weight_VH.T).float()
+        nll[lo:hi] = torch.logsumexp(logits, dim=-1) - logits.gather(1, labels_R[lo:hi, None])[:, 0]
+        pred[lo:hi] = logits.argmax(dim=-1)
+        if topk > 0:
+            hit[lo:hi] = (logits.topk(min(topk, logits.shape[1]), dim=-1).indices == labels_R[lo:hi, None]).any(-1)
+    return nll, pred, hit
 
 
 def chunked_cross_entropy(

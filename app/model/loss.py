@@ -113,6 +113,9 @@ class LossOutput:
     tokens: int  # real tokens in the batch
     topk_correct_sum: float = 0.0
     num_sub_batches: int = 0
+    # Sum of weight x the FULL vocabulary's CE of the same rows, when a sampled-softmax step measured it
+    # (`full_check`); -1 when not measured. With the full head it equals loss_sum.
+    full_loss_sum: float = -1.0
 
 
 def sample_blocks(loss_mask_NS, lengths_N, block_size: int, num_anchors: int, generator) -> tuple[np.ndarray, np.ndarray]:
@@ -180,6 +183,8 @@ def dflash_loss(
     max_rows: int = 0,
     backward: bool = False,
     kernel: str = "auto",
+    negatives: int = 0,
+    full_check: bool = False,
 ) -> LossOutput:
     """Weighted CE of the drafter's block predictions, as sums.
 
@@ -187,6 +192,9 @@ def dflash_loss(
     `backward=True` each sub-batch backpropagates before the next one runs (so only one sub-batch's
     activations are alive) and the returned `loss_sum` is detached; otherwise it is differentiable.
     `gamma` None: DFlash's default for `block_size` (a run passes `DrafterConfig.gamma`).
+    `negatives` > 0 trains the head's softmax on a sampled slice of the vocabulary (`drafter.loss_negatives`,
+    app/model/vocab_sample.py); `full_check` then also computes the full vocabulary's loss, argmax and top-k of
+    the same rows (no gradient) for the metrics. With 0 the full head is the loss, as before.
     """
     module = getattr(drafter, "module", drafter)  # DDP wraps the module
     arch, B = module.arch, block_size
@@ -196,8 +204,9 @@ def dflash_loss(
     seq_M, anchors_M = sample_blocks(mask_h, lens_h, B, num_anchors, generator)
     if len(seq_M) == 0:
         return _zero_output(drafter, tokens, B, backward)
-    from app.model.chunked_ce import weighted_chunked_ce
+    from app.model.chunked_ce import full_nll_argmax, sampled_weighted_ce, weighted_chunked_ce
     from app.model.packing import pack_blocks, split_rows
+    from app.model.vocab_sample import vocab_slice
 
     labels_h, lmask_h = packed_labels(ids_h, mask_h, lens_h, seq_M, anchors_M, B)
     weight_h = lmask_h * decay_weights(B, default_gamma(B) if gamma is None else gamma)
@@ -218,9 +227,18 @@ def dflash_loss(
         embeds_RH = head.embed(ids.reshape(-1)).to(dtype)
         hidden_RH = module.forward_packed(embeds_RH, feats_TD[sub.ctx_index_T], sub)
         h_rows = hidden_RH.view(-1, B, hidden_RH.shape[-1])[:, 1:].reshape(-1, hidden_RH.shape[-1])
-        loss, _, pred, topk_hit = weighted_chunked_ce(
-            h_rows.to(head.lm_head.weight.dtype), head.lm_head.weight, labels.reshape(-1), w.reshape(-1),
-            ce_chunk_rows, topk)
+        h_rows, W, flat_labels, flat_w = h_rows.to(head.lm_head.weight.dtype), head.lm_head.weight, labels.reshape(-1), w.reshape(-1)
+        full_w = None
+        if negatives > 0:
+            vslice = vocab_slice(labels_h[sl].reshape(-1), (arch.mask_token_id,), W.shape[0], negatives, generator, device)
+            loss, _, pred = sampled_weighted_ce(h_rows, W, vslice, flat_w, ce_chunk_rows)
+            topk_hit = torch.zeros_like(pred, dtype=torch.bool)
+            if full_check:  # the exact figures of the same rows: the metrics use them, the loss stays sampled
+                full_nll, pred, topk_hit = full_nll_argmax(h_rows.detach(), W, flat_labels, ce_chunk_rows, topk)
+                full_w = (full_nll * flat_w.float()).sum()
+        else:
+            loss, _, pred, topk_hit = weighted_chunked_ce(h_rows, W, flat_labels, flat_w, ce_chunk_rows, topk)
+            full_w = loss.detach()
         if backward:
             loss.backward()
             loss = loss.detach()
@@ -231,19 +249,22 @@ def dflash_loss(
             # Acceptance: the correct prefix stops at the first wrong (or unlabelled) position.
             accept = correct_MK.cumprod(dim=1).sum(dim=1) + 1
             topk_w = (topk_hit.view(labels.shape).float() * w).sum() if topk else torch.zeros((), device=device)
-            dev_stats.append(torch.cat([torch.stack([(correct * w).sum(), accept.sum(), topk_w]), correct_MK.sum(0)]))
+            full = full_w if full_w is not None else torch.full((), -1.0, device=device)
+            dev_stats.append(torch.cat([torch.stack([(correct * w).sum(), accept.sum(), topk_w, full.float()]),
+                                        correct_MK.sum(0)]))
     stats = torch.stack(dev_stats).sum(0).double().cpu()  # the one device sync of the micro-batch
     return LossOutput(
         loss_sum=loss_total,
         weight_sum=float(weight_h.sum(dtype=np.float64)),
         correct_sum=float(stats[0]),
-        per_pos_correct=stats[3:].float(),
+        per_pos_correct=stats[4:].float(),
         per_pos_count=torch.from_numpy(lmask_h.sum(0)),
         accept_len_sum=float(stats[1]),
         num_blocks=len(seq_M),
         tokens=tokens,
         topk_correct_sum=float(stats[2]) if topk else 0.0,
         num_sub_batches=len(subs),
+        full_loss_sum=float(stats[3]) if (negatives <= 0 or full_check) else -1.0,
     )
 
 

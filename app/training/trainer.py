@@ -21,7 +21,7 @@ from app.faults import injected_delay
 
 # Layout of the statistics that ride along with the gradients in the step's all-reduce.
 _STATS = ("weight_sum", "loss_sum", "correct_sum", "topk_correct_sum", "tokens", "accept_len_sum", "num_blocks",
-          "active", "stop", "eos", "jobs")
+          "active", "stop", "eos", "jobs", "full_loss_sum", "full_measured")
 TOPK = 5  # the expensive metric: top-5 accuracy over the full vocabulary, every train.sample_every steps
 
 
@@ -70,6 +70,9 @@ class StepStats:
     compute_s: float = 0.0
     nonfinite: str = ""  # why this step was not applied ("loss=nan grad_norm=inf"); "" = a finite step
     halt: bool = False  # a non-finite step the run must stop at (train.on_nonfinite=stop, or nan weights)
+    # The full vocabulary's loss of this step's rows: = loss without sampling; with drafter.loss_negatives, measured
+    # on sampling steps only (-1 on the others): the exact figure the sampled loss is checked against.
+    full_loss: float = -1.0
 
 
 class StepAccumulator:
@@ -94,6 +97,9 @@ class StepAccumulator:
         self.job_ids.append(job_id)
         self.sums["jobs"] += 1.0
         self.sums["active"] = 1.0
+        if out.full_loss_sum >= 0:  # the full vocabulary's loss of these rows (always, without sampling)
+            self.sums["full_loss_sum"] += float(out.full_loss_sum)
+            self.sums["full_measured"] += float(out.weight_sum)
 
 
 def adamw_impl(device: torch.device) -> dict[str, bool]:
@@ -167,7 +173,8 @@ class DrafterTrainer:
             out = dflash_loss(
                 self.drafter, self.head, batch, block_size=self.dcfg.block_size, num_anchors=self.dcfg.num_anchors,
                 gamma=self.dcfg.gamma, ce_chunk_rows=self.dcfg.ce_chunk_rows, generator=gen, topk=topk,
-                max_rows=self.dcfg.max_rows, backward=True,
+                max_rows=self.dcfg.max_rows, backward=True, negatives=self.dcfg.loss_negatives,
+                full_check=topk > 0,
             )
         self.acc.add(out, job_id)
 
@@ -214,6 +221,7 @@ class DrafterTrainer:
             grad_norm=grad_norm, lr=lr, per_pos_acc=per_pos, topk_acc=topk_acc, local_tokens=int(self.acc.sums["tokens"]),
             local_loss=self.acc.sums["loss_sum"] / max(weight, 1e-12), compute_s=time.perf_counter() - t0,
             nonfinite=nonfinite, halt=halt,
+            full_loss=g_stats["full_loss_sum"] / g_stats["full_measured"] if g_stats["full_measured"] > 0 else -1.0,
         )
         self.acc = StepAccumulator(self.dcfg.block_size)
         return result
