@@ -53,7 +53,7 @@ def test_a_relative_target_is_named_absolute(run):
     assert "vllm_speculators_main" not in summary["serve"]
     assert summary["serve_none"]["vllm_speculators_main"].startswith(
         f"vLLM serves drafter-speculators/ as its main model only when the verifier it names is a hub repository id, "
-        f"and {want} is a local path")
+        f"and {want} is not one")
     printed: list[str] = []
     print_serving(summary, printed.append)
     assert [r for r in printed if r.startswith("no ")] == [

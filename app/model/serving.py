@@ -54,7 +54,7 @@ def remote_verifier(name: str) -> bool:
 def no_main_line(target: str) -> str:
     """Why a run prints no `vllm_speculators_main` line for verifier `target` (one line)."""
     return (f"vLLM serves {SPECULATORS_DIR}/ as its main model only when the verifier it names is a hub "
-            f"repository id, and {target} is a local path (vLLM 0.34 refuses it: \"Speculators verifier must name "
+            f"repository id, and {target} is not one (vLLM 0.34 refuses it: \"Speculators verifier must name "
             "a remote model repository\"); serve it with the vllm_speculators line, which gives the verifier on "
             "the command line, or set checkpoint.verifier to the target's hub id")
 
