@@ -18,6 +18,9 @@ class CheckpointConfig:
     every_steps: int = 500
     keep: int = 3
     lease_timeout_s: float = 120.0  # a run lease not refreshed for this long is stale: another run may take it
+    # A URI run's downloads (checkpoint versions, exports) each node keeps, over all runs there: least recently
+    # used go first, never one a process is reading (app/storage/local_cache.py).
+    download_cache_gb: float = 25.0
     export_dtype: str = "bfloat16"  # drafter/ weights: engines serve bf16 (an fp32 export is twice the size, cast anyway)
     # The target drafter-speculators/config.json names (what `vllm serve <dir>/drafter-speculators` loads) and the
     # launch lines serve: a hub id or a path on the serving machine; empty: model.target's folder, absolute.
@@ -32,6 +35,7 @@ class CheckpointConfig:
         at_least("checkpoint.keep", self.keep, 1, "keep at least the latest checkpoint")
         at_least("checkpoint.lease_timeout_s", self.lease_timeout_s, 10.0,
                   "the driver refreshes its lease every quarter of it; shorter is easily missed on a busy node")
+        positive("checkpoint.download_cache_gb", self.download_cache_gb, " GB (a few checkpoint versions must fit)")
         if has_credentials(self.dir):  # a key in the URI reaches wandb, log lines and error messages
             raise ValueError(f"checkpoint.dir={redact(self.dir)!r} holds credentials in the URI; remove them and set "
                              "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) on every node instead")
