@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-VERDICT_ORDER = ("not_fitting", "collapsed", "ignoring_features", "ignoring_anchor", "overfitting")
+from app.model.health_verdicts import VERDICT_ORDER, Verdict, status_word, verdicts  # noqa: F401 (the stable names)
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,9 @@ class Health:
     tau_fit: float | None  # tau replayed on the fixed training sample (None: no training sample)
     tau_replay: float  # held-out tau replayed with the target features
     tau_no_features: float  # the same replay with the features zeroed
+    tau_layers_below: float | None  # the same replay reading every target layer id - 1 (None: no such layer)
+    tau_layers_above: float | None  # ... every target layer id + 1
+    head_is_target: bool | None  # the drafter's LM head equals the target's output embedding (None: not readable)
     first_distinct: int
     first_top_share: float
     target_top_share: float  # the same share of the target's own next tokens there: how varied the text is
@@ -71,12 +74,6 @@ class Health:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-@dataclass(frozen=True)
-class Verdict:
-    name: str  # one of VERDICT_ORDER
-    line: str  # the figure, the likely causes, where to look
 
 
 def spread(lo: int, hi: int, count: int) -> list[int]:
@@ -105,10 +102,34 @@ def features_of(target_model, ids: list[int], layer_ids) -> torch.Tensor:
     """[S, k*H]: the target's features of `ids` (one forward, no cache), as speculative decoding reads them."""
     from app.model.features import features_from_hidden_states
 
+    return features_from_hidden_states(hidden_states_of(target_model, ids), list(layer_ids))[0]
+
+
+def hidden_states_of(target_model, ids: list[int]) -> tuple:
+    """Every hidden state of the target over `ids` (embedding output first), one forward, no cache."""
     device = next(target_model.parameters()).device
     with torch.no_grad():
-        out = target_model(input_ids=torch.tensor([ids], device=device), use_cache=False, output_hidden_states=True)
-    return features_from_hidden_states(out.hidden_states, list(layer_ids))[0]
+        return target_model(input_ids=torch.tensor([ids], device=device), use_cache=False,
+                            output_hidden_states=True).hidden_states
+
+
+def shifted(layer_ids: list[int], by: int, num_layers: int) -> list[int] | None:
+    """Every layer id moved by `by`, or None when one falls outside the target's layers 0..num_layers-1."""
+    moved = [i + by for i in layer_ids]
+    return moved if all(0 <= i < num_layers for i in moved) else None
+
+
+def head_is_target(head, target_model, rows: int = 64) -> bool | None:
+    """Whether the drafter's LM head is the target's output embedding, on `rows` rows spread over the vocabulary
+    (a tied head left random differs everywhere); None when the target does not expose one."""
+    get = getattr(target_model, "get_output_embeddings", None)
+    out = get() if get is not None else None
+    if out is None or out.weight.shape != head.lm_head.weight.shape:
+        return None if out is None else False
+    idx = torch.tensor(spread(0, out.weight.shape[0] - 1, rows))
+    mine = head.lm_head.weight[idx.to(head.lm_head.weight.device)].float().cpu()
+    theirs = out.weight[idx.to(out.weight.device)].float().cpu()
+    return bool(torch.allclose(mine, theirs, rtol=1e-2, atol=1e-3))
 
 
 def block_hidden(drafter, head, feats_SD: torch.Tensor, tokens: list[int], anchors: list[int],
@@ -195,7 +216,12 @@ def replay_tau(drafter, head, feats_list, prompts, texts, block_size: int, max_n
     for feats, prompt, text in zip(feats_list, prompts, texts):
         feats = torch.zeros_like(feats) if zero_features else feats
         per += replay_one(drafter, head, feats, list(prompt), list(text), block_size, max_new_tokens)
-    return sum(per) / len(per) if per else 1.0
+    return mean_tau(per)
+
+
+def mean_tau(per_forward: list[int]) -> float:
+    """Tokens per verify forward (1.0 when nothing was decoded)."""
+    return sum(per_forward) / len(per_forward) if per_forward else 1.0
 
 
 def replay_one(drafter, head, feats_SD, prompt: list[int], text: list[int], block_size: int, max_new_tokens: int,
@@ -222,16 +248,28 @@ def measure_health(target_model, drafter, head, step: int, tau: float, heldout, 
     one batched drafter forward each for the replay, the zeroed features and the swapped anchors."""
     import time
 
+    from app.model.features import features_from_hidden_states
+
     t0 = time.perf_counter()
     layers, B = list(drafter.arch.target_layer_ids), drafter.arch.block_size
     per, per_zero, feats, texts, anchors, guesses, flat, nexts = [], [], [], [], [], [], [], []
+    per_shift: dict[int, list[int] | None] = {-1: [], 1: []}
     for prompt, greedy in heldout:
         text = list(prompt) + list(greedy)
-        f = features_of(target_model, text, layers)
+        states = hidden_states_of(target_model, text)
+        f = features_from_hidden_states(states, layers)[0]
         every = list(range(len(prompt), len(text) - 1))  # every anchor the replay can visit
         hidden = block_hidden(drafter, head, f, text, every) if every else None
         per += replay_one(drafter, head, f, list(prompt), list(greedy), B, max_new_tokens, hidden)
         per_zero += replay_one(drafter, head, torch.zeros_like(f), list(prompt), list(greedy), B, max_new_tokens)
+        for by in per_shift:  # the layers next to the configured ones: off by one reads better there
+            moved = shifted(layers, by, len(states) - 1)
+            if moved is None or per_shift[by] is None:
+                per_shift[by] = None
+                continue
+            g = features_from_hidden_states(states, moved)[0]
+            per_shift[by] += replay_one(drafter, head, g, list(prompt), list(greedy), B, max_new_tokens)
+        del states
         first = argmax_rows(head, hidden[:, 0]) if every else []
         flat += first
         nexts += [text[p + 1] for p in every]
@@ -244,61 +282,12 @@ def measure_health(target_model, drafter, head, step: int, tau: float, heldout, 
     spread_of = collapse(flat)
     return Health(
         step=step, tau=float(tau), tau_fit=tau_fit,
-        tau_replay=sum(per) / len(per) if per else 1.0, tau_no_features=sum(per_zero) / len(per_zero) if per_zero else 1.0,
+        tau_replay=mean_tau(per), tau_no_features=mean_tau(per_zero),
+        tau_layers_below=None if per_shift[-1] is None else mean_tau(per_shift[-1]),
+        tau_layers_above=None if per_shift[1] is None else mean_tau(per_shift[1]),
+        head_is_target=head_is_target(head, target_model),
         first_distinct=spread_of.distinct, first_top_share=spread_of.top_share,
         target_top_share=collapse(nexts).top_share,
         anchor_changed=anchor_sensitivity(drafter, head, feats, texts, anchors, guesses_list=guesses),
         pos1=sum(g == n for g, n in zip(flat, nexts)) / max(len(flat), 1), anchors=len(flat),
         seconds=time.perf_counter() - t0)
-
-
-def verdicts(health: Health, cfg) -> list[Verdict]:
-    """One line per fault the figures show (`cfg`: app.config.health_section.HealthConfig), in VERDICT_ORDER;
-    [] = healthy, or too early to say (before `cfg.after_steps`)."""
-    h = health
-    if h.step < cfg.after_steps:
-        return []
-    out = []
-    fit = h.tau_fit if h.tau_fit is not None else h.tau
-    where = "training prompts" if h.tau_fit is not None else "held-out prompts (no training sample)"
-    if fit < cfg.fit_min_tau:
-        out.append(Verdict("not_fitting", (
-            f"not fitting after {h.step} steps: tau {fit:.2f} on {where} (held-out {h.tau:.2f}; health.fit_min_tau "
-            f"{cfg.fit_min_tau:g}); likely: a frozen drafter or no learning rate (train.lr, requires_grad, the "
-            "optimizer's parameter list), the LM head left random (tie_word_embeddings: app/model/target_head.py), "
-            "target layer ids off by one between training and serving (model.target_layer_ids, hidden_states[l + 1]), "
-            "features never captured; look at the loss curve and pos1")))
-    if h.first_top_share >= cfg.collapse_top_share and h.target_top_share < cfg.collapse_top_share:
-        out.append(Verdict("collapsed", (
-            f"collapsed: {h.first_distinct} distinct first guesses over {h.anchors} anchors, the most common "
-            f"{h.first_top_share:.0%} of them (the target's own next tokens: {h.target_top_share:.0%}); likely: the "
-            "LM head left random or not the target's (tie_word_embeddings: app/model/target_head.py), a drafter "
-            "still at init (train.lr, frozen parameters), a loss that rewards one token (mask_token_id, loss mask)")))
-    gain = h.tau_replay - h.tau_no_features
-    if gain < cfg.features_min_gain:
-        out.append(Verdict("ignoring_features", (
-            f"ignoring its features: tau {h.tau_replay:.2f} with the target's features, {h.tau_no_features:.2f} with "
-            f"them zeroed (gain {gain:+.2f} < health.features_min_gain {cfg.features_min_gain:g}); likely: target "
-            "layer ids off by one between training and serving (model.target_layer_ids), features never captured "
-            "(auxiliary hidden states, zero_features), the fc/fusion path skipped")))
-    # A drafter whose first guesses are right without reading its anchor reads it from the features: on greedy
-    # text the anchor is the target's own argmax at the position before, which its features carry.
-    if h.anchor_changed < cfg.anchor_min_changed and h.pos1 < cfg.anchor_pos1_ok:
-        out.append(Verdict("ignoring_anchor", (
-            f"ignoring its anchor: {h.anchor_changed:.0%} of first guesses change with another anchor token "
-            f"(health.anchor_min_changed {cfg.anchor_min_changed:.0%}) and {h.pos1:.0%} are right; likely: a collapsed or untrained drafter, "
-            "block embeddings that are not the target's (drafter.mask_token_id, embed_tokens), anchor positions "
-            "off by one between training and decoding")))
-    if h.tau_fit is not None and h.tau_fit - h.tau > cfg.overfit_gap:
-        out.append(Verdict("overfitting", (
-            f"over-fitting or a train/serve mismatch: tau {h.tau_fit:.2f} on training prompts, {h.tau:.2f} held out "
-            f"(gap > health.overfit_gap {cfg.overfit_gap:g}); likely: too little data for the epochs, a chat template "
-            "or thinking mode that differs between the data and the held-out prompts (data.enable_thinking)")))
-    return out
-
-
-def status_word(found: list[Verdict]) -> str:
-    """One short word for the status line: ok, or the first verdict's name (+N more)."""
-    if not found:
-        return "ok"
-    return found[0].name + (f"+{len(found) - 1}" if len(found) > 1 else "")
