@@ -105,3 +105,30 @@ def test_offline_file_has_one_row_per_step_with_tau_and_the_pool(tmp_path: Path,
     assert set(events) == {"fault", "resplit"}
     assert events["fault"]["event_text"] == "target 1 died -> job re-queued" and events["fault"]["faults_total"] == 1
     assert events["resplit"]["resplit/gain"] == 0.4
+
+
+@pytest.mark.slow
+def test_each_run_of_a_sweep_gets_its_own_rows_while_both_are_live(tmp_path: Path, monkeypatch) -> None:
+    """Issue 47: a sweep's runs log at once from one driver process, each into its own wandb run (before: a
+    sweep logged nothing). Run a gets steps 1..6, run b steps 1..3, interleaved; each file holds its own."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    loggers, monitors = {}, {}
+    for name in ("a", "b"):
+        cfg = replace(Config(model=ModelConfig(target="tiny")), logging=LoggingConfig(wandb_mode="offline"),
+                      checkpoint=CheckpointConfig(dir=str(tmp_path / name)))
+        monitors[name] = RunMonitor()
+        loggers[name] = WandbLogger(cfg.logging, f"sweep-{name}", cfg, monitors[name], several=True)
+    for i, batch in enumerate(_stream()):
+        monitors["a"].add_records(batch)
+        if i < 3:
+            monitors["b"].add_records([_record(0, i + 1)])
+    for logger in loggers.values():
+        logger.finish({"tau_trained": 2.0})
+    import wandb
+
+    wandb.teardown()
+    for name, steps in (("a", STEPS), ("b", 3)):
+        (run_file,) = (tmp_path / name / "wandb").glob(f"offline-run-*-sweep-{name}/run-*.wandb")
+        rows = [r for r in read_history(run_file) if "event" not in r]
+        assert [r["step"] for r in rows] == list(range(1, steps + 1)), name
+        assert {r["ranks"] for r in rows} == ({2} if name == "a" else {1})

@@ -1,19 +1,17 @@
-"""The driver's steps: plan (no Ray), connect, check resources, start, supervise, finish (see app/train.py)."""
+"""The driver's steps: plan (no Ray), connect, check resources, supervise every run, finish each (app/run/finish.py);
+see app/train.py."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
 import threading
 import time
-from pathlib import Path
 
 from app.config.schema import Config
 from app.config.checks import check_resources
 from app.config.errors import UserError
 from app.pool.budget import check_object_store
-from app.run.outputs.monitor import RunMonitor
 from app.ray_cluster import init_ray
 from app.storage.roots import redact
 
@@ -42,6 +40,9 @@ def run(cfg: Config) -> int:
         store = _object_store_bytes()
         extras = object_store_extras(plan) if store else (0, 0)  # Ray did not say: nothing to compare with
         check_object_store(cfg, plan.jobs.max_payload_bytes(), store, *extras)
+        from app.run.sweep import plan_runs
+
+        runs = plan_runs(plan)  # a single run is a sweep of one: {"": plan}
     except UserError as exc:  # ConfigError, DataError, LeaseHeld
         print(f"{exc.kind} error: {redact(str(exc))}", file=sys.stderr)
         if lease is not None:
@@ -53,11 +54,7 @@ def run(cfg: Config) -> int:
         raise
     stop, restore_signals = install_stop_handler()
     try:
-        if cfg.runs:
-            from app.run.sweep import supervise_sweep
-
-            return supervise_sweep(plan, use_gpu, stop, log, build_summary, write_summary)
-        return supervise(plan, use_gpu, stop)
+        return supervise(plan, runs, use_gpu, stop)
     except RunFailed as exc:
         print(f"run failed: {redact(str(exc))}", file=sys.stderr)
         return 1
@@ -176,113 +173,41 @@ def install_stop_handler():
     return stop, restore
 
 
-def supervise(plan, use_gpu: bool, stop: threading.Event) -> int:
-    from app.run.supervise.events import RunFailed
-    from app.model.gguf_target import serving_name
-    from app.run.outputs.run_outputs import RunOutputs, print_serving, serving_outputs
+def supervise(plan, runs: dict, use_gpu: bool, stop: threading.Event) -> int:
+    """One road for one run and for a sweep: `runs` by name (`plan_runs`; a single run is `{"": plan}`).
+    Every run gets every output and ends through app/run/finish.py; a sweep adds its own summary."""
+    from app.run.finish import RunEnd, check_finite, finish_run, finish_sweep, result_line, stop_runs, stream_counts
     from app.run.plan import run_name
-    from app.run.supervisor import Supervisor
+    from app.run.sweep import stream_supervisor
     from app.run.topology import Topology, plan_bundles
-    from app.run.outputs.wandb_log import WandbLogger
 
     cfg = plan.cfg
     name = run_name(cfg)
     topo = Topology(cfg, plan_bundles(cfg.topology, use_gpu), name)
-    monitor = RunMonitor()
-    outputs = RunOutputs(cfg, name, monitor, plan.resume_step, log=log)  # timeline, advice, evaluations, report
-    wandb = WandbLogger(cfg.logging, name, cfg, monitor, plan.resume_step)  # a row per step, events
-    sup = Supervisor(plan, topo, monitor, stop, log=log)
-    sup.on_status = wandb.log
+    sup = stream_supervisor(plan, runs, topo, stop, log)
+    ends: dict[str, RunEnd] = {}
     t0 = time.monotonic()
     try:
+        for run, run_sup in sup.runs.items():
+            ends[run] = RunEnd.open(run_sup, name, run)
         sup.start()
-        outputs.attach(sup)
-        log(f"{cfg.topology.num_targets} targets and {cfg.topology.num_drafters} drafters running (run '{name}')")
-        outcome = sup.run()
-        nonfinite = next((r.nonfinite for r in outcome.drafter_results if r.nonfinite), "")
-        if nonfinite:  # train.on_nonfinite=stop: nothing of that step was checkpointed or exported
-            raise RunFailed(f"step {outcome.steps} is non-finite ({nonfinite}); stopped before checkpointing or "
-                            "exporting it, the last checkpoint is the resume point; lower train.lr or "
-                            "train.max_grad_norm, or set train.on_nonfinite=skip")
-        if outcome.stopped:
-            log(f"stopped cleanly at step {outcome.steps}; resubmit the same command to resume")
-            wandb.finish({"stopped_at_step": outcome.steps})
+        for end in ends.values():
+            end.outputs.attach(end.sup)  # evaluations during the run, on the started targets
+        split = ", ".join(f"{r}: {s.cfg.topology.num_drafters}" for r, s in sup.runs.items() if r)  # a sweep's
+        log(f"{cfg.topology.num_targets} targets and {cfg.topology.num_drafters} drafters running (run '{name}'"
+            f"{f'; drafters per run {split}' if split else ''}), target layers {plan.layer_ids}")
+        sup.run()
+        check_finite(ends)
+        if stop_runs(ends):
             return 0
-        export_dir = next((r.export_dir for r in outcome.drafter_results if r.export_dir), None)
-        tau = sup.evaluate(export_dir)  # never raises: a dead or hung target gives None and the reason
-        if tau.reason:
-            log(f"WARNING: tau not fully measured ({tau.reason})")
-        summary = build_summary(plan, sup, monitor, outcome, tau, time.monotonic() - t0)
-        from app.run.sweep import target_forwards
-
-        summary["target_forwards"] = target_forwards(sup.alive_targets())  # the live targets' own counters
-        from app.replay.target_side import replay_summary
-
-        summary.update(replay_summary(cfg.pool.replay, cfg.checkpoint.dir))
-        summary.update(outputs.finish(outcome.steps, export_dir))  # tau_history, tau_best, split_advice
-        summary.update(serving_outputs(cfg, plan.model_dir, export_dir,  # launch lines, drafter-speculators/
-                                       tau.trained if tau.trained is not None else
-                                       (summary.get("tau_best") or {}).get("tau"), log,
-                                       verifier=serving_name(cfg.model.target, plan.model_dir)))
-        write_summary(cfg, summary)
-        wandb.finish(summary)
-        log(f"exported drafter to {export_dir}")
-        print_serving(summary, log)
-        print(redact("RESULT " + " ".join(f"{k}={_fmt(v)}" for k, v in summary.items() if not isinstance(v, (list, dict)))),
-              flush=True)
+        stream, issued = stream_counts(cfg, sup)
+        summaries = {run: finish_run(end, stream, time.monotonic() - t0) for run, end in ends.items()}
+        fields = summaries[""] if "" in summaries else finish_sweep(cfg, name, summaries, stream, issued,
+                                                                    len(plan.jobs), time.monotonic() - t0)
+        print(result_line(fields), flush=True)
         return 0
     finally:
-        wandb.finish({}, exit_code=1)  # a failed run's rows so far (a finished or stopped run: already done)
-        outputs.close()  # report.html, for a stopped or failed run too
+        for end in ends.values():
+            end.close()
         sup.shutdown()
         topo.remove()
-
-
-def build_summary(plan, sup, monitor: RunMonitor, outcome, tau, elapsed: float) -> dict:
-    from app.run.supervise.pool_watch import ledger_report
-
-    ledger = ledger_report(sup.pool.stats())
-    checksums = {round(r.weights_checksum, 6) for r in outcome.drafter_results}
-    return {
-        "epochs": plan.cfg.train.epochs,
-        "jobs_scheduled": len(plan.jobs),
-        "jobs_acked": ledger["jobs_acked"],
-        "jobs_acked_twice": ledger["jobs_acked_twice"],
-        "jobs_quarantined": ledger["jobs_quarantined"],  # poison jobs: forward failed twice, never trained
-        "quarantined_jobs": ledger["quarantined_jobs"],
-        "jobs_trained_this_run": ledger["jobs_acked"] - len(set(plan.resume_ledger)),
-        "jobs_skipped_nonfinite": sum(r.skipped_nonfinite for r in outcome.drafter_results),  # acked, not learned
-        "steps": outcome.steps,
-        "loss_first": monitor.loss_first,
-        "loss_last": monitor.loss_last,
-        "train_tok_s": monitor.train_tok_s(),
-        "replica_tok_s": monitor.replica_tok_s(),
-        "data_wait": monitor.data_wait_share(),
-        "restarts": sum(outcome.restarts.values()),
-        "faults": len(monitor.events),
-        "tau_untrained": tau.untrained,
-        "tau_trained": tau.trained,
-        "tau_error": tau.reason,
-        # Measured, not estimated: the exported drafter against the target alone, batch 1 (eval.race_prompts).
-        "speedup_measured": (tau.race or {}).get("speedup"),
-        "speed_race": tau.race,
-        "replicas_identical": len(checksums) == 1,
-        "resumed_from_step": plan.resume_step,
-        "elapsed_s": elapsed,
-        "fault_log": list(monitor.events),
-        "data": plan.data_summary,
-    }
-
-
-def write_summary(cfg: Config, summary: dict) -> str:
-    """`<checkpoint.dir>/summary.json`, replaced in one step (a local path or a URI)."""
-    from app.storage.roots import open_storage
-
-    data = json.dumps(summary, indent=2, default=str).encode()
-    return open_storage(cfg.checkpoint.dir).write_file("summary.json", data)
-
-
-def _fmt(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)

@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -100,18 +101,12 @@ def plan_run(cfg: Config, on_gpu: bool | None = None, *, spare_cpus: Callable[[]
     prompts = (load_eval_prompts(target.eval_prompts_file, tokenizer, cfg.data.enable_thinking)
                if target.eval_prompts_file else [])
     fingerprint = data_fingerprint(dataset, cfg)
-    ckpt = latest_checkpoint(cfg.checkpoint.dir)
-    if ckpt:
-        _check_same_data(cfg, ckpt, fingerprint)
-    step, _, ledger = read_ledger(ckpt) if ckpt else (0, 0, [])
-    ledger = jobs.scheduled_only(ledger)  # train.epochs lowered: the dropped epochs' ids are no jobs now
-    per_step = cfg.topology.num_drafters * cfg.train.grad_accum
+    resume = read_resume_point(cfg, jobs, fingerprint)
     plan = RunPlan(
         cfg=cfg, model_dir=target.model_dir, info=info, layer_ids=layer_ids, mask_token_id=mask_id,
         dataset=dataset, data_summary=dataset.summary.to_dict(), jobs=jobs, eval_prompts=prompts,
-        resume_from=str(ckpt) if ckpt else None, resume_step=step, resume_ledger=ledger,
-        # Partial steps at drains add a few; the schedule must not hit zero LR before the end.
-        total_steps=math.ceil(len(jobs) / per_step) + cfg.topology.num_drafters, data_fingerprint=fingerprint,
+        resume_from=resume.path, resume_step=resume.step, resume_ledger=resume.ledger,
+        total_steps=total_steps(cfg, jobs), data_fingerprint=fingerprint,
     )
     if on_gpu is not None:
         plan.use_device(on_gpu)
@@ -132,6 +127,33 @@ def data_fingerprint(dataset, cfg: Config) -> str:
     h.update(json.dumps([d.seed, d.tokens_per_job, list(d.bucket_boundaries), d.max_length, cfg.model.target,
                          list(cfg.model.target_layer_ids)]).encode())
     return h.hexdigest()[:16]
+
+
+class ResumePoint(NamedTuple):
+    """Where a run goes on from: its latest checkpoint (None: a fresh run), that step, the jobs it trained."""
+
+    path: str | None
+    step: int
+    ledger: list[int]
+
+
+def read_resume_point(cfg: Config, jobs: ScheduledJobs, fingerprint: str) -> ResumePoint:
+    """The one place the resume point is read, for a single run and for each run of a sweep: the latest
+    checkpoint of `cfg.checkpoint.dir`, refused when it holds other data or another schedule."""
+    ckpt = latest_checkpoint(cfg.checkpoint.dir)
+    if not ckpt:
+        return ResumePoint(None, 0, [])
+    _check_same_data(cfg, ckpt, fingerprint)
+    step, _, ledger = read_ledger(ckpt)
+    # train.epochs lowered: the dropped epochs' ids are no jobs now
+    return ResumePoint(str(ckpt), step, jobs.scheduled_only(ledger))
+
+
+def total_steps(cfg: Config, jobs: ScheduledJobs) -> int:
+    """The optimizer steps the LR schedule spans. Partial steps at drains add a few (one per drafter at
+    most): the schedule must not hit zero LR before the end."""
+    per_step = cfg.topology.num_drafters * cfg.train.grad_accum
+    return math.ceil(len(jobs) / per_step) + cfg.topology.num_drafters
 
 
 def _check_same_data(cfg: Config, ckpt: Path, fingerprint: str) -> None:

@@ -68,7 +68,9 @@ class Supervisor:
         self.outcome = Outcome()
         self.watch = PoolWatch(self.cfg.pool.min_ready)  # what each pool snapshot says, reported once
         self.last_status = 0.0
-        self.on_status: Callable[[dict], None] | None = None  # the driver's wandb logger
+        self.on_status: Callable[[dict], None] | None = None  # the run's wandb logger (app/run/finish.py)
+        # The runs this supervisor drives, by name: a single run is a sweep of one (app/run/sweep.py).
+        self.runs: dict[str, Supervisor] = {"": self}
         # Every tau of the run decodes with this one spec, the EOS of the target included.
         self.eval_spec = eval_spec(plan, stop_token(plan.info.eos_token_ids))
         self.bundles = BundleWaits(topo, log)

@@ -8,8 +8,9 @@ policy. A run's crash or stall rebuilds that run's group only and rolls back tha
 train on (their jobs are produced again for the rolled-back run alone). While one run is slow or
 rebuilding, the others wait once the pool's shared budget is full (app/pool/stream.py).
 
-Each run ends as a single run does, in its own folder: export, tau (on the stream's live targets),
-summary.json and report.html; the sweep's summary.json compares them (app/run/outputs/sweep_summary.py).
+Each run ends as a single run does (app/run/finish.py), in its own folder: export, tau (on the stream's live
+targets), summary.json, serving lines, wandb rows and report.html; the sweep's summary.json compares them
+(app/run/outputs/sweep_summary.py).
 
 The targets compute the union of the runs' target layers once per job; each run's ranks take their own
 layers out of that payload (`DrafterSetup.feature_layer_ids`).
@@ -17,8 +18,6 @@ layers out of that payload (`DrafterSetup.feature_layer_ids`).
 from __future__ import annotations
 
 import dataclasses
-import math
-import threading
 import time
 from typing import Any
 
@@ -32,13 +31,15 @@ RUN_WAIT_S = 0.2  # each run's turn waits this long for its drafters
 
 
 def plan_runs(plan: RunPlan) -> dict[str, RunPlan]:
-    """Each run's plan from the sweep's (target, data, schedule shared): its config, layers, resume point
-    and step count. The sweep's plan then captures the union of the runs' layers."""
+    """The runs of this stream by name. A single run is a sweep of one: `{"": plan}`. With `runs:`, each
+    run's plan from the sweep's (target, data, schedule shared): its config, layers, resume point and step
+    count; the sweep's plan then captures the union of the runs' layers."""
     from app.config.checks import resolved_layer_ids
     from app.config.sweep_section import run_config
-    from app.run.plan import _check_same_data, data_fingerprint
-    from app.training.checkpoint import latest_checkpoint, read_ledger
+    from app.run.plan import data_fingerprint, read_resume_point, total_steps
 
+    if not plan.cfg.runs:
+        return {"": plan}
     out: dict[str, RunPlan] = {}
     for spec in plan.cfg.runs:
         cfg = run_config(plan.cfg, spec)
@@ -51,15 +52,10 @@ def plan_runs(plan: RunPlan) -> dict[str, RunPlan]:
                               f"0..{plan.info.num_layers - 1}); fix runs[{spec.name}].target_layer_ids or "
                               "model.target_layer_ids")
         fingerprint = data_fingerprint(plan.dataset, cfg)
-        ckpt = latest_checkpoint(cfg.checkpoint.dir)
-        if ckpt:
-            _check_same_data(cfg, ckpt, fingerprint)
-        step, _, ledger = read_ledger(ckpt) if ckpt else (0, 0, [])
-        per_step = cfg.topology.num_drafters * cfg.train.grad_accum
+        resume = read_resume_point(cfg, plan.jobs, fingerprint)
         out[spec.name] = dataclasses.replace(
-            plan, cfg=cfg, layer_ids=layers, resume_from=str(ckpt) if ckpt else None, resume_step=step,
-            resume_ledger=plan.jobs.scheduled_only(ledger), data_fingerprint=fingerprint,
-            total_steps=math.ceil(len(plan.jobs) / per_step) + cfg.topology.num_drafters)
+            plan, cfg=cfg, layer_ids=layers, resume_from=resume.path, resume_step=resume.step,
+            resume_ledger=resume.ledger, data_fingerprint=fingerprint, total_steps=total_steps(cfg, plan.jobs))
     union = sorted({i for p in out.values() for i in p.layer_ids})
     plan.layer_ids = union
     for p in out.values():
@@ -241,87 +237,15 @@ class SweepSupervisor(Supervisor):
             ray.kill(h, no_restart=True)
 
 
-def supervise_sweep(plan, use_gpu: bool, stop: threading.Event, log, build_summary, write_summary) -> int:
-    """`build_summary`, `write_summary`: the driver's own (app/run/driver.py), for each run's summary.json."""
+def stream_supervisor(plan: RunPlan, runs: dict[str, RunPlan], topo, stop, log=print) -> Supervisor:
+    """The supervisor of a stream's runs (`plan_runs`): a single run (`{"": plan}`) is its own stream, with
+    the elastic changes (re-split, growth, extra GPUs) a sweep has not; several runs share the stream's
+    targets and pool. Either way `sup.runs` is every run's supervisor by name."""
     from app.run.outputs.monitor import RunMonitor
-    from app.run.outputs.sweep_summary import flat_result, render_sweep, sweep_summary
-    from app.run.outputs.run_outputs import RunOutputs
-    from app.run.plan import run_name
-    from app.run.topology import Topology, plan_bundles
 
-    cfg = plan.cfg
-    runs = plan_runs(plan)
-    name = run_name(cfg)
-    if cfg.logging.wandb_mode != "disabled":  # one wandb run per process: several at once are not wired yet
-        log(f"WARNING: logging.wandb_mode={cfg.logging.wandb_mode} logs nothing for a sweep (runs:); each run's "
-            "timeline, summary.json and report.html are in its folder, and the metrics carry a drafter_run label")
-    topo = Topology(cfg, plan_bundles(cfg.topology, use_gpu), name)
-    sweep = SweepSupervisor(plan, runs, topo, lambda _: RunMonitor(), stop, log=log)
-    outputs = {n: RunOutputs(sup.cfg, f"{name}/{n}", sup.monitor, sup.plan.resume_step, log=sup.log)
-               for n, sup in sweep.runs.items()}
-    t0 = time.monotonic()
-    try:
-        sweep.start()
-        for n, sup in sweep.runs.items():
-            outputs[n].attach(sup)
-        log(f"{cfg.topology.num_targets} targets feeding {len(runs)} drafter runs "
-            f"({', '.join(f'{n}: {s.cfg.topology.num_drafters}' for n, s in sweep.runs.items())} drafters), "
-            f"target layers {plan.layer_ids}")
-        sweep.run()
-        for n, sup in sweep.runs.items():  # train.on_nonfinite=stop in any run: as a single run, nothing exported
-            nonfinite = next((r.nonfinite for r in sup.outcome.drafter_results if r.nonfinite), "")
-            if nonfinite:
-                from app.run.supervise.events import RunFailed
-
-                raise RunFailed(f"run {n}: step {sup.outcome.steps} is non-finite ({nonfinite}); stopped before "
-                                "checkpointing or exporting it, each run's last checkpoint is its resume point; lower "
-                                f"its train.lr or train.max_grad_norm, or set train.on_nonfinite=skip")
-        stopped = any(sup.outcome.stopped for sup in sweep.runs.values())
-        if stopped:
-            log("stopped cleanly; resubmit the same command to resume every run")
-            return 0
-        counts = sweep.pool.handle.stream_counts.remote()
-        counted = target_forwards(sweep.alive_targets())
-        summaries = {}
-        for n, sup in sweep.runs.items():
-            outcome = sup.outcome
-            export_dir = next((r.export_dir for r in outcome.drafter_results if r.export_dir), None)
-            tau = sup.evaluate(export_dir)
-            summary = build_summary(sup.plan, sup, sup.monitor, outcome, tau, time.monotonic() - t0)
-            summary.update(outputs[n].finish(outcome.steps, export_dir))
-            summary["drafter_run"] = n
-            write_summary(sup.cfg, summary)
-            summaries[n] = summary
-            log(f"[{n}] exported drafter to {export_dir}; tau {tau.untrained} -> {tau.trained}")
-        import ray
-
-        stream = ray.get(counts)
-        top = sweep_summary(summaries, stream, counted, len(plan.jobs), time.monotonic() - t0)
-        from app.replay.target_side import replay_summary
-
-        top.update(replay_summary(cfg.pool.replay, cfg.checkpoint.dir))
-        write_summary(cfg, top)
-        from app.storage.roots import open_storage
-
-        open_storage(cfg.checkpoint.dir).write_file("report.html", render_sweep(top, name).encode())
-        print("RESULT " + " ".join(f"{k}={v}" for k, v in flat_result(top).items()), flush=True)
-        return 0
-    finally:
-        for out in outputs.values():
-            out.close()
-        sweep.shutdown()
-        topo.remove()
-
-
-def target_forwards(targets: list[tuple[int, Any]]) -> int | None:
-    """Forwards the live targets ran, by their own counters (None when one does not answer)."""
-    import ray
-    from ray.exceptions import GetTimeoutError, RayError
-
-    try:
-        return sum(ray.get([h.forward_count.remote() for _, h in targets], timeout=60))
-    except (RayError, GetTimeoutError):
-        return None
+    if list(runs) == [""]:
+        return Supervisor(runs[""], topo, RunMonitor(), stop, log=log)
+    return SweepSupervisor(plan, runs, topo, lambda _: RunMonitor(), stop, log=log)
 
 
 def _prefixed(log, name: str):

@@ -75,13 +75,15 @@ class StepRows:
 
 
 class WandbLogger:
-    """A no-op when disabled; otherwise one wandb run per driver process, resumed by run name (unique per
-    checkpoint.dir, app/run/plan.py run_name). A failing wandb.init is a ConfigError: one line, exit 2.
+    """A no-op when disabled; otherwise one wandb run per drafter run (a sweep's runs live side by side in the
+    driver process), resumed by run name (unique per checkpoint.dir, app/run/plan.py run_name). A failing wandb.init is a ConfigError: one line, exit 2.
 
     A RunMonitor listener (`add_records`, `add_pool`, `note`, `resplit`); `log` takes the status-line
     values, which ride on the next step row."""
 
-    def __init__(self, cfg: LoggingConfig, run_name: str, full: Config, monitor=None, resumed_step: int = 0) -> None:
+    def __init__(self, cfg: LoggingConfig, run_name: str, full: Config, monitor=None, resumed_step: int = 0,
+                 several: bool = False) -> None:
+        """`several`: a run of a sweep, one wandb run of several live at once in this process."""
         self.run = None
         self.monitor, self.resumed_step = monitor, resumed_step
         self.rows = StepRows()
@@ -100,7 +102,8 @@ class WandbLogger:
         config["checkpoint"]["dir"] = redact(full.checkpoint.dir)  # wandb uploads its config: no URI credentials
         try:
             self.run = wandb.init(project=cfg.wandb_project, name=run_name, id=run_name, resume="allow",
-                                  mode=cfg.wandb_mode, config=config, dir=str(local_cache_dir(full.checkpoint.dir)))
+                                  mode=cfg.wandb_mode, config=config, dir=str(local_cache_dir(full.checkpoint.dir)),
+                                  **({"reinit": "create_new"} if several else {}))
         except (wandb.errors.Error, OSError, RuntimeError, TimeoutError, ValueError) as exc:  # no key, no network
             raise ConfigError(f"wandb.init failed for logging.wandb_mode={cfg.wandb_mode} "
                               f"({type(exc).__name__}: {_first_line(exc)}); log in (wandb login, or WANDB_API_KEY), "
