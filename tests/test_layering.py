@@ -136,8 +136,8 @@ def test_the_walker_sees_function_level_imports_and_cycles(tmp_path):
 
 
 RUN_TOP = {"app.run", "app.run.driver", "app.run.plan", "app.run.lease", "app.run.placement", "app.run.topology",
-           "app.run.supervisor", "app.run.sweep",
-           "app.run.finish"}  # sweep: runs on one stream; finish: how each run ends
+           "app.run.supervisor", "app.run.sweep", "app.run.finish",
+           "app.run.preflight"}  # sweep: runs on one stream; finish: how each run ends; preflight: the checks
 RUN_ROOMS = ("supervise", "elastic", "evaluate", "outputs")
 
 

@@ -290,12 +290,10 @@ def test_a_user_error_while_supervising_exits_2_with_one_line(monkeypatch, capsy
     def supervise(*_a):
         raise ConfigError("the placement group of 2 bundles (9 CPU) was not ready after 120 s: ...")
 
-    plan = SimpleNamespace(cfg=SimpleNamespace(runs=[]), use_device=lambda _gpu: None,
-                           jobs=SimpleNamespace(max_payload_bytes=lambda: 0))
+    plan = SimpleNamespace()
     for name, fake in {"check_dir_shared": lambda _c: None, "take_lease": lambda _c: Lease(),
-                       "make_plan": lambda _c: plan, "connect": lambda _c: False,
-                       "check_object_store": lambda *_a: None, "_object_store_bytes": lambda: 0.0,
-                       "supervise": supervise}.items():
+                       "make_plan": lambda _c: plan, "connect": lambda _c: SimpleNamespace(use_gpu=False),
+                       "preflight": lambda p, _cluster: {"": p}, "supervise": supervise}.items():
         monkeypatch.setattr(driver, name, fake)
     assert driver.run(SimpleNamespace(runs=[])) == 2  # one run, no sweep
     assert capsys.readouterr().err == ("config error: the placement group of 2 bundles (9 CPU) was not ready "

@@ -1,5 +1,5 @@
-"""The driver's steps: plan (no Ray), connect, check resources, supervise every run, finish each (app/run/finish.py);
-see app/train.py."""
+"""The driver's steps: plan (no Ray), connect, pre-flight (app/run/preflight.py), supervise every run, finish each
+(app/run/finish.py); see app/train.py."""
 from __future__ import annotations
 
 import os
@@ -9,9 +9,8 @@ import threading
 import time
 
 from app.config.schema import Config
-from app.config.checks import check_resources
 from app.config.errors import UserError
-from app.pool.budget import check_object_store
+from app.run.preflight import Cluster, check_dir_shared, preflight, read_cluster
 from app.ray_cluster import init_ray
 from app.storage.roots import redact
 
@@ -33,16 +32,8 @@ def run(cfg: Config) -> int:
         check_dir_shared(cfg)
         lease = take_lease(cfg)  # before anything reads, cleans or prunes checkpoint.dir
         plan = make_plan(cfg)  # before ray.init: a mistake in the config or the data never waits for the cluster
-        use_gpu = connect(cfg)
-        plan.use_device(use_gpu)
-        from app.run.plan import object_store_extras  # the dataset and eval offers share the store with the pool
-
-        store = _object_store_bytes()
-        extras = object_store_extras(plan) if store else (0, 0)  # Ray did not say: nothing to compare with
-        check_object_store(cfg, plan.jobs.max_payload_bytes(), store, *extras)
-        from app.run.sweep import plan_runs
-
-        runs = plan_runs(plan)  # a single run is a sweep of one: {"": plan}
+        cluster = connect(cfg)
+        runs = preflight(plan, cluster)  # a single run is a sweep of one: {"": plan}
     except UserError as exc:  # ConfigError, DataError, LeaseHeld
         print(f"{exc.kind} error: {redact(str(exc))}", file=sys.stderr)
         if lease is not None:
@@ -54,7 +45,7 @@ def run(cfg: Config) -> int:
         raise
     stop, restore_signals = install_stop_handler()
     try:
-        return supervise(plan, runs, use_gpu, stop)
+        return supervise(plan, runs, cluster.use_gpu, stop)
     except RunFailed as exc:
         print(f"run failed: {redact(str(exc))}", file=sys.stderr)
         return 1
@@ -82,34 +73,13 @@ def take_lease(cfg: Config):
     return lease
 
 
-def check_dir_shared(cfg: Config) -> None:
-    """A relative checkpoint.dir on an existing cluster (`ray job submit`) resolves in each node's own
-    working-dir copy: the driver and rank 0 would write different folders. Refuse it."""
-    from app.config.errors import ConfigError
-    from app.storage.roots import is_uri
-
-    address = os.environ.get("RAY_ADDRESS", "")
-    if address and address != "local" and not is_uri(cfg.checkpoint.dir) and not os.path.isabs(cfg.checkpoint.dir):
-        raise ConfigError(f"checkpoint.dir={cfg.checkpoint.dir!r} is relative, and this driver joins the cluster at "
-                          "RAY_ADDRESS: every node would resolve it in its own copy of the working dir. Use an "
-                          "absolute path on a volume every node mounts, or an s3:// URI")
-
-
-def connect(cfg: Config) -> bool:
-    """Join the cluster in RAY_ADDRESS (what `ray job submit` sets) or start a local one; check resources."""
+def connect(cfg: Config) -> Cluster:
+    """Join the cluster in RAY_ADDRESS (what `ray job submit` sets) or start a local one; what it has."""
     import ray
-
-    from app.run.topology import uses_gpu
 
     if not ray.is_initialized():
         init_ray()
-    resources = ray.cluster_resources()
-    use_gpu = uses_gpu(cfg.topology, resources.get("GPU", 0.0))
-    check_resources(cfg, resources, use_gpu)
-    from app.run.placement import check_cluster_fits
-
-    check_cluster_fits(cfg, use_gpu, ray.nodes())  # per node: names what is short where, before any actor
-    return use_gpu
+    return read_cluster(cfg)
 
 
 def spare_cpus(cfg: Config) -> float:
@@ -120,13 +90,6 @@ def spare_cpus(cfg: Config) -> float:
     from app.config.checks import reserved_resources
 
     return ray.cluster_resources().get("CPU", 0.0) - reserved_resources(cfg.topology, use_gpu=False)["CPU"]
-
-
-def _object_store_bytes() -> float:
-    """The cluster's object store, all nodes together (0 when Ray does not say)."""
-    import ray
-
-    return float(ray.cluster_resources().get("object_store_memory", 0.0))
 
 
 def make_plan(cfg: Config):
