@@ -10,7 +10,8 @@ import torch
 
 import app.bench.runs.real_data as rd
 from app.bench.runs.quality import split_target
-from app.bench.runs.quality_real import job_batch, replay
+from app.bench.runs.quality_fit import replay
+from app.bench.runs.quality_real import job_batch
 
 LAYERS = [0, 2]
 PROMPTS = [[5, 9, 17, 2], [100, 3], [7, 7, 7, 7, 7, 7, 40]]
@@ -78,27 +79,66 @@ def test_replay_sums_tokens_per_forward_over_prompts():
               1: lambda pre, n: (prompts[1] + refs[1])[len(pre):len(pre) + n]}
     got = replay(lambda i: oracle[i], prompts, refs, block_size=4, max_new_tokens=8)
     assert got["tau"] == pytest.approx(2.5) and got["tau_pos"] == [1.0, 0.5, 0.0]  # forwards of 3 and 2 tokens
+    assert got["pos1"] == 1.0  # every forward accepted its first draft
     blind = replay(lambda i: (lambda pre, n: []), prompts, refs, block_size=4, max_new_tokens=8)
     assert blind["tau"] == 1.0 and blind["tau_pos"] == [0.0, 0.0, 0.0]
 
 
-def test_report_prints_one_line_per_proposer_the_budget_curve_and_the_margin(capsys):
-    from app.bench.runs.quality_real import Clock, report
+def test_report_prints_one_line_per_proposer_the_curve_and_the_margin(capsys):
+    from app.bench.runs.quality_report import report
 
-    def taus(t):
-        return {"tau": t, "tau_pos": [0.5] * 15}
+    def taus(t, **kw):
+        return {"tau": t, "tau_pos": [0.5] * 15, "tau_train": t + 0.5, "pos1": 0.25, "pos1_train": 0.5} | kw
 
-    per_seed = [{"dflash": taus(2.0) | {"curve": [(100, 1.5), (200, 2.0)]}, "untrained": taus(1.0), "zero_features": taus(1.4)},
-                {"dflash": taus(2.4) | {"curve": [(200, 2.4)]}, "untrained": taus(1.0)}]
-    report([0, 1], per_seed, {"ngram": taus(1.5), "prompt_lookup": taus(1.8)}, Clock(log=lambda s: None))
+    curve = [{"steps": 10, "cpu_min": 1.0, "tokens": 100, "tau": 1.5, "tau_train": 1.6},
+             {"steps": 20, "cpu_min": 2.0, "tokens": 200, "tau": 2.0, "tau_train": 2.5}]
+    per_seed = [{"dflash": taus(2.0, curve=curve, anchor_sensitivity=0.4, cpu_min=2.0), "untrained": taus(1.0),
+                 "zero_features": taus(1.4), "hybrid": taus(2.2)},
+                {"dflash": taus(2.4, curve=curve[1:], anchor_sensitivity=0.6, cpu_min=4.0), "untrained": taus(1.0),
+                 "hybrid": taus(2.6)}]
+    free = {"bigram": taus(1.2), "ngram": taus(1.5), "prompt_lookup": taus(1.8)}
+    means = report([0, 1], per_seed, free, seconds=12.0)
     lines = [dict(kv.split("=", 1) for kv in ln.split()[1:]) for ln in capsys.readouterr().out.splitlines()
              if ln.startswith("RESULT ")]
     by = {ln.get("drafter", ln["bench"]): ln for ln in lines}
     assert by["dflash"]["tau_seeds"] == "2.000/2.400" and by["dflash"]["tau_mean"] == "2.200"
     assert by["dflash"]["tau_std"] == "0.283" and by["dflash"]["seeds"] == "0/1"
+    assert by["dflash"]["tau_train"] == "2.700" and by["dflash"]["pos1_train"] == "0.500"
+    assert by["dflash"]["anchor_sensitivity"] == "0.500" and by["dflash"]["cpu_min"] == "3.000"
+    assert "anchor_sensitivity" not in by["untrained"]  # only where every seed measured it
     assert by["zero_features"]["seeds"] == "0" and by["zero_features"]["tau_mean"] == "1.400"  # only seed 0 has it
     assert by["prompt_lookup"]["tau_seeds"] == "1.800/1.800" and by["ngram"]["tau_std"] == "0.000"
-    assert by["quality_smol_budget"]["response_tokens"] == "100/200" and by["quality_smol_budget"]["tau"] == "1.500/2.000"
+    assert by["bigram"]["tau_train"] == "1.700"
+    assert by["quality_smol_curve"]["steps"] == "10/20" and by["quality_smol_curve"]["tau_train"] == "1.600/2.500"
     margin = by["quality_smol_margin"]
     assert margin["best_reference"] == "prompt_lookup" and margin["margin"] == "0.400" and margin["met"] == "False"
     assert margin["features_buy"] == "0.600"  # seed 0: 2.0 - 1.4
+    assert margin["fit_gap"] == "0.500" and margin["hybrid_vs_lookup"] == "0.600"
+    assert means["hybrid"] == pytest.approx(2.4)
+
+
+def test_block_choice_weighs_tau_against_verify_and_draft_costs():
+    from app.bench.runs.quality_speed import block_choice
+
+    costs = {"verify_1_ms": 10.0, "verify_ms": {2: 11.0, 4: 14.0}, "draft_ms": {2: 4.0, 4: 6.0}}
+    est = block_choice(costs, tau_pos=[0.5, 0.25, 0.1])
+    assert est[2]["tau"] == pytest.approx(1.5) and est[4]["tau"] == pytest.approx(1.85)
+    assert est[2]["speedup"] == pytest.approx(1.5 * 10 / 15) and est[4]["speedup"] == pytest.approx(1.85 * 10 / 20)
+
+
+def test_references_are_replayed_on_the_training_sample_and_the_held_out_prompts():
+    """Both prompt sets are replayed; the bigram table fits its own training text exactly where it is
+    unambiguous, and a guess-free proposer gets tau 1 on both."""
+    from app.bench.runs.quality_fit import both_sets, references
+
+    train = [([1, 2], [3, 4, 5, 6, 7])]
+    seqs = [(np.array(p + r), np.array([0] * len(p) + [1] * len(r))) for p, r in train]
+    plan = SimpleNamespace(dataset=type("D", (), {"sequence": lambda self, i: seqs[i], "__len__": lambda self: 1})())
+    work = {"block_size": 4, "max_new_tokens": 8,
+            "eval": {"prompts": [[9, 3]], "refs": [[4, 9, 3, 4]], "feats": [None]},
+            "fit": {"prompts": [train[0][0]], "refs": [train[0][1]], "feats": [None]}}
+    got = references(work, plan)
+    assert got["bigram"]["tau_train"] == 4.0  # 3 from the prefill, then 4 5 6 drafted right + 7: one forward
+    assert got["bigram"]["pos1_train"] == 1.0
+    blind = both_sets(lambda feats: (lambda i: (lambda pre, n: [])), work)
+    assert blind["tau"] == blind["tau_train"] == 1.0 and blind["pos1"] == blind["pos1_train"] == 0.0

@@ -8,16 +8,20 @@ the training responses and the held-out references are the target's greedy outpu
 Per seed, in process, the run's own plan, schedule and trainer (as `python -m app.bench quality` does on
 the tiny corpora) train the DFlash drafter on the cached features, once as configured and once with the
 features zeroed (`DFlashDrafter.zero_features`: what the target's features buy). Every tau here replays
-the proposer against the same greedy references of the held-out prompts with the same block size
-(`app.model.references.tau_on_greedy`; the drafter reads the features of the greedy sequence:
-`app.model.spec_bench.drafter_proposer`), for:
-- dflash: the trained drafter (tau, tau per draft position, and tau at `--snapshots` points of seed 0's
-  training: tau against training tokens);
+the proposer against greedy references with the same block size (`app.model.references.tau_on_greedy`;
+the drafter reads the features of the greedy sequence: `app.model.spec_bench.drafter_proposer`), on the
+held-out prompts and on a fixed sample of the training prompts (`app.bench.runs.quality_fit`), for:
+- dflash: the trained drafter (tau, tau_train, pos1, pos1_train, anchor_sensitivity, first_top_share, its
+  training's CPU minutes, and at `--snapshots` points of seed 0's training tau and tau_train against
+  optimizer steps and CPU minutes: `quality_smol_curve`);
 - untrained: the seed's fresh drafter; zero_features: the drafter trained without features;
-- ngram: the longest-suffix table over the training responses; prompt_lookup: vLLM's n-gram proposer
-  (last 4..1 tokens matched in prompt + output so far, up to 15 tokens).
+- hybrid: prompt lookup where the context has a match, the seed's drafter otherwise;
+- bigram and ngram: the suffix tables (order 1 and 3) over the training responses; prompt_lookup: vLLM's n-gram
+  proposer (last 4..1 tokens matched in prompt + output so far, up to 15 tokens).
 Then the speedup a user gets (`app.model.spec_bench.race`): seed 0's drafter against the target alone,
-batch 1, KV cache, interleaved on the held-out prompts, outputs identical token for token.
+batch 1, KV cache, interleaved on the held-out prompts, outputs identical token for token; and what a
+verify of b tokens and a draft cost against a one-token forward (`app.bench.runs.quality_speed`), so the
+race's speedup can be checked against its estimate and the block size for a CPU chosen from measurement.
 """
 from __future__ import annotations
 
@@ -30,13 +34,12 @@ from pathlib import Path
 import torch
 
 from app.bench.common import add_overrides, bench_config, map_in_processes, print_result
+from app.bench.runs.quality_report import report
 
 # conf/smol.yaml's drafter, target layers, buckets and optimiser (what `make smol` trains), fed from the
 # bench's own pre-tokenized records; one drafter, so a step is one job, as in the Ray run's config.
 SMOL_BUDGET = ["data.format=tokenized", "data.eval_prompts=''", "topology.num_drafters=1", "train.grad_accum=1",
                "train.sample_every=0"]
-REFERENCES = ("untrained", "zero_features", "ngram", "prompt_lookup")
-GOAL = 0.5  # the trained drafter must beat the best training-free reference by this much tau (mean over seeds)
 
 
 def say(line: str) -> None:
@@ -64,26 +67,6 @@ class Clock:
         return _Part()
 
 
-def replay(proposer_for, prompts, references, block_size: int, max_new_tokens: int) -> dict:
-    """tau and tau per draft position of `proposer_for(i)` replayed on every held-out prompt's reference."""
-    from app.model.live_eval import per_position_acceptance
-    from app.model.references import tau_on_greedy
-
-    per: list[int] = []
-    for i, (prompt, ref) in enumerate(zip(prompts, references)):
-        per += tau_on_greedy(proposer_for(i), prompt, ref, block_size, max_new_tokens)
-    return {"tau": sum(per) / max(len(per), 1), "tau_pos": per_position_acceptance(per, block_size)}
-
-
-def drafter_replay(drafter, head, block_size: int, work: dict) -> dict:
-    from app.model.spec_bench import drafter_proposer
-
-    feats = work["eval_feats"]
-    with torch.no_grad():
-        return replay(lambda i: drafter_proposer(drafter.eval(), head, feats.of(i).float(), block_size),
-                      work["eval_prompts"], work["eval_refs"], block_size, work["max_new_tokens"])
-
-
 def job_batch(plan, feats, job):
     """One job as the drafter receives it: padded ids and mask, the cached features in bf16 transit."""
     import numpy as np
@@ -101,7 +84,10 @@ def job_batch(plan, feats, job):
 
 
 def train_and_measure(work: dict, seed: int, zero_features: bool, snapshots: int = 1, log=say) -> dict:
-    """Train one drafter with the run's plan, schedule and trainer; replay tau at `snapshots` even points."""
+    """Train one drafter with the run's plan, schedule and trainer; at `snapshots` even points replay tau on
+    the held-out prompts and the training sample; at the end probe it (`quality_fit.probe_drafter`).
+    `cpu_min` counts this process's CPU time in training only (every thread, the probes excluded)."""
+    from app.bench.runs.quality_fit import both_sets, drafter_on, hybrid_on, probe_drafter
     from app.model.build import build_or_load_drafter
     from app.run.plan import plan_run
     from app.training.trainer import DrafterTrainer
@@ -114,28 +100,41 @@ def train_and_measure(work: dict, seed: int, zero_features: bool, snapshots: int
                                                 cpu, torch.float32, seed)
     out = {}
     if not zero_features:
-        out["untrained"] = drafter_replay(drafter, head, arch.block_size, work)
+        out["untrained"] = probe_drafter(drafter, head, work)
         log(f"quality: seed {seed} untrained: tau {out['untrained']['tau']:.3f}")
     drafter.zero_features = zero_features
     trainer = DrafterTrainer(drafter, head, cfg.drafter, cfg.train, plan.total_steps, cpu, total_jobs=len(plan.jobs))
     per_step = cfg.topology.num_drafters * cfg.train.grad_accum
-    jobs, losses, tokens, curve = list(plan.jobs), [], 0, []
+    jobs, losses, tokens, curve, cpu_s = list(plan.jobs), [], 0, [], 0.0
     marks = {round(len(jobs) * k / snapshots) for k in range(1, max(1, snapshots) + 1)}  # the last is the end
     name = "zero_features" if zero_features else "dflash"
     for start in range(0, len(jobs), per_step):
+        t0 = time.process_time()
         for job in jobs[start:start + per_step]:
             batch = job_batch(plan, work["train_feats"], job)
             tokens += int(batch.loss_mask_BS.sum())
             trainer.micro_step(batch, job.job_id)
         losses.append(trainer.finish_step().loss)
-        if any(start < m <= start + per_step for m in marks):
-            final = drafter_replay(drafter, head, arch.block_size, work)
-            curve.append((tokens, final["tau"]))
-            log(f"quality: seed {seed} {name}: {tokens} response tokens seen, loss {losses[-1]:.3f}, "
-                f"tau {final['tau']:.3f}")
-    out[name] = final | {"curve": curve, "loss": losses[-1], "steps": len(losses)}
-    if not zero_features and seed == work["race_seed"]:
-        torch.save(drafter.state_dict(), Path(work["tmp"]) / f"drafter-{seed}.pt")
+        cpu_s += time.process_time() - t0
+        if any(start < m <= start + per_step for m in marks) and start + per_step < len(jobs):
+            with torch.no_grad():
+                snap = both_sets(drafter_on(drafter.eval(), head, arch.block_size), work)
+            curve.append({"steps": len(losses), "cpu_min": cpu_s / 60, "tokens": tokens, "tau": snap["tau"],
+                          "tau_train": snap["tau_train"]})
+            log(f"quality: seed {seed} {name}: step {len(losses)}, {cpu_s / 60:.1f} CPU min, loss {losses[-1]:.3f}, "
+                f"tau {snap['tau']:.3f}, tau_train {snap['tau_train']:.3f}")
+    final = probe_drafter(drafter, head, work)
+    curve.append({"steps": len(losses), "cpu_min": cpu_s / 60, "tokens": tokens, "tau": final["tau"],
+                  "tau_train": final["tau_train"]})
+    log(f"quality: seed {seed} {name}: step {len(losses)}, {cpu_s / 60:.1f} CPU min, loss {losses[-1]:.3f}, "
+        f"tau {final['tau']:.3f}, tau_train {final['tau_train']:.3f}, pos1 {final['pos1']:.3f}/"
+        f"{final['pos1_train']:.3f}, anchor {final['anchor_sensitivity']:.2f}")
+    out[name] = final | {"curve": curve, "loss": losses[-1], "steps": len(losses), "cpu_min": cpu_s / 60}
+    if not zero_features:
+        with torch.no_grad():
+            out["hybrid"] = both_sets(hybrid_on(drafter.eval(), head, arch.block_size), work)
+        if seed == work["race_seed"]:
+            torch.save(drafter.state_dict(), Path(work["tmp"]) / f"drafter-{seed}.pt")
     return out
 
 
@@ -168,20 +167,23 @@ def prepare(args, clock: Clock, tmp: str, log=say) -> tuple[dict, object, object
     log(f"quality: {len(train_prompts)} training prompts ({sum(map(len, train_refs))} response tokens), "
         f"{len(eval_prompts)} held-out prompts (responses {min(lengths)}-{max(lengths)} tokens, "
         f"{sum(len(r) < args.max_new_tokens for r in eval_refs)} ended at EOS), target layers {plan.layer_ids}")
+    from app.bench.runs.quality_fit import fit_set
+
     work = {"overrides": overrides, "tmp": tmp, "train_feats": train_feats, "eval_feats": eval_feats,
             "eval_prompts": eval_prompts, "eval_refs": eval_refs, "max_new_tokens": args.max_new_tokens,
-            "race_seed": args.seeds[0], "block_size": cfg.drafter.block_size}
+            "race_seed": args.seeds[0], "block_size": cfg.drafter.block_size,
+            "eval": {"prompts": eval_prompts, "refs": eval_refs,
+                     "feats": [eval_feats.of(i) for i in range(len(eval_prompts))]},
+            "fit": fit_set(plan, train_feats, args.max_new_tokens)}
     return work, plan, model
 
 
 def training_free(work: dict, plan) -> dict:
-    """The references that learn nothing: the n-gram table over the training responses, and prompt lookup."""
-    from app.model.references import NgramDrafter, prompt_lookup_proposer
+    """The references that learn nothing, on the held-out prompts and the training sample: the bigram and
+    n-gram tables over the training responses, and prompt lookup (`quality_fit.references`)."""
+    from app.bench.runs.quality_fit import references
 
-    ngram = NgramDrafter([plan.dataset.sequence(i) for i in range(len(plan.dataset))])
-    lookup = prompt_lookup_proposer(max_n=4, min_n=1)
-    args = (work["eval_prompts"], work["eval_refs"], work["block_size"], work["max_new_tokens"])
-    return {"ngram": replay(lambda i: ngram, *args), "prompt_lookup": replay(lambda i: lookup, *args)}
+    return references(work, plan)
 
 
 def measure_seed(work: dict, seed: int, zero_features: bool, snapshots: int) -> dict:
@@ -212,52 +214,40 @@ def race_line(work: dict, plan, model, prompts: int, log=say) -> dict:
             "threads": torch.get_num_threads()}
 
 
-def _stats(values: list[float]) -> tuple[float, float]:
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+def speed_lines(work: dict, plan, model, tau_pos: list[float], race: dict) -> None:
+    """What a verify of b tokens and a draft of b positions cost against a one-token forward (seed 0's drafter),
+    the race's own estimate from them, and each block size's estimated speedup (`quality_speed`)."""
+    from app.bench.runs.quality_speed import block_choice, step_costs
+    from app.model.build import build_or_load_drafter
 
-
-def _features_buy(per_seed: list[dict]) -> float:
-    """Mean over the seeds with both drafters of tau(trained) - tau(trained with zeroed features)."""
-    both = [r["dflash"]["tau"] - r["zero_features"]["tau"] for r in per_seed if "zero_features" in r]
-    return statistics.fmean(both) if both else float("nan")
-
-
-def report(seeds: list[int], per_seed: list[dict], free: dict, clock: Clock) -> None:
-    """One RESULT line per drafter and reference, the budget curve and the margin line."""
-    joined = lambda vals, d=3: "/".join(f"{v:.{d}f}" for v in vals)  # noqa: E731
-    means = {}
-    for name in ("dflash", "untrained", "zero_features", "ngram", "prompt_lookup"):
-        have = [(s, r) for s, r in zip(seeds, per_seed) if name in r]
-        if name not in free and not have:
-            continue
-        runs = [r for _, r in have]
-        taus = [free[name]["tau"]] * len(seeds) if name in free else [r[name]["tau"] for r in runs]
-        pos = free[name]["tau_pos"] if name in free else [statistics.fmean(r[name]["tau_pos"][k] for r in runs)
-                                                            for k in range(len(runs[0][name]["tau_pos"]))]
-        seeds_s = "/".join(str(s) for s, _ in have) if name not in free else "/".join(map(str, seeds))
-        means[name], std = _stats(taus)
-        print_result([("bench", "quality_smol"), ("drafter", name), ("seeds", seeds_s), ("tau_seeds", joined(taus)),
-                      ("tau_mean", means[name]), ("tau_std", std), ("tau_pos", joined(pos, 2))])
-    best = max(("ngram", "prompt_lookup"), key=lambda k: means[k])
-    margin = means["dflash"] - means[best]
-    curve = per_seed[0]["dflash"]["curve"]
-    print_result([("bench", "quality_smol_budget"), ("seed", seeds[0]),
-                  ("response_tokens", "/".join(str(t) for t, _ in curve)), ("tau", joined([t for _, t in curve]))])
-    print_result([("bench", "quality_smol_margin"), ("best_reference", best), ("margin", margin),
-                  ("features_buy", _features_buy(per_seed)), ("goal", GOAL),
-                  ("met", margin >= GOAL), ("seconds", sum(clock.parts.values()))])
-    if margin < GOAL:
-        print(f"WARNING: the trained drafter beats {best} by {margin:.3f} tau, short of the {GOAL} goal; "
-              "see quality_smol_budget for tau against training tokens")
+    cfg, B = plan.cfg, work["block_size"]
+    drafter, head, _ = build_or_load_drafter(plan.model_dir, None, cfg.drafter, plan.layer_ids, plan.mask_token_id,
+                                             torch.device("cpu"), torch.float32, work["race_seed"])
+    drafter.load_state_dict(torch.load(Path(work["tmp"]) / f"drafter-{work['race_seed']}.pt"))
+    blocks = sorted({b for b in (2, 3, 4, 6, 8, 12, 16) if b <= B} | {B})
+    costs = step_costs(model, drafter.eval(), head, work["eval_prompts"][0], plan.layer_ids, blocks)
+    v1 = costs["verify_1_ms"]
+    est = block_choice(costs, tau_pos)
+    at_b = (costs["verify_ms"][B] + costs["draft_ms"][B]) / v1
+    print_result([("bench", "quality_smol_step_cost"), ("block", B), ("verify_1_ms", v1),
+                  ("verify_ratio", costs["verify_ms"][B] / v1), ("draft_ratio", costs["draft_ms"][B] / v1),
+                  ("race_tau", race["race_tau"]), ("estimated_speedup", race["race_tau"] / at_b),
+                  ("measured_speedup", race["speedup"])])
+    best = max(est, key=lambda b: est[b]["speedup"])
+    print_result([("bench", "quality_smol_block_choice"), ("blocks", "/".join(map(str, est))),
+                  ("verify_ratio", "/".join(f"{costs['verify_ms'][b] / v1:.2f}" for b in est)),
+                  ("draft_ratio", "/".join(f"{costs['draft_ms'][b] / v1:.2f}" for b in est)),
+                  ("tau", "/".join(f"{e['tau']:.3f}" for e in est.values())),
+                  ("speedup", "/".join(f"{e['speedup']:.2f}" for e in est.values())), ("best_block", best)])
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m app.bench quality --target smol", description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--zero-seeds", default=None, help="seeds of the zero-features ablation (default: --seeds; '' = none)")
-    ap.add_argument("--train-prompts", type=int, default=256)
-    ap.add_argument("--eval-prompts", type=int, default=16)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--train-prompts", type=int, default=128)
+    ap.add_argument("--eval-prompts", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--epochs", type=int, default=3, help="passes over the training responses (train.epochs)")
     ap.add_argument("--data-seed", type=int, default=0, help="seed of the instruction draw (train/held-out split)")
     ap.add_argument("--snapshots", type=int, default=4, help="points of seed 0's training where tau is measured")
@@ -286,12 +276,14 @@ def main(argv: list[str]) -> int:
             zeroed = {s: r for s, r in zip(args.zero_seeds, done[len(args.seeds):])}
             for s, r in zip(args.seeds, per_seed):
                 r.update(zeroed.get(s, {}))
-        report(args.seeds, per_seed, free, clock)
+        means = report(args.seeds, per_seed, free, sum(clock.parts.values()))
         if args.race_prompts:
             torch.set_num_threads(args.threads)
             with clock.part("speed race (batch 1)"):
                 race = race_line(work, plan, model, min(args.race_prompts, len(work["eval_prompts"])))
             print_result([("bench", "quality_smol_speed"), ("seed", args.seeds[0]), *race.items()])
+            with clock.part("step costs"):
+                speed_lines(work, plan, model, per_seed[0]["dflash"]["tau_pos"], race)
             if not race["identical"]:
                 print("ERROR: speculative decoding's output differs from plain greedy decoding's")
                 return 1
