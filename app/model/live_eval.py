@@ -46,6 +46,10 @@ class EvalSpec:
     # The target layers the drafter reads; None = the target's own. A run of a sweep reads a subset of the
     # union its targets capture (app/run/sweep.py), and its drafter is built for its own layers.
     layer_ids: tuple[int, ...] | None = None
+    # The learning checks beside tau (app/model/health.py): app.config.health_section.HealthConfig, None = none,
+    # and the fixed training sample they fit on: (prompt ids, response ids) pairs (`health.fit_sample`).
+    health: Any = None
+    fit: tuple = ()
 
 
 def stop_token(eos_token_ids: tuple[int, ...]) -> int | None:
@@ -67,6 +71,9 @@ class LiveEval:
     exported_to: str | None = None
     lossless: bool = True  # no acceptance bug (on an fp32 CPU target: equal to greedy); warn only when False
     mismatch_rate: float = 0.0  # share of prompts differing from plain greedy (bf16 near-tie flips on a GPU)
+    # The learning checks (`check_health`): Health's figures, `verdicts` (one line each), `status` (ok or the
+    # first verdict's name); None when the spec asks for none.
+    health: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -127,13 +134,37 @@ def evaluate_drafter(target_model, model_dir: str, layer_ids: list[int], step: i
 
     t0 = time.perf_counter()
     drafter, head, arch = drafter_for(weights, model_dir, layer_ids, spec, device, dtype)
+    references = {} if references is None else references  # the checks read the greedy outputs tau decoded
     res = measure_spec(target_model, drafter, head, arch, spec, references)
+    health = check_health(target_model, drafter, head, spec, references, step, float(res.tau))
     result = LiveEval(step=step, tau=float(res.tau),
                       per_pos_accept=per_position_acceptance(res.accepted_per_forward, arch.block_size),
                       matches_greedy=bool(res.matches_greedy), lossless=bool(res.lossless),
                       mismatch_rate=float(res.mismatch_rate), num_prompts=res.num_prompts,
-                      new_tokens=res.new_tokens, seconds=time.perf_counter() - t0)
+                      new_tokens=res.new_tokens, seconds=time.perf_counter() - t0, health=health)
     return result, drafter, arch
+
+
+def check_health(target_model, drafter, head, spec: EvalSpec, references: dict, step: int, tau: float) -> dict | None:
+    """The learning checks of one evaluation (`app.model.health`), on the prompts tau was just decoded on (their
+    greedy outputs from `references`) and the spec's training sample: figures, verdict lines and the status word."""
+    if spec.health is None or not spec.health.enabled:
+        return None
+    from app.model.health import measure_health, status_word, verdicts
+    from app.model.spec_decode import greedy_reference
+
+    heldout = []
+    for prompt in spec.prompts[: spec.eval.num_prompts]:
+        key = (tuple(prompt), spec.eval.max_new_tokens, spec.eos_token_id)
+        if key not in references:  # measure_spec keeps every one it decodes; only a caller's own dict lacks one
+            references[key] = greedy_reference(target_model, prompt, spec.eval.max_new_tokens, spec.eos_token_id)
+        heldout.append((list(prompt), references[key]))
+    with torch.no_grad():
+        h = measure_health(target_model, drafter, head, step, tau, heldout, list(spec.fit), spec.eval.max_new_tokens,
+                           spec.health.max_anchors)
+    found = verdicts(h, spec.health)
+    return {**h.to_dict(), "verdicts": [v.line for v in found], "names": [v.name for v in found],
+            "status": status_word(found)}
 
 
 def drafter_for(weights, model_dir: str, layer_ids: list[int], spec: EvalSpec, device, dtype):

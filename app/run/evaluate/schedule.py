@@ -13,16 +13,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.model.health import fit_sample
 from app.model.live_eval import EvalSpec
 
 
 def eval_spec(plan, eos_token_id: int | None) -> EvalSpec:
-    """The run's one EvalSpec: its held-out prompts and settings, decoding up to `eos_token_id`."""
+    """The run's one EvalSpec: its held-out prompts and settings, decoding up to `eos_token_id`, and the
+    learning checks' settings and training sample."""
     cfg = plan.cfg
     # A run of a sweep: its own layers, a subset of what the targets capture (the targets' own otherwise).
     own_layers = tuple(plan.layer_ids) if getattr(plan, "feature_layer_ids", None) else None
+    # The learning checks fit on a fixed sample of the run's own training sequences (app/model/health.py).
+    data = getattr(plan, "dataset", None)  # None: a plan without data (tests' stand-ins) has no sample to fit on
+    fit = tuple(fit_sample(data, cfg.health.fit_prompts, cfg.eval.max_new_tokens)) \
+        if cfg.health.enabled and data is not None else ()
     return EvalSpec(plan.eval_prompts, cfg.drafter, cfg.eval, plan.mask_token_id, cfg.train.seed, eos_token_id,
-                    cfg.checkpoint.export_dtype, layer_ids=own_layers)
+                    cfg.checkpoint.export_dtype, layer_ids=own_layers, health=cfg.health, fit=fit)
 
 
 @dataclass(frozen=True)
