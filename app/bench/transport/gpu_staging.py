@@ -70,7 +70,14 @@ def bench_transport(device: torch.device, nbytes: int, repeats: int = 5) -> dict
                 side = object()
                 stack.enter_context(mock.patch.object(torch.cuda, "stream", lambda _s: contextlib.nullcontext()))
                 stack.enter_context(mock.patch.object(torch.cuda, "Event", _CpuEvent))
-            register = cuda_host_register if cuda else (lambda addr, n: True)
+            lock = cuda_host_register if cuda else (lambda addr, n: True)
+            registered: list[int] = []  # the bytes of each mapping the direct way page-locked
+
+            def register(addr: int, n: int) -> bool:
+                ok = lock(addr, n)
+                registered.extend([n] if ok else [])
+                return ok
+
             copy = PayloadStager(device, torch.bfloat16, side, store=StoreRegistration(lambda addr, n: False),
                                  max_bytes=nbytes)  # as a drafter: both pinned buffers made once, at the size
             direct = PayloadStager(device, torch.bfloat16, side, store=StoreRegistration(register))
@@ -90,6 +97,8 @@ def bench_transport(device: torch.device, nbytes: int, repeats: int = 5) -> dict
                    "first_extra_ms": 1e3 * (first - float(np.median(direct_s[1:]))),
                    "direct_jobs": direct.direct, "jobs": repeats + 2, "equal": equal, "nbytes": nbytes,
                    "copy_registration_ms": 1e3 * copy.registration_s,  # its two pinned buffers, made once
+                   "copy_buffer_bytes": copy.buffer_bytes(),
+                   "direct_registrations": len(registered), "direct_registered_bytes": sum(registered),
                    "wall_s": time.perf_counter() - t0}
             del hidden_copy, hidden_direct, ro, view, copy, direct  # the mapping closes with no export left
             gc.collect()
