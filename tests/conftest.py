@@ -6,6 +6,25 @@ import os
 import pytest
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption("--engines-required", action="store_true",
+                     help="an engines test whose engine or browser is missing fails instead of skipping (make test-engines)")
+
+
+@pytest.fixture
+def engine(request):
+    """`engine("vllm.engine.arg_utils")`: the module, or a skip (a failure under --engines-required, where
+    `make test-engines` has installed every engine)."""
+    import importlib
+
+    def load(name: str):
+        if request.config.getoption("--engines-required"):
+            return importlib.import_module(name)
+        return pytest.importorskip(name)
+
+    return load
+
+
 def pytest_configure(config) -> None:
     """One torch thread in the test process: on 2 shared cores, more threads run tiny ops 20x slower."""
     import torch

@@ -199,8 +199,9 @@ def test_the_check_fails_on_a_line_without_the_token_count():
         "--speculative-algorithm", "--speculative-draft-model-path"]
 
 
-def test_vllm_parser_accepts_each_vllm_line(printed):
-    arg_utils = pytest.importorskip("vllm.engine.arg_utils")
+@pytest.mark.engines
+def test_vllm_parser_accepts_each_vllm_line(printed, engine):
+    arg_utils = engine("vllm.engine.arg_utils")
     try:
         from vllm.utils.argparse_utils import FlexibleArgumentParser
     except ImportError:
@@ -214,8 +215,9 @@ def test_vllm_parser_accepts_each_vllm_line(printed):
                 ns.speculative_config["num_speculative_tokens"] == BLOCK - 1, name
 
 
-def test_sglang_parser_accepts_each_sglang_line(printed):
-    server_args = pytest.importorskip("sglang.srt.server_args")
+@pytest.mark.engines
+def test_sglang_parser_accepts_each_sglang_line(printed, engine):
+    server_args = engine("sglang.srt.server_args")
     parser = argparse.ArgumentParser()
     server_args.ServerArgs.add_cli_args(parser)
     for name, line in lines_of(printed).items():
@@ -224,10 +226,11 @@ def test_sglang_parser_accepts_each_sglang_line(printed):
             assert ns.speculative_algorithm == "DFLASH" and ns.speculative_draft_model_path, name
 
 
-def test_vllms_speculators_override_takes_each_main_line(printed):
+@pytest.mark.engines
+def test_vllms_speculators_override_takes_each_main_line(printed, engine):
     """Where vLLM is installed, its own reader of a speculators folder as the main model (it raises for a
     verifier it refuses)."""
-    config = pytest.importorskip("vllm.transformers_utils.config")
+    config = engine("vllm.transformers_utils.config")
     for name, line in lines_of(printed).items():
         argv = shlex.split(line)
         if name.endswith("vllm_speculators_main"):

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import base64
-import importlib.util
 import json
 import re
 import shutil
@@ -85,11 +84,11 @@ def _chromium() -> str | None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_chromium() is None or importlib.util.find_spec("playwright") is None,
-                    reason="needs a Chromium (apt-get install chromium) and playwright (pip install playwright)")
-def test_report_renders_in_headless_chromium_without_console_errors(tmp_path):
-    """Rendered by a real browser: every image decodes, nothing logs an error or warning."""
-    from playwright.sync_api import sync_playwright
+@pytest.mark.engines
+def test_report_renders_in_headless_chromium_without_console_errors(tmp_path, engine):
+    """Rendered by a real browser: every image decodes, nothing logs an error or warning. The browser: a
+    Chromium on PATH, else the one `playwright install chromium` fetched (what `make test-engines` does)."""
+    sync_playwright = engine("playwright.sync_api").sync_playwright
 
     _synthetic_run(tmp_path)
     page_path = write_report(tmp_path)

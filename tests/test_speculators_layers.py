@@ -84,8 +84,9 @@ def test_each_reader_taps_the_trained_layers(folders, reader):
     assert reader.taps(_json(spec), _json(zlab), n_layers) == list(TRAINED), (reader.version, reader.source)
 
 
-def test_vllm_reader_in_the_loop(folders):
-    algos = pytest.importorskip("vllm.transformers_utils.configs.speculators.algos")
+@pytest.mark.engines
+def test_vllm_reader_in_the_loop(folders, engine):
+    algos = engine("vllm.transformers_utils.configs.speculators.algos")
     _, spec, _ = folders
     cfg = _json(spec)
     pre = dict(cfg["transformer_layer_config"])
@@ -94,8 +95,9 @@ def test_vllm_reader_in_the_loop(folders):
     assert [k - 1 for k in pre["eagle_aux_hidden_state_layer_ids"]] == list(TRAINED)
 
 
-def test_speculators_converter_in_the_loop(folders):
-    converter = pytest.importorskip("speculators.convert.dflash.converter")
+@pytest.mark.engines
+def test_speculators_converter_in_the_loop(folders, engine):
+    converter = engine("speculators.convert.dflash.converter")
     zlab, spec, target = folders
     built = converter.DFlashConverter()._build_config(_json(zlab), str(target), None)
     assert list(built.aux_hidden_state_layer_ids) == _json(spec)["aux_hidden_state_layer_ids"]
