@@ -156,6 +156,7 @@ def build_summary(plan, sup, monitor, outcome, tau, elapsed: float) -> dict:
         "tau_untrained": tau.untrained,
         "tau_trained": tau.trained,
         "tau_error": tau.reason,
+        "health_trained": tau.health,  # the exported drafter's learning checks beside tau_trained (app/model/health.py)
         # Measured, not estimated: the exported drafter against the target alone, batch 1 (eval.race_prompts).
         "speedup_measured": (tau.race or {}).get("speedup"),
         "speed_race": tau.race,

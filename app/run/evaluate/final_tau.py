@@ -25,6 +25,7 @@ class TauResult:
     trained: float | None
     reason: str | None = None
     race: dict | None = None  # the exported drafter's speed race (app.model.live_eval.RaceLine), when measured
+    health: dict | None = None  # the exported drafter's learning checks (LiveEval.health), when measured
 
 
 def ask_tau(handle: Any, step: int, weights: Any, spec: EvalSpec, best_dir: str | None = None,
@@ -71,10 +72,12 @@ class FinalTau:
         tau_u, why_u = self._first_answer(alive, 0, None, first_u)
         tau_t, why_t = self._first_answer(alive[::-1], step, export_dir, first_t) if export_dir \
             else (None, "nothing was exported")
+        health = (tau_t or {}).get("health")
+        tau_u, tau_t = (float(r["tau"]) if r is not None else None for r in (tau_u, tau_t))
         race, why_r = self._race(alive, export_dir) if export_dir and self.spec.eval.race_prompts \
             else (None, None)
         reason = "; ".join(f"{k}: {w}" for k, w in (("untrained", why_u), ("trained", why_t), ("race", why_r)) if w)
-        return TauResult(tau_u, tau_t, reason or None, race)
+        return TauResult(tau_u, tau_t, reason or None, race, health)
 
     def _race(self, alive: list[tuple[int, Any]], export_dir: str) -> tuple[dict | None, str | None]:
         """The exported drafter against the target alone on the first live target that has not hung and
@@ -96,8 +99,9 @@ class FinalTau:
         return None, "; ".join(errors) or "every live target hung in a tau measurement"
 
     def _first_answer(self, candidates: list[tuple[int, Any]], step: int, weights: Any,
-                      first: tuple[Any, float] | None) -> tuple[float | None, str | None]:
-        """tau from the first candidate that answers in time; `first` (ref, started) already runs on candidates[0]."""
+                      first: tuple[Any, float] | None) -> tuple[dict | None, str | None]:
+        """The evaluation (LiveEval dict) from the first candidate that answers in time; `first` (ref, started)
+        already runs on candidates[0]."""
         from ray.exceptions import GetTimeoutError, RayError
 
         errors = []
@@ -108,7 +112,7 @@ class FinalTau:
                                                                       self.clock())
             try:
                 left = max(0.0, self.timeout_s - (self.clock() - began))
-                return float(self._get(ref, left)["tau"]), None
+                return self._get(ref, left), None
             except GetTimeoutError:
                 self._hung.add(tid)
                 errors.append(f"target {tid} gave no answer within eval.timeout_s={self.timeout_s:g} s")

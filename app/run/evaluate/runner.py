@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.run.evaluate.schedule import EvalOffer, EvalSchedule, TauBook, eval_spec
+from app.run.evaluate.schedule import EvalOffer, EvalSchedule, TauBook, eval_spec, health_gauges, health_line
 from app.run.evaluate.final_tau import ask_tau
 
 BEST_DIR_NAME = "drafter-best"
@@ -131,15 +131,22 @@ class EvalRunner:
 
     def _record(self, result: dict) -> None:
         best = self.book.record(result)
+        health = result.get("health")
+        self.monitor.add_health(result["step"], health)  # before add_tau: wandb reads both for the step's row
         self.monitor.add_tau(result["step"], result["tau"])
         self.timeline.evaluation(result["step"], result["tau"], result["per_pos_accept"],
-                                 matches_greedy=result["matches_greedy"], best=best, seconds=result["seconds"])
-        self.sup.pool.report_tau(result["step"], result["tau"])
+                                 matches_greedy=result["matches_greedy"], best=best, seconds=result["seconds"],
+                                 **({"health": health} if health else {}))
+        self.sup.pool.report_tau(result["step"], result["tau"], health_gauges(health))
         if not result["lossless"]:  # a kept token that is not its verify forward's argmax: an acceptance bug
             self.log(f"WARNING: speculative decoding at step {result['step']} kept tokens the target would not "
                      f"have chosen ({result['mismatch_rate']:.1%} of prompts differ from plain greedy)")
         self.log(f"tau {result['tau']:.3f} at step {result['step']} ({result['seconds']:.1f} s)"
                  + (f", best so far: exported to {result['exported_to']}" if best and result["exported_to"] else ""))
+        if health:
+            self.log(health_line(health))
+            for line in health["verdicts"]:  # a verdict is a line to read, never a stop
+                self.log(f"health at step {result['step']}: {line}")
 
     def finish(self, final_step: int, export_dir: str | None) -> None:
         """End of the run: let the running evaluation land, evaluate the newest offer still pending, then

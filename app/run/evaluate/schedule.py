@@ -112,4 +112,30 @@ class TauBook:
             if self.best else None,
             "tau_last_per_pos_accept": last["per_pos_accept"] if last else None,
             "tau_matches_greedy": all(r["matches_greedy"] for r in self.history) if self.history else None,
+            # The learning checks (app/model/health.py): [step, fit tau, held-out tau] per evaluation, and the
+            # newest one's figures, verdict lines and word.
+            "health_history": [[r["step"], r["health"]["tau_fit"], r["tau"]] for r in self.history if r.get("health")],
+            "health": next((r["health"] for r in reversed(self.history) if r.get("health")), None),
         }
+
+
+# The learning checks' figures as Prometheus gauges (`dflash_health{check}`) and the metrics' verdict names.
+HEALTH_GAUGES = ("tau_fit", "tau_no_features", "first_top_share", "anchor_changed", "pos1")
+
+
+def health_gauges(health: dict | None) -> dict | None:
+    """An evaluation's health as the pool's gauges take it: {check: value} (a missing figure left out) and
+    `verdicts`, the names found; None without checks."""
+    if not health:
+        return None
+    return {"checks": {k: float(health[k]) for k in HEALTH_GAUGES if health.get(k) is not None},
+            "verdicts": list(health["names"])}
+
+
+def health_line(health: dict) -> str:
+    """One log line of an evaluation's checks: the word, then the figures behind it."""
+    fit = f"{health['tau_fit']:.2f}" if health.get("tau_fit") is not None else "-"
+    return (f"health at step {health['step']}: {health['status']} (fit tau {fit}, held-out {health['tau']:.2f}, "
+            f"no features {health['tau_no_features']:.2f}, first guesses {health['first_distinct']} distinct, top "
+            f"{health['first_top_share']:.0%}, anchor changes {health['anchor_changed']:.0%}, pos1 {health['pos1']:.0%}, "
+            f"{health['seconds']:.1f} s)")

@@ -91,6 +91,8 @@ class RunMonitor:
         # steps whose tau will not come (timed out, failed, replaced); wandb holds rows for the rest.
         self.eval_every = 0
         self.tau_given_up: list[int] = []
+        # The learning checks of each evaluation (LiveEval.health: figures, verdicts, status), by step.
+        self.health_by_step: dict[int, dict] = {}
 
     def add_records(self, records: list[StepRecord]) -> None:
         if records:
@@ -167,6 +169,16 @@ class RunMonitor:
             self.tau_best = (step, tau)
         return best
 
+    def add_health(self, step: int, health: dict | None) -> None:
+        """The learning checks of the evaluation at `step` (app/model/health.py); the newest one's word goes on
+        the status line."""
+        if health is not None:
+            self.health_by_step[step] = health
+
+    @property
+    def health_last(self) -> dict | None:
+        return self.health_by_step[max(self.health_by_step)] if self.health_by_step else None
+
     def give_up_tau(self, step: int) -> None:
         """The evaluation offered at `step` will report no tau."""
         self.tau_given_up.append(step)
@@ -196,6 +208,8 @@ class RunMonitor:
             # A resumed run may know its best drafter (drafter-best/) before any evaluation of this start.
             **({"tau": (self.tau_history or [self.tau_best])[-1][1], "tau_best": self.tau_best[1]}
                if self.tau_best else {}),
+            # The newest evaluation's learning checks: ok, or its first verdict (+N more).
+            **({"health": self.health_last["status"]} if self.health_last else {}),
         }
 
     def line(self) -> str:
@@ -204,6 +218,7 @@ class RunMonitor:
         advice = f" ({v['advice']})" if v["advice"] else ""
         advice += f" | {v['rebalance']}" if v["rebalance"] else ""
         tau = f" tau {v['tau']:.2f} (best {self.tau_best[1]:.2f} @{self.tau_best[0]})" if self.tau_best else ""
+        tau += f" health {v['health']}" if "health" in v else ""
         return (
             f"step {v['step']} ep {v['epoch']} jobs {v['acked']}/{v['total_jobs']} | loss {v['loss']:.3f} "
             f"acc {v['accuracy']:.3f} accept_len {v['accept_len']:.2f}{tau} | target {v['target_tok_s']:.0f} tok/s "

@@ -63,7 +63,8 @@ def render(rows: list[dict], summary: dict, title: str = "run") -> str:
         "data_wait": ("Drafters' data-wait share over time", plot_drafter(rows, t0, events, starts, "wait")),
     }
     assert tuple(sections) == PLOTS
-    body = [f"<h1>dflash-ray run: {html.escape(title)}</h1>", _summary_table(summary), _serving_table(summary)]
+    body = [f"<h1>dflash-ray run: {html.escape(title)}</h1>", _summary_table(summary), _health_table(rows, summary),
+            _serving_table(summary)]
     for key, (heading, png) in sections.items():
         body.append(f'<section id="plot-{key}"><h2>{html.escape(heading)}</h2>'
                     f'<img alt="{key}" src="data:image/png;base64,{png}"></section>')
@@ -91,6 +92,24 @@ def _summary_table(summary: dict) -> str:
     if advice:
         cells.append(f"<tr><th>split advice</th><td>{html.escape(advice)}</td></tr>")
     return '<section id="summary"><h2>Summary</h2><table>' + "".join(cells) + "</table></section>" if cells else ""
+
+
+def _health_table(rows: list[dict], summary: dict) -> str:
+    """The drafter's learning checks (app/model/health.py): each evaluation's word, the newest one's figures and
+    its verdict lines (likely causes, where to look); nothing when no evaluation measured them."""
+    evals = sorted((r for r in rows if r["k"] == "eval" and r.get("health")), key=lambda r: r["step"])
+    last = evals[-1]["health"] if evals else summary.get("health") or summary.get("health_trained")
+    if not last:
+        return ""
+    words = ", ".join(f"{r['step']}: {r['health']['status']}" for r in evals) or f"{last['step']}: {last['status']}"
+    fit = f"{last['tau_fit']:.2f}" if last.get("tau_fit") is not None else "-"
+    figures = (f"fit tau {fit}, held-out tau {last['tau']:.2f}, tau with features zeroed {last['tau_no_features']:.2f}, "
+               f"{last['first_distinct']} distinct first guesses (most common {last['first_top_share']:.0%}), "
+               f"{last['anchor_changed']:.0%} change with another anchor token, pos1 {last['pos1']:.0%}")
+    verdicts = "".join(f"<li>{html.escape(v)}</li>" for v in last["verdicts"]) or "<li>healthy: no verdict</li>"
+    return (f'<section id="health"><h2>Drafter health</h2><table><tr><th>by step</th><td>{html.escape(words)}</td>'
+            f"</tr><tr><th>step {last['step']}</th><td>{html.escape(figures)}</td></tr></table><ul>{verdicts}</ul>"
+            "</section>")
 
 
 def _serving_table(summary: dict) -> str:

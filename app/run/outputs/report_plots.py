@@ -75,6 +75,13 @@ def _tau_points(rows, summary) -> list[tuple[int, float]]:
     return points or [tuple(p) for p in summary.get("tau_history", [])]
 
 
+def _fit_points(rows, summary) -> list[tuple[int, float]]:
+    """(step, tau on the fixed training sample) of each evaluation that measured it (its health checks)."""
+    points = [(r["step"], r["health"]["tau_fit"]) for r in rows
+              if r["k"] == "eval" and (r.get("health") or {}).get("tau_fit") is not None]
+    return points or [(s, f) for s, f, _ in summary.get("health_history", []) if f is not None]
+
+
 def plot_tau(rows, summary) -> str:
     fig, ax = _figure()
     points = _tau_points(rows, summary)
@@ -82,6 +89,9 @@ def plot_tau(rows, summary) -> str:
         _empty(ax, "no acceptance-length evaluation in this run (eval.every_steps = 0)")
         return _png(fig)
     ax.plot(*zip(*points), "o-", label="tau (greedy speculative decoding, held-out prompts)")
+    fit = _fit_points(rows, summary)
+    if fit:  # a learning drafter fits its data first: both near 1 = nothing learned, far apart = over-fitting
+        ax.plot(*zip(*fit), "s--", color="tab:green", label="tau on the training sample (fit, app/model/health.py)")
     best = max(points, key=lambda p: p[1])
     ax.plot([best[0]], [best[1]], "*", ms=16, color="gold", mec="black", label=f"best {best[1]:.2f} @ step {best[0]}")
     if summary.get("tau_untrained") is not None:

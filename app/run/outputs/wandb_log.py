@@ -21,7 +21,7 @@ from typing import Any
 from app.config.errors import ConfigError
 from app.config.run_sections import LoggingConfig
 from app.config.schema import Config
-from app.run.outputs.wandb_rows import TauRows, pool_keys
+from app.run.outputs.wandb_rows import TauRows, health_keys, pool_keys
 from app.storage.roots import redact
 
 # Keys of every step row (the per-position acceptance adds acc_pos1..acc_pos{B-1}).
@@ -167,7 +167,8 @@ class WandbLogger:
                 break  # its step's row is still open: it goes in once that row is complete
             self._best = max(self._best, tau)  # the best up to this evaluation, earlier starts included
             if step > self.resumed_step or self.resumed_step == 0:
-                self._write_all(self.tau_rows.add_tau(step, tau, self._best))
+                health = getattr(self.monitor, "health_by_step", {}).get(step)
+                self._write_all(self.tau_rows.add_tau(step, tau, self._best, health_keys(health)))
             self._taus_seen += 1
         given_up = getattr(self.monitor, "tau_given_up", [])
         for step in given_up[self._given_up_seen:]:

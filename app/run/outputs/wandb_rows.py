@@ -35,14 +35,14 @@ class TauRows:
         self.held.append(row)
         return self._ready()
 
-    def add_tau(self, step: int, tau: float, best: float) -> list[dict[str, Any]]:
+    def add_tau(self, step: int, tau: float, best: float, extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         """A tau measured at `step`: into the held row of that step (the last one: a rollback repeats
-        steps), or a row of its own when none is held."""
+        steps), or a row of its own when none is held; `extra` (the evaluation's health keys) goes with it."""
         self._measured = max(self._measured, step)
         row = next((r for r in reversed(self.held) if r.get("step") == step), None)
         if row is None:
-            return [{"event": "eval", "eval_step": step, "tau": tau, "tau_best": best}] + self._ready()
-        row.update(tau=tau, tau_best=best)
+            return [{"event": "eval", "eval_step": step, "tau": tau, "tau_best": best, **(extra or {})}] + self._ready()
+        row.update(tau=tau, tau_best=best, **(extra or {}))
         return self._ready()
 
     def give_up(self, step: int) -> list[dict[str, Any]]:
@@ -66,6 +66,17 @@ class TauRows:
     def _first_awaiting(self, start: int) -> int:
         return next((i for i in range(start, len(self.held)) if self._awaits(self.held[i].get("step", 0))),
                     len(self.held))
+
+
+def health_keys(health: dict | None) -> dict[str, Any]:
+    """An evaluation's learning checks (app/model/health.py) as wandb keys: `health/<figure>` (a figure not
+    measured left out), `health/verdicts` (how many) and `health/status` (ok or the first verdict)."""
+    if not health:
+        return {}
+    figures = ("tau_fit", "tau_replay", "tau_no_features", "tau_layers_below", "tau_layers_above", "first_distinct",
+               "first_top_share", "anchor_changed", "pos1", "seconds")
+    return {**{f"health/{k}": health[k] for k in figures if health.get(k) is not None},
+            "health/verdicts": len(health["names"]), "health/status": health["status"]}
 
 
 def pool_keys(stats) -> dict[str, float]:
