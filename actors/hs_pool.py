@@ -253,9 +253,10 @@ class HSPoolActor:
         """The driver restarted a target (`target`) or rebuilt the drafters (`drafter_group`)."""
         self._ctl(run).report_restart(kind)
 
-    async def report_tau(self, step: int, tau: float, run: str = "") -> None:
-        """An evaluation's tau, for the `dflash_tau` gauge."""
-        self._ctl(run).report_tau(tau)
+    async def report_tau(self, step: int, tau: float, run: str = "", health: dict | None = None) -> None:
+        """An evaluation's tau, for the `dflash_tau` gauge, and its learning checks for `dflash_health{check}` and
+        `dflash_health_verdict{verdict}` (`{"checks": {name: value}, "verdicts": [names]}`, None = none)."""
+        self._ctl(run).report_tau(tau, health)
 
     async def drain_step_records(self, run: str = "") -> list[StepRecord]:
         """Step records reported since the previous drain (for the driver's logging)."""

@@ -56,6 +56,9 @@ class PoolMetrics:
         )
         self.restarts = Counter(mn.RESTARTS_TOTAL, "Target restarts and drafter-group rebuilds", run + ("kind",))
         self.tau = Gauge(mn.TAU, "Acceptance length (tau) of the latest evaluation during the run", run)
+        self.health = Gauge(mn.HEALTH, "The latest evaluation's learning checks (app/model/health.py)", run + ("check",))
+        self.health_verdict = Gauge(mn.HEALTH_VERDICT, "1 while the latest evaluation gives this verdict",
+                                    run + ("verdict",))
         self._last_backlog: tuple[float, float] | None = None  # (share x seconds, seconds) at the last tick
         self._last_served: dict[int, int] = {}  # running totals at the previous tick
         self._last_tokens: dict[int, int] = {}
@@ -96,6 +99,17 @@ class PoolMetrics:
             self.train_loss.set(self._loss, self._t())
         if st.tau is not None:  # the latest evaluation during the run, as the driver reported it
             self.tau.set(st.tau, self._t())
+        if st.health is not None:
+            self._health(st.health)
+
+    def _health(self, health: dict) -> None:
+        """Every check's figure, and each verdict 1 or 0 (a verdict gone since the last evaluation reads 0)."""
+        from app.model.health_verdicts import VERDICT_ORDER
+
+        for check, value in health["checks"].items():
+            self.health.set(value, self._t(check=check))
+        for name in VERDICT_ORDER:
+            self.health_verdict.set(1.0 if name in health["verdicts"] else 0.0, self._t(verdict=name))
 
     def _counters(self, st: PoolStats) -> None:
         self._deltas(self.served, dict(enumerate(st.served_per_bucket)), self._last_served, "bucket")

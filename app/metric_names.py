@@ -21,6 +21,8 @@ TRAIN_LOSS = "dflash_train_loss"  # gauge
 DRAFTER_DATA_WAIT_RATIO = "dflash_drafter_data_wait_ratio"  # gauge {drafter}
 RESTARTS_TOTAL = "dflash_restarts_total"  # counter {kind}
 TAU = "dflash_tau"  # gauge: acceptance length of the latest evaluation during the run
+HEALTH = "dflash_health"  # gauge {check}: the latest evaluation's learning checks (tau_fit, tau_no_features, ...)
+HEALTH_VERDICT = "dflash_health_verdict"  # gauge {verdict}: 1 while the latest evaluation gives that verdict, else 0
 
 ALL = (
     POOL_ITEMS,
@@ -39,4 +41,6 @@ ALL = (
     DRAFTER_DATA_WAIT_RATIO,
     RESTARTS_TOTAL,
     TAU,
+    HEALTH,
+    HEALTH_VERDICT,
 )

@@ -33,6 +33,7 @@ class PoolControl:
         self._undrained: list[StepRecord] = []  # for the driver's step log and status line
         self._unexported: deque[StepRecord] = deque(maxlen=unexported)
         self.tau: float | None = None
+        self.health: dict | None = None  # the latest evaluation's learning checks (PoolStats.health)
         self.restarts: dict[str, int] = {}
 
     # ---- targets --------------------------------------------------------------------------
@@ -148,8 +149,10 @@ class PoolControl:
         self._unexported.clear()
         return out
 
-    def report_tau(self, tau: float) -> None:
+    def report_tau(self, tau: float, health: dict | None = None) -> None:
         self.tau = tau
+        if health is not None:
+            self.health = health
 
     def report_restart(self, kind: str) -> None:
         self.restarts[kind] = self.restarts.get(kind, 0) + 1
@@ -161,7 +164,7 @@ class PoolControl:
         return dataclasses.replace(
             self.pool.stats(), target_failures=list(shared.failures), targets=sorted(shared._targets),
             paused_targets=sorted(shared._paused), eval_offers_superseded=self.offers_superseded,
-            restarts=dict(self.restarts), tau=self.tau,
+            restarts=dict(self.restarts), tau=self.tau, health=self.health,
         )
 
 

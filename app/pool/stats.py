@@ -65,6 +65,7 @@ class PoolStats:
     eval_offers_superseded: int = 0  # eval offers replaced in the pool by a newer one before taken
     restarts: dict[str, int] = field(default_factory=dict)  # reported restarts per kind (target, drafter_group, pool, resplit, grow, extra)
     tau: float | None = None  # the latest evaluation's tau, as the driver reported it
+    health: dict | None = None  # its learning checks: {"checks": {name: value}, "verdicts": [names]} (None = none)
 
     def jobs_by_state(self) -> dict[str, int]:
         return {

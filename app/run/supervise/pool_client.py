@@ -109,8 +109,9 @@ class PoolClient:
     def report_restart(self, what: str) -> None:
         self.handle.report_restart.remote(what)
 
-    def report_tau(self, step: int, tau: float) -> None:
-        self.handle.report_tau.remote(step, tau)
+    def report_tau(self, step: int, tau: float, health: dict | None = None) -> None:
+        """`health`: the evaluation's checks as gauges (app/run/evaluate/schedule.py health_gauges)."""
+        self.handle.report_tau.remote(step, tau, health=health)
 
     # ---- the one place a pool call waits ---------------------------------------------------
 
