@@ -27,6 +27,7 @@ from app.training.drafter_io import DrafterResult, DrafterSetup
 from app.training.effects import LoopConfig
 from app.training.loop import RankLoop, drive
 from app.training.rendezvous import Rendezvous
+from app.storage.local_cache import set_download_bound
 from app.training.step_log import StepLog
 
 
@@ -37,6 +38,7 @@ class DrafterActor:
         limit_threads(setup.num_cpus)
         self.rank, self.cfg, self.pool = rank, setup, pool
         fence.join(setup.checkpoint.dir, setup.fence_token)  # publishes under its run's lease token (app/storage/fence.py)
+        set_download_bound(int(setup.checkpoint.download_cache_gb * 2**30))  # this node's download cache (local_cache.py)
         self.rendezvous = Rendezvous()
         self.step_log = StepLog(setup.step_log) if rank == 0 and setup.step_log else None  # rank 0 writes it
         self.device = pick_device(setup.device)

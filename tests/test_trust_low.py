@@ -177,3 +177,34 @@ def test_downloads_unused_for_days_are_removed_at_start(tmp_path: Path, monkeypa
         os.utime(folder, (now - local_cache.DOWNLOAD_STALE_S - 60,) * 2)
     removed = local_cache.clean_stale(root, now=now)
     assert removed == [old.name] and not old.exists() and recent.is_dir() and other.is_dir()
+
+
+# ---- issue 49, item 6: planted names refused, never a crash ------------------------------------------
+
+@pytest.mark.parametrize("planted", [".dflash-old-.", ".dflash-old-.."])
+def test_a_planted_aside_name_naming_the_folder_itself_is_left_alone(planted: str, tmp_path: Path) -> None:
+    """`.dflash-old-.` would be put back as `.`: start-up cleanup leaves it (not a name the project writes)
+    and goes on with the rest. Before: `ValueError` from `Path.with_name('.')`, and the run did not start."""
+    from app.training.checkpoint import clean_orphans
+
+    (tmp_path / planted).mkdir()
+    (tmp_path / ".dflash-probe-0123456789ab").write_text("tok")
+    assert clean_orphans(tmp_path) == ["removed .dflash-probe-0123456789ab"]
+    assert (tmp_path / planted).is_dir()
+
+
+def test_a_name_with_a_nul_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A listed name holding a NUL is skipped with the warning every name leaving the folder gets; a
+    delete of one is a ValueError naming it. Before: `ValueError: embedded null byte` from deep in
+    pathlib, out of the listing itself."""
+    from app.storage.fetch import safe_destination
+    from app.storage.names import inside, stays_inside
+    from app.storage.roots import open_storage
+
+    assert not stays_inside("ckpt-1\x00/x", tmp_path)
+    with pytest.warns(UserWarning, match="skipping 1 listed name"):
+        assert inside(["ckpt-1", "ckpt-2\x00"], tmp_path, ".") == ["ckpt-1"]
+    with pytest.raises(ValueError, match="refusing to delete entry"):
+        open_storage(tmp_path).delete("ckpt-2\x00")
+    with pytest.raises(ValueError, match="refusing to download object"):
+        safe_destination(tmp_path, "b/run/x\x00y", "b/run")

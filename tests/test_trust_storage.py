@@ -135,7 +135,10 @@ def test_a_lease_of_a_dead_process_on_this_host_is_taken_over_at_once(tmp_path: 
     from app.run.lease import LEASE_FILE, RunLease
 
     proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead = {"host": socket.gethostname(), "pid": int(proc.stdout), "run_id": "x", "heartbeat": __import__("time").time()}
+    from app.run.lease import namespace
+
+    dead = {"host": socket.gethostname(), "pid": int(proc.stdout), "run_id": "x", "heartbeat": __import__("time").time(),
+            **namespace()}  # this boot and pid namespace: the pid's absence means it is dead (issue 49)
     (tmp_path / LEASE_FILE).write_text(json.dumps(dead))
     lease = RunLease(tmp_path, 3600).acquire()
     assert lease.taken_over["pid"] == dead["pid"] and lease.held()

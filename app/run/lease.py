@@ -7,11 +7,19 @@ other's work). The driver takes the lease before it touches the folder and holds
   wins), holding host, pid, Ray job id, a random run id and a heartbeat the driver refreshes every
   quarter of `checkpoint.lease_timeout_s`. A lease whose heartbeat is older than that, or whose holder
   is a dead process on this host, is stale: it is moved aside under a unique name (one taker wins the
-  rename) and taken over.
+  rename) and taken over. "This host" is the same hostname AND the same boot (`boot_id`) and pid
+  namespace (`/proc/self/ns/pid`), both recorded in the lease: two containers or pods with one fixed
+  hostname each see only their own pids, so a pid not visible there means nothing and such a lease goes
+  stale only by its heartbeat. The heartbeat is written into the lease file in place, through a file
+  descriptor whose content was checked to be this holder's (a taker that moved it aside meanwhile gets
+  nothing written over its own lease), and the release moves the file aside and deletes it only if what
+  it moved is this holder's (else it puts it back), as the take does.
 - `s3://`: the same object, created only if absent (`If-None-Match: *`) and replaced only if unchanged
   (`If-Match: <etag>`, a stale lease taken over, each heartbeat), so of any number of drivers starting
   at once exactly one wins, and a holder whose lease was taken over learns it at its next heartbeat
-  (app/storage/conditional.py, boto3). `gs://`: the same with GCS's generation preconditions
+  (app/storage/conditional.py, boto3); the release replaces it, again only if unchanged, with a record
+  marked released (its token kept), which the next run takes at once. `gs://`: the same with GCS's
+  generation preconditions
   (`ifGenerationMatch`, google-auth and requests). Other URIs (or either without its client): `pyarrow.fs` has no
   conditional PUT, so the lease object is read, written, and read back: two runs starting within the
   same second can both win there. Start one run per such URI.
@@ -19,9 +27,11 @@ other's work). The driver takes the lease before it touches the folder and holds
 A heartbeat is the holder's wall clock; another host's may run behind the taker's, so a lease from
 another host is taken only if it also stays unchanged for a heartbeat period on the taker's own clock.
 
-Each new holder raises the folder's fencing counter by one and writes under that token
-(app/storage/fence.py): a checkpoint or export published by a run whose driver lost the lease (stopped
-with SIGSTOP while its drafters ran on) is refused (`FencedOut`).
+Each new holder takes a fencing token one above the largest it finds (the folder's counter, the token in
+the lease record it replaces, the tokens its published entries carry), writes it to the counter and to
+its lease record, and writes under it (app/storage/fence.py): a checkpoint or export published by a run
+whose driver lost the lease (stopped with SIGSTOP while its drafters ran on) is refused (`FencedOut`).
+The counter fails closed (a missing one refuses every writer); a live holder's heartbeat writes it back.
 
 A refused start is one line, exit 2 (`LeaseHeld`). A holder that finds its lease taken over (its
 heartbeats were missed for longer than the timeout) calls `on_lost`: the driver stops at once.
@@ -46,6 +56,7 @@ from app.storage.local_cache import forget_downloads, pid_alive
 from app.storage.roots import is_uri, open_storage, redact, root_problem
 
 LEASE_FILE = ".run-lease"
+RECORD_BYTES = 512  # a lease record's length on disk (JSON, space-padded)
 WATCH_MARGIN_S = 5.0  # past one heartbeat period, how long a lease from another host is watched before it is taken
 
 
@@ -64,11 +75,29 @@ def submission_id() -> str:
     return str((config.get("metadata") or {}).get("job_submission_id", "")) if isinstance(config, dict) else ""
 
 
+def namespace() -> dict:
+    """What makes a pid mean the same process here and in a lease record: this boot (`boot_id`) and this pid
+    namespace (`pid:[<inode>]`). Empty parts where /proc does not say (then no pid is judged)."""
+    found = {}
+    for key, read in (("boot", lambda: Path("/proc/sys/kernel/random/boot_id").read_text().strip()),
+                      ("pidns", lambda: os.readlink("/proc/self/ns/pid"))):
+        try:
+            found[key] = read()
+        except OSError:
+            pass
+    return found
+
+
 def is_stale(holder: dict, timeout_s: float, now: float) -> bool:
-    """A lease nobody keeps: no heartbeat for `timeout_s`, or its process on this host is gone."""
-    if now - float(holder.get("heartbeat", 0.0)) > timeout_s:
+    """A lease nobody keeps: released, no heartbeat for `timeout_s`, or its process gone from this host;
+    a pid counts only when the record names this hostname, boot and pid namespace (a pid that another
+    container's namespace hides is not a dead one)."""
+    if holder.get("released") or now - float(holder.get("heartbeat", 0.0)) > timeout_s:
         return True
-    return holder.get("host") == socket.gethostname() and not pid_alive(int(holder.get("pid", 0)))
+    here = namespace()
+    same = holder.get("host") == socket.gethostname() and len(here) == 2 \
+        and all(holder.get(k) == v for k, v in here.items())
+    return same and not pid_alive(int(holder.get("pid", 0)))
 
 
 def describe(holder: dict) -> str:
@@ -83,10 +112,12 @@ class RunLease:
     def __init__(self, root: str | Path, timeout_s: float, clock: Callable[[], float] = time.time,
                  sleep: Callable[[float], None] = time.sleep) -> None:
         self.root, self.timeout_s, self.clock, self.sleep = str(root), float(timeout_s), clock, sleep
-        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "job": submission_id(), "run_id": uuid.uuid4().hex}
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "job": submission_id(), "run_id": uuid.uuid4().hex,
+                   **namespace()}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.taken_over: dict | None = None  # the stale holder this lease replaced, if any
+        self._replaced: dict | None = None  # the record this lease replaced (stale or released): its token counts
         self.token = 0  # this holder's fencing token (fence.py), set once the lease is taken
         self._conditional = conditional_store(self.root)  # s3:// with boto3: exact create / replace
         self._etag = ""  # the version of the lease object this holder wrote last (conditional stores)
@@ -108,16 +139,27 @@ class RunLease:
             self._acquire_uri()
         else:
             self._acquire_local()
-        self.token = fence.current(open_storage(self.root)) + 1  # only the holder writes it: it only grows
+        self.token = self._next_token()
         open_storage(self.root).write_file(fence.FENCE_FILE, str(self.token).encode())
         fence.adopt(self.root, self.token)
+        self.beat()  # the token into the lease record too: a counter deleted later cannot hand it out again
         return self
+
+    def _next_token(self) -> int:
+        """One above the largest token this folder shows: its counter, the record replaced, its entries'."""
+        store = open_storage(self.root)
+        replaced = fence.entry_token(str((self._replaced or self.taken_over or {}).get("token", "")))
+        published = max((e.token for e in store.entries("")), default=0)
+        return max(fence.current(store), replaced, published) + 1
 
     def _local_dir(self) -> Path:
         return Path(urlsplit(self.root).path) if is_uri(self.root) else Path(self.root)
 
-    def _record(self) -> bytes:
-        return json.dumps({**self.me, "heartbeat": self.clock()}).encode()
+    def _record(self, **extra) -> bytes:
+        """This holder's lease record, padded to RECORD_BYTES: a heartbeat written in place over the
+        previous one is never shorter, so no reader sees the tail of an older record."""
+        data = json.dumps({**self.me, "token": self.token, "heartbeat": self.clock(), **extra}).encode()
+        return data.ljust(RECORD_BYTES)
 
     def _refuse(self, holder: dict) -> None:
         raise LeaseHeld(f"another run holds checkpoint.dir={redact(self.root)} ({describe(holder)}); wait for it "
@@ -149,7 +191,7 @@ class RunLease:
         one heartbeat period (and a margin) on our own clock: a live holder rewrites it, and keeps it."""
         if not is_stale(holder, self.timeout_s, self.clock()):
             self._refuse(holder)
-        if holder.get("host") in (None, socket.gethostname()):
+        if holder.get("released") or holder.get("host") in (None, socket.gethostname()):
             return  # written by this host's clock, or a dead process here
         before = read()
         self.sleep(self.timeout_s / 4 + WATCH_MARGIN_S)
@@ -189,7 +231,8 @@ class RunLease:
             holder = _read_json(found.data) or {}
             self._check_stale(holder, lambda: getattr(store.read(LEASE_FILE), "data", None))
             if (etag := store.replace(LEASE_FILE, self._record(), found.etag)) is not None:
-                self._etag, self.taken_over = etag, holder
+                self._etag, self._replaced = etag, holder
+                self.taken_over = None if holder.get("released") else holder  # a released lease: just free
                 return
         raise LeaseHeld(f"could not take the lease on checkpoint.dir={redact(self.root)}: other runs are starting "
                         "on it at the same time; start one")
@@ -210,37 +253,84 @@ class RunLease:
 
     def release(self) -> None:
         """Stop the heartbeat, drop the lease if it is still ours, and (URI roots) this run's downloads
-        on this node (app/storage/local_cache.py `forget_downloads`)."""
+        on this node (app/storage/local_cache.py `forget_downloads`). Never a check, then a write: on
+        S3/GCS the lease is replaced by a released record only if it is still the version this holder
+        wrote; on a local folder it is moved aside and deleted only if what was moved is ours."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        if self.held():
-            if self._conditional is not None:
-                self._conditional.delete(LEASE_FILE)
-            elif is_uri(self.root):
-                open_storage(self.root).remove_file(LEASE_FILE)
-            else:
-                (Path(self.root) / LEASE_FILE).unlink(missing_ok=True)
+        if self._conditional is not None:
+            if self._etag:
+                self._conditional.replace(LEASE_FILE, self._record(released=True), self._etag)
+        elif self._local():
+            self._release_local()
+        elif self.held():  # no conditional write here: a check, then the delete
+            open_storage(self.root).remove_file(LEASE_FILE)
         if is_uri(self.root):  # the run ends here: its downloaded checkpoint versions and exports leave this node's disk
-            forget_downloads(open_storage(self.root).base)
+            forget_downloads(self.root)
+
+    def _local(self) -> bool:
+        return not is_uri(self.root) or urlsplit(self.root).scheme == "file"
+
+    def _release_local(self) -> None:
+        path = self._local_dir() / LEASE_FILE
+        aside = path.with_name(f"{LEASE_FILE}.release-{uuid.uuid4().hex[:8]}")
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            return
+        moved = _read_json(_read_bytes(aside)) or {}
+        if moved.get("run_id") != self.me["run_id"]:  # another run's lease: back in place unless a third took it
+            try:
+                os.link(aside, path)
+            except FileExistsError:
+                pass
+        aside.unlink(missing_ok=True)
 
     # ---- heartbeat -----------------------------------------------------------------------------
 
     def held(self) -> bool:
         """True while the lease on the folder is still this run's."""
         holder = _read_json(open_storage(self.root).read_file(LEASE_FILE))
-        return holder is not None and holder.get("run_id") == self.me["run_id"]
+        return holder is not None and holder.get("run_id") == self.me["run_id"] and not holder.get("released")
 
     def beat(self) -> bool:
-        """Refresh the heartbeat; False (and nothing written) when another run has taken the lease over."""
+        """Refresh the heartbeat; False (and nothing written) when another run has taken the lease over.
+        A live holder's missing or lowered fencing counter is written back (fence.py fails closed)."""
         if self._conditional is not None:  # replaced only if still ours: a taker's version is never overwritten
             etag = self._conditional.replace(LEASE_FILE, self._record(), self._etag)
             self._etag = etag or self._etag
-            return etag is not None
-        if not self.held():
+            ok = etag is not None
+        elif self._local():
+            ok = self._beat_local()
+        else:
+            ok = self.held()
+            if ok:
+                open_storage(self.root).write_file(LEASE_FILE, self._record())
+        if ok and self.token:
+            self._restore_counter()
+        return ok
+
+    def _beat_local(self) -> bool:
+        """The heartbeat written into the very file this holder read as its own (one descriptor): a taker
+        that moved it aside meanwhile gets nothing written over the lease it created."""
+        try:
+            fd = os.open(self._local_dir() / LEASE_FILE, os.O_RDWR)
+        except FileNotFoundError:
             return False
-        open_storage(self.root).write_file(LEASE_FILE, self._record())
-        return True
+        try:
+            holder = _read_json(os.pread(fd, 1 << 16, 0)) or {}
+            if holder.get("run_id") != self.me["run_id"] or holder.get("released"):
+                return False
+            os.pwrite(fd, self._record(), 0)
+            return True
+        finally:
+            os.close(fd)
+
+    def _restore_counter(self) -> None:
+        store = open_storage(self.root)
+        if fence.current(store) < self.token:  # deleted (a dot-file cleanup) or lowered: ours again
+            store.write_file(fence.FENCE_FILE, str(self.token).encode())
 
     def keep_alive(self, on_lost: Callable[[str], None]) -> None:
         """Refresh the heartbeat every quarter of the timeout in a daemon thread; `on_lost(line)` once

@@ -3,11 +3,12 @@
 `roots.py`: what a root is (a path or a URI, its name, its local folders, its credentials hidden in
 print); `publish.py`: the storage over a root and how an entry is published atomically (a rename on
 disk, a marker written last on object stores); `fetch.py`: a published folder brought onto this
-node; `local_cache.py`: this user's local disk for URI runs (staging, stale leftovers, the bounded
-download cache); `names.py`: every name a listing returns checked to stay inside its folder before
+node; `local_cache.py`: this user's local disk for URI runs (staging, stale leftovers, the download
+cache bounded in bytes); `pins.py`: the lock a reader holds on a cached download so that nothing evicts or
+replaces it meanwhile; `cache_use.py`: what the cache holds after several runs, against its bound; `names.py`: every name a listing returns checked to stay inside its folder before
 anything is deleted or downloaded; `orphans.py`: the names written into a local checkpoint folder for
 a moment (one fixed prefix) and the start-up cleanup of what a crash left of them; `fence.py`: the
-fencing token that refuses a publish by a run that lost its lease; `conditional.py`: create-if-absent
+fencing token that refuses a publish, commit, delete or write by a run that lost its lease; `conditional.py`: create-if-absent
 and replace-if-unchanged of one object on S3 and GCS (the lease); `retry.py`: transient storage errors
 (a 5xx, a transfer cut short) tried again with a bounded backoff.
 """

@@ -14,8 +14,20 @@ holds the token it saw first:
   its own counter, raised to the lease's token by the driver before its ranks start (`extend`): a later
   holder of the root that writes the folder raises it past, and the earlier run's ranks are refused;
 - any other process takes the value current at its first write (`note`, `check`);
-- before every publish (a checkpoint, the export) `check` reads the counter again and raises
-  `FencedOut` when it is newer than the process's token: another run holds the folder now.
+- before every publish (a checkpoint, the export), again before its commit (the rename, the marker),
+  before each delete of a prune or a version sweep, and before each file a process holding a lease token
+  writes (`guard`: summary.json, report.html, the uploaded timeline) `check` reads the counter again and
+  raises `FencedOut` unless it EQUALS the process's token. It fails closed: a counter that is newer
+  (another run holds the folder now), missing or lowered (a dot-file cleanup, `sync --delete`, a lifecycle
+  rule deleted it) refuses the write; a live holder's heartbeat writes a missing or lowered counter back
+  (app/run/lease.py), so its run only waits a heartbeat, where a stale holder is refused for good.
+
+A check is a read, and the write comes after it: a run that pauses between the two (a GC pause, a
+partition) still lands one write after a takeover. So the token also goes WITH what is published (the
+commit marker of a URI entry, `ENTRY_TOKEN` in a local one, `Entry.token`): readers, resumers and pruners
+rank entries by it (app/training/checkpoint.py: an entry under an older token than one at or below its
+step is a stale writer's and is ignored), and a process never deletes an entry written under a newer
+token than its own.
 
 A root that no lease ever touched has no counter: nothing is fenced (tests, tools that save directly).
 """
@@ -27,6 +39,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 FENCE_FILE = ".run-fence"
+ENTRY_TOKEN = ".fence-token"  # inside a local entry: the token it was published under (a URI entry's marker says it)
 _mine: dict[str, int] = {}  # root -> the token this process writes under
 
 
@@ -85,14 +98,39 @@ def note(store) -> None:
         _mine[_key(store.root)] = current(store)
 
 
-def check(store) -> None:
-    """`FencedOut` when the root's counter is newer than this process's token (the first call of a
-    process takes the current counter as its token). Asked before each publish."""
+def check(store) -> int:
+    """`FencedOut` unless the root's counter equals this process's token (the first call of a process
+    takes the current counter as its token); the token otherwise. Asked before each publish, commit and
+    delete (fails closed: a missing or lowered counter refuses too, see the module docstring)."""
     now = current(store)
     mine = _mine.setdefault(_key(store.root), now)
     if now > mine:
         raise FencedOut(f"another run took the lease on {store.location('')} (fencing token {now}, this run's is "
                         f"{mine}): this run must not write there any more; it stops")
+    if now < mine:
+        raise FencedOut(f"the fencing counter of {store.location('')} reads {now}, not this run's token {mine} (the "
+                        f"{FENCE_FILE} file was deleted or rewritten): this run writes nothing there until its lease "
+                        "writes it back; it stops")
+    return mine
+
+
+def guard(store, rel: str) -> None:
+    """Before a process writes the single file `rel` into the root: `check` when it writes under a lease's
+    token (a stale driver's summary.json, report.html and uploaded timeline are refused), else `note`
+    (a root no lease touched: one read per process, as before). The lease's own files are its business."""
+    if rel.startswith(".run-"):
+        return
+    if held(store.root) > 0:
+        check(store)
+    else:
+        note(store)
+
+
+def entry_token(text: bytes | str | None) -> int:
+    """A token as written with an entry (digits; anything else, or none: 0, an entry of no lease)."""
+    raw = text.decode("ascii", "replace") if isinstance(text, bytes) else (text or "")
+    raw = raw.strip()
+    return int(raw) if raw.isdigit() and len(raw) <= 18 else 0
 
 
 @contextmanager

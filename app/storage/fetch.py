@@ -8,10 +8,11 @@ Whoever can write the bucket must not get to write the node: `fetch_dir` refuses
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
-from app.storage import local_cache
+from app.storage import local_cache, pins
 from app.storage.names import stays_inside
 from app.storage.roots import is_uri, redact
 from app.storage.retry import retried
@@ -24,7 +25,7 @@ def safe_destination(folder: Path, key: str, base: str) -> Path:
     prefix = base.rstrip("/") + "/"
     rel = key[len(prefix):] if key.startswith(prefix) else None
     parts = rel.split("/") if rel else []
-    if not parts or rel.startswith("/") or any(p in ("", ".", "..") or "\\" in p for p in parts):
+    if not parts or rel.startswith("/") or any(p in ("", ".", "..") or "\\" in p or "\x00" in p for p in parts):
         raise ValueError(f"refusing to download object {key!r}: its key leaves {base!r} "
                          "(someone wrote it to the bucket by hand; delete it)")
     dest = folder.joinpath(*parts)
@@ -51,21 +52,23 @@ def fetch_dir(location: str | Path, cache: bool = True) -> Path:
     Either way one copy per location, and per run root only the newest checkpoint versions stay
     (`KEEP_VERSIONS`): an earlier layout copied the export on every load and kept every version.
     Several processes on one node may fetch at once: each downloads into its own folder and installs it
-    in one rename; readers see a whole copy, the old or the new."""
+    in one rename; readers see a whole copy, the old or the new. The copy handed out is pinned for this
+    process (`pins.py`) until `release(path)` or the process ends: no eviction removes it meanwhile."""
     if not is_uri(location):
         return Path(location)
     from pyarrow.fs import FileSelector, FileType
 
     local_cache.clean_stale_once()
     entry, family, keep = local_cache.download_entry(str(location))
-    if cache and (entry / "files").is_dir():
+    if cache and (entry / "files").is_dir() and pins.pin(entry):
         return local_cache.use(entry)
     fs, base = filesystem(str(location))  # transient errors retried (app/storage/retry.py)
     infos = [i for i in fs.get_file_info(FileSelector(base, recursive=True)) if i.type == FileType.File]
     manifest = sorted([i.path, i.size, i.mtime_ns] for i in infos)
-    if (entry / "files").is_dir() and local_cache.read_manifest(entry) == manifest:
+    if (entry / "files").is_dir() and local_cache.read_manifest(entry) == manifest and pins.pin(entry):
         return local_cache.use(entry)
     tmp = local_cache.owned_tmp(".fetch-", entry.parent)
+    held = pins.hold(tmp)  # pinned before it is installed: no eviction between the install and the use
     try:
         (tmp / "files").mkdir()
         for info in infos:
@@ -74,12 +77,26 @@ def fetch_dir(location: str | Path, cache: bool = True) -> Path:
             dest.parent.mkdir(parents=True, exist_ok=True)
             download(fs, info.path, dest)
         (tmp / "manifest.json").write_text(json.dumps(manifest))
+        (tmp / "location").write_text(str(location))  # whose run it is (`forget_downloads`)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if held is not None:
+            os.close(held)
         raise
     local_cache.install(tmp, entry)
+    if held is not None:
+        pins.keep(entry, held)
+    if not pins.pin(entry) and not pins.pin(entry):  # another fetch's copy went in instead: pin that one
+        raise OSError(f"the download of {redact(location)} was replaced while it was installed; load it again")
     local_cache.evict(entry, family, keep)
     return local_cache.use(entry)
+
+
+def release(path: str | Path) -> None:
+    """Unpin a copy `fetch_dir` returned (its `files` folder) once it is read: the bound may evict it."""
+    path = Path(path)
+    if path.name == "files":
+        pins.unpin(path.parent)
 
 
 def read_text(location: str | Path, file: str) -> str:

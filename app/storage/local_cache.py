@@ -1,3 +1,4 @@
+# Over 300 lines: one cache lifecycle (staging, start-up cleanup, install, pin-aware eviction) in one place.
 """This user's local disk for URI runs: the private cache root, staging that names its owner, stale
 staging cleaned on start, and the bounded download cache.
 
@@ -9,13 +10,17 @@ a node ever resumed from stays cached, and an export was copied anew on every lo
 - `cache_root()`: `<tmp>/dflash-<uid>/`, 0700, never a symlink or another user's folder;
 - `owned_tmp`: staging and partial downloads are named `<kind><pid>@<host>-<random>`, so a later process
   can tell a dead owner's leftovers from a live one's (`clean_stale`, once per process: `clean_stale_once`);
-- downloads live in `<cache_root>/downloads/<family>-<entry>/` (`files/` and `manifest.json`); an entry
-  is installed whole by a rename (or an atomic exchange with the copy it replaces) and, per family (the
-  versions of one checkpoint root, or one export folder), only the `keep` most recently used stay;
-  over all families the node keeps `KEEP_DOWNLOADS` entries (`bound_downloads`, at each install and at
-  start; one used within `BUSY_S` stays, a live process may read it); a run's own entries are removed
-  when it ends (`forget_downloads`, from the lease's release); an entry no process used for
-  `DOWNLOAD_STALE_S` (a finished run's elsewhere) is removed at the next start.
+- downloads live in `<cache_root>/downloads/<family>-<entry>/` (`files/`, `manifest.json`, `location`,
+  `pin.lock`); an entry is installed whole by a rename (or an atomic exchange with the copy it replaces)
+  and, per family (the versions of one checkpoint root, or one export folder), only the `keep` most
+  recently used stay; over all families the node holds its byte bound, `checkpoint.download_cache_gb`
+  (`bound_downloads`, least recently used first, at each install and at start); a run's own entries
+  (those whose recorded location is an entry of its root, exactly: endpoint and query included) are
+  removed when it ends (`forget_downloads`, from the lease's release); an entry no process used for
+  `DOWNLOAD_STALE_S` (a finished run's elsewhere) is removed at the next start. None of these removes
+  an entry a process pins (`pins.py`: a shared lock held while it reads, from the fetch on), nor does a
+  re-download replace one in place: a pinned copy is set aside under a name of its family and goes once
+  unpinned. An entry larger than the bound alone, or pinned ones, can hold the node above it.
 
 Nothing here follows a symlink: a planted link is unlinked, never entered.
 """
@@ -33,20 +38,23 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+from app.storage import pins
+
 KEEP_VERSIONS = 2  # checkpoint versions kept per run root: the one in use and the one replacing it
 LEGACY_STALE_S = 6 * 3600  # staging named before owners were recorded: stale once this old
 # A download no process used for this long (a finished run's checkpoint versions and exports) is removed
 # at the next start: each entry is marked when used, and a run resumes from its cache within days.
 DOWNLOAD_STALE_S = 3 * 24 * 3600
-# The node's bound over every run's downloads (each a checkpoint version or an export, GBs each): the
-# entries of two runs resuming here at once (a version in use, its replacement, an export each) fit.
-KEEP_DOWNLOADS = 6
-BUSY_S = 600  # an entry used this recently may be in a live process's hands: never evicted for the bound
+# The node's bound in bytes over every run's downloads (each a checkpoint version or an export, GBs each),
+# the default of `checkpoint.download_cache_gb` until a process sets its own (`set_download_bound`).
+DOWNLOAD_CACHE_BYTES = 25 << 30
+_bound = [DOWNLOAD_CACHE_BYTES]
 STAGING_KINDS = ("stage-", ".fetch-", ".swap-")
 DOWNLOADS = "downloads"
 _TAG = re.compile(r"-(?P<pid>\d+)@(?P<host>.+)-[^-]+$")  # ...-<pid>@<host>-<mkdtemp's random part>
 _LEGACY_VERSION_CACHE = re.compile(r"v-[0-9a-f]{12}-[0-9a-f]{12}")  # the old layout: one folder per version
 _VERSION_TAIL = re.compile(r"/(?P<name>[^/]+)/v-[0-9a-f]{12}$")
+_VERSION = re.compile(r"v-[0-9a-f]{12}")
 _DOWNLOAD_ENTRY = re.compile(r"[0-9a-f]{12}-[0-9a-f]{12}")  # <family>-<entry> digests: `download_entry`
 _cleaned: set[str] = set()
 
@@ -107,8 +115,8 @@ def clean_stale(root: Path | None = None, now: float | None = None) -> list[str]
     for folder in [root, *_subfolders(root)]:
         for entry in _scan(folder):
             if folder == root / DOWNLOADS and _unused_download(entry, now):
-                _remove(Path(entry.path))
-                done.append(entry.name)
+                if _drop(Path(entry.path)):  # unused for days, unless a process pins it still
+                    done.append(entry.name)
                 continue
             if not entry.name.startswith(STAGING_KINDS) and not (folder == root and _legacy_version_cache(entry)):
                 continue
@@ -169,42 +177,87 @@ def _our_download(entry: os.DirEntry) -> bool:
         and entry.stat(follow_symlinks=False).st_uid == os.getuid()
 
 
-def bound_downloads(folder: Path, now: float | None = None, keep: int = KEEP_DOWNLOADS) -> list[str]:
-    """The node's bound: of this user's download entries in `folder`, the `keep` most recently used stay,
-    and any used within BUSY_S (a live process may be reading it). Returns the names removed."""
-    now = time.time() if now is None else now
-    found = sorted(((e.stat(follow_symlinks=False).st_mtime, Path(e.path)) for e in _scan(folder) if _our_download(e)),
-                   reverse=True)
-    removed = []
-    for used, path in found[keep:]:
-        if now - used >= BUSY_S:
-            _drop(path)
+def set_download_bound(max_bytes: int) -> None:
+    """This process holds the node's downloads to `max_bytes` (from `checkpoint.download_cache_gb`)."""
+    _bound[0] = int(max_bytes)
+
+
+def entry_bytes(entry: Path) -> int:
+    """The bytes of an entry's files (their sizes: a sparse file counts whole, so the bound errs safe)."""
+    total = 0
+    for folder, _, files in os.walk(entry):  # os.walk never enters a linked folder
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(folder, name)).st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def bound_downloads(folder: Path, now: float | None = None, max_bytes: int | None = None) -> list[str]:
+    """The node's byte bound: this user's download entries in `folder`, least recently used first, are
+    removed until the rest fit in `max_bytes` (default: this process's bound); a pinned entry is never
+    removed (a live process reads it). Returns the names removed."""
+    limit = _bound[0] if max_bytes is None else max_bytes
+    found = sorted(((e.stat(follow_symlinks=False).st_mtime, Path(e.path)) for e in _scan(folder) if _our_download(e)))
+    sizes = {path: entry_bytes(path) for _, path in found}
+    total, removed = sum(sizes.values()), []
+    for _, path in found:
+        if total <= limit:
+            break
+        if _drop(path):
+            total -= sizes[path]
             removed.append(path.name)
     return removed
 
 
-def forget_downloads(base: str, root: Path | None = None) -> list[str]:
-    """A run's downloads on this node, removed when the run ends: the entries whose every file came from
-    under `base` (its checkpoint root as the store names it, `UriStorage.base`). Returns the names removed."""
-    folder = (cache_root() if root is None else root) / DOWNLOADS
-    prefix = base.rstrip("/") + "/"
+def forget_downloads(root: str, cache: Path | None = None) -> list[str]:
+    """A run's downloads on this node, removed when the run ends: the entries whose recorded location is
+    one of `root`'s entries (`<root>/<name>` or `<root>/<name>/v-<hex>`, the same scheme, bucket, endpoint
+    and query), never one a live process pins (this process's own pins on them are let go first: its run ends). A nested root's entries (`<root>/runs/a/...`) and the same
+    path on another endpoint are another run's. Returns the names removed."""
+    folder = (cache_root() if cache is None else cache) / DOWNLOADS
     removed = []
     for entry in _scan(folder):
-        keys = [row[0] for row in read_manifest(Path(entry.path)) or [] if isinstance(row, list) and row]
-        if _our_download(entry) and keys and all(isinstance(k, str) and k.startswith(prefix) for k in keys):
-            _drop(Path(entry.path))
+        if not (_our_download(entry) and _of_root(_location(Path(entry.path)), root)):
+            continue
+        pins.unpin(Path(entry.path))  # the run ends in this process: what it still pins, it is done with
+        if _drop(Path(entry.path)):
             removed.append(entry.name)
     return removed
 
 
-def _drop(entry: Path) -> None:
-    """Out of readers' sight first (one rename), then deleted."""
-    aside = owned_tmp(".swap-", entry.parent)
+def _location(entry: Path) -> str | None:
     try:
-        entry.rename(aside / "old")
-    except OSError:
-        pass
+        return (entry / "location").read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _of_root(location: str | None, root: str) -> bool:
+    if not location:
+        return False
+    loc, top = urlsplit(location), urlsplit(root)
+    if (loc.scheme, loc.netloc, loc.query) != (top.scheme, top.netloc, top.query):
+        return False
+    rel = loc.path.rstrip("/").removeprefix(top.path.rstrip("/") + "/")
+    parts = rel.split("/") if rel != loc.path.rstrip("/") else []
+    return len(parts) == 1 and parts[0] not in ("", ".", "..") or \
+        (len(parts) == 2 and parts[0] not in ("", ".", "..") and _VERSION.fullmatch(parts[1]) is not None)
+
+
+def _drop(entry: Path) -> bool:
+    """Out of readers' sight first (one rename), then deleted; never an entry a process pins. Whether it went."""
+    with pins.claim(entry) as free:
+        if not free:
+            return False
+        aside = owned_tmp(".swap-", entry.parent)
+        try:
+            entry.rename(aside / "old")
+        except OSError:
+            pass
     shutil.rmtree(aside, ignore_errors=True)
+    return True
 
 
 def _remove(path: Path) -> None:
@@ -255,28 +308,37 @@ def use(entry: Path) -> Path:
 
 def install(tmp: Path, entry: Path) -> None:
     """Put a complete download `tmp` at `entry` in one step: a reader sees the old copy or the new one.
-    Another process installing the same entry at once: either copy is complete, one of them stays."""
-    if entry.exists() and exchange(tmp, entry):
-        shutil.rmtree(tmp, ignore_errors=True)  # now the previous copy
-        return
+    Another process installing the same entry at once: either copy is complete, one of them stays. A
+    previous copy some process pins is set aside under a fresh name of its family (`_retire`), not
+    deleted: the bound removes it once unpinned."""
     if entry.exists():
-        _drop(entry)
+        with pins.claim(entry) as free:
+            if free and exchange(tmp, entry):
+                shutil.rmtree(tmp, ignore_errors=True)  # now the previous copy
+                return
+        if not (free and _drop(entry)):
+            _retire(entry)
     try:
         tmp.rename(entry)
     except OSError:  # another fetch installed it meanwhile
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _retire(entry: Path) -> None:
+    family = entry.name.split("-", 1)[0]
+    try:
+        entry.rename(entry.with_name(f"{family}-{os.urandom(6).hex()}"))
+    except OSError:
+        pass
+
+
 def evict(entry: Path, family: str, keep: int) -> list[str]:
     """Drop the family's entries beyond the `keep` most recently used (`entry`, just installed, stays),
-    then hold the node's bound (`bound_downloads`)."""
+    none a process pins, then hold the node's byte bound (`bound_downloads`)."""
     others = [Path(e.path) for e in _scan(entry.parent) if e.name.startswith(f"{family}-")
               and e.is_dir(follow_symlinks=False) and e.path != str(entry)]
     others.sort(key=lambda p: p.stat().st_mtime, reverse=True)
-    removed = []
-    for old in others[max(0, keep - 1):]:
-        _drop(old)
-        removed.append(old.name)
+    removed = [old.name for old in others[max(0, keep - 1):] if _drop(old)]
     return removed + bound_downloads(entry.parent)
 
 

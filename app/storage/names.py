@@ -4,7 +4,7 @@ A listing is hostile input: whoever can write the bucket can put a key `drafter/
 HTTP client collapses the `..` when the key is used again, so a delete of it deletes `x` elsewhere in
 the bucket, or in another bucket), and on a local folder (`file://` or a path) a symlink in it leads
 anywhere. A listed name is used only if its parts are plain (no `..`, `.`, empty or absolute part, no
-backslash) and, on a local filesystem, it resolves inside the folder listed.
+backslash, no NUL) and, on a local filesystem, it resolves inside the folder listed.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def stays_inside(rel: str, folder: Path | None = None) -> bool:
     """Whether `rel` (a name relative to `folder`, as a listing returned it) names something inside it.
     `folder`: the folder on a local filesystem (its symlinks are resolved); None for an object store."""
     parts = rel.split("/")
-    if not rel or rel.startswith("/") or "\\" in rel or any(p in ("", ".", "..") for p in parts):
+    if not rel or rel.startswith("/") or "\\" in rel or "\x00" in rel or any(p in ("", ".", "..") for p in parts):
         return False
     return folder is None or (Path(folder) / rel).resolve().is_relative_to(Path(folder).resolve())
 

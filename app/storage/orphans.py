@@ -32,6 +32,12 @@ def aside_name(name: str) -> str:
     return f"{ASIDE_PREFIX}{name}"
 
 
+def _plain(name: str) -> bool:
+    """A name a set-aside copy can be put back under: not `.` or `..` (a planted `.dflash-old-.` would
+    name the folder itself), no separator, no NUL. Anything else is not ours and is left alone."""
+    return name not in ("", ".", "..") and "/" not in name and "\x00" not in name
+
+
 def clean_orphans(root: Path) -> list[str]:
     """Remove the staging folders and probes a crash left in `root`, and put back a set-aside copy whose
     replacement never landed (or remove it when it did). Names this project never writes are left
@@ -43,7 +49,7 @@ def clean_orphans(root: Path) -> list[str]:
         if (p.is_dir() and _STAGING.fullmatch(p.name)) or (p.is_file() and _PROBE.fullmatch(p.name)):
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
             done.append(f"removed {p.name}")
-        elif p.is_dir() and (m := _ASIDE.fullmatch(p.name)):
+        elif p.is_dir() and (m := _ASIDE.fullmatch(p.name)) and _plain(m["name"] or m["legacy"]):
             final = p.with_name(m["name"] or m["legacy"])
             if final.exists() or final.is_symlink():
                 shutil.rmtree(p, ignore_errors=True)

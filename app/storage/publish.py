@@ -10,15 +10,22 @@ there an entry is published with a marker instead:
     <root>/<name>/v-<nonce>/...files...     written first, under a fresh prefix nobody reads yet
     <root>/<name>/COMMITTED                  written last; its content names the live v-<nonce>
 
-A reader trusts only entries whose marker exists, and reads the version the marker names. A single
+A reader trusts only entries whose marker exists, and reads the version the marker names (the marker
+also carries the fencing token the entry was published under: `v-<nonce> <token>`, fence.py). A single
 object PUT is atomic, so the marker flips from the old version to the new in one step: a crash at any
 point leaves either the old entry, the new one, or (for a first write) nothing readers would pick.
 Deleting unpublishes first (marker, then data), so a half-deleted entry is never picked either. A
 marker whose content is not a version name (`v-` and 12 hex digits) publishes nothing: whoever can
 write the bucket must not get to point readers anywhere.
+
+Fencing (fence.py): a publish checks the root's counter before it starts and again right before its
+commit (the rename, the marker), and writes its token with the entry; `delete` checks again and never
+removes an entry written under a newer token than the deleting process's. `upload_dir` (the export)
+checks before each file it writes or removes and before its last file.
 """
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import uuid
@@ -30,7 +37,7 @@ from typing import Protocol
 
 from app.storage import fence
 from app.storage.local_cache import exchange
-from app.storage.names import inside
+from app.storage.names import inside, stays_inside
 from app.storage.orphans import aside_name, staging_name
 
 MARKER = "COMMITTED"
@@ -43,6 +50,7 @@ class Entry:
 
     name: str
     location: str
+    token: int = 0  # the fencing token it was published under (0: no lease, or written before tokens were)
 
 
 class Storage(Protocol):
@@ -103,16 +111,19 @@ class Storage(Protocol):
         """Copy a local folder to `<root>/<rel>/` in place (no versions: the layout stays what readers
         such as inference engines expect), `last` removed first and written last, so a reader that waits
         for it never sees a mix of old and new files. Returns the folder's location. `FencedOut` when
-        another run holds the root's lease now (fence.py)."""
+        another run holds the root's lease now (fence.py): checked before the first write and again before
+        each file written or removed (`guard`, `check`), so a run that lost the lease mid-export stops at
+        its next file instead of finishing the folder over the new holder's."""
         fence.check(self)
         self.remove_file(f"{rel}/{last}")
         files = {p.relative_to(local).as_posix(): p for p in sorted(Path(local).rglob("*"))
                  if p.is_file() and p.name != last}
         for name, file in files.items():
-            self.upload_file(f"{rel}/{name}", file)
+            self.upload_file(f"{rel}/{name}", file)  # fenced per file (`guard`)
         # An older export's files the new one lacks go before `last` does: an engine loads every
         # *.safetensors in the folder, so an old run's shards beside a new single file would be read too.
         for stale in sorted(set(self.files(rel)) - set(files) - {last}):
+            fence.check(self)
             self.remove_file(f"{rel}/{stale}")
         self.upload_file(f"{rel}/{last}", Path(local) / last)
         return self.location(rel)
@@ -130,8 +141,13 @@ class LocalStorage(Storage):
         return tmp
 
     def publish(self, staged: Path, name: str) -> str:
-        fence.check(self)  # a run that lost the lease (its driver stopped) must not publish any more
+        token = fence.check(self)  # a run that lost the lease (its driver stopped) must not publish any more
+        _write_synced(staged / fence.ENTRY_TOKEN, str(token).encode())  # readers rank entries by it
         final, old = self.path / name, self.path / aside_name(name)
+        fence.check(self)  # again right before the commit: staging may have taken a while
+        if self._token(name) > token:  # the new holder's own entry of that name: never replaced by this run
+            raise fence.FencedOut(f"{self.location(name)} was published under a newer fencing token than this "
+                                  f"run's ({token}): another run holds the folder; this run stops")
         if final.exists() and exchange(staged, final):  # one atomic swap: never a moment without `name`
             shutil.rmtree(staged, ignore_errors=True)  # now holds the previous copy
             return str(final)
@@ -142,18 +158,28 @@ class LocalStorage(Storage):
         shutil.rmtree(old, ignore_errors=True)
         return str(final)
 
+    def _token(self, name: str) -> int:
+        path = self.path / name / fence.ENTRY_TOKEN
+        return fence.entry_token(path.read_bytes()) if path.is_file() and not path.is_symlink() else 0
+
     def entries(self, prefix: str) -> list[Entry]:
         if not self.path.is_dir():
             return []
         names = [p.name for p in self.path.iterdir() if p.is_dir() and p.name.startswith(prefix)]
-        return [Entry(n, str(self.path / n)) for n in inside(names, self.path, ".")]  # no planted link out
+        return [Entry(n, str(self.path / n), self._token(n)) for n in inside(names, self.path, ".")]  # no link out
 
     def delete(self, name: str) -> None:
+        """Fenced: `FencedOut` once another run holds the folder; an entry published under a newer token
+        than this process's is left alone (its holder's)."""
+        if not stays_inside(name, self.path):
+            raise ValueError(f"refusing to delete entry {name!r}: it leaves the checkpoint root")
+        token = fence.check(self)
+        if self._token(name) > token:
+            return
         shutil.rmtree(self.path / name, ignore_errors=True)
 
     def write_file(self, rel: str, data: bytes) -> str:
-        if not rel.startswith(".run-"):  # the lease and the fence themselves are the lease's business
-            fence.note(self)
+        fence.guard(self, rel)  # a run that lost the folder writes no summary or report into it
         path = self.path / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
@@ -166,6 +192,7 @@ class LocalStorage(Storage):
         return path.read_bytes() if path.is_file() else None
 
     def upload_file(self, rel: str, local: Path) -> str:
+        fence.guard(self, rel)
         path = self.path / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
@@ -196,4 +223,18 @@ class LocalStorage(Storage):
 def version_name(marker: bytes | None) -> str | None:
     """The version a marker names, or None when it names none (a `../..` in it would point readers anywhere)."""
     text = (marker or b"").decode("utf-8", "replace").strip()
+    text = text.split(" ", 1)[0] if text.count(" ") == 1 else text  # `v-<nonce> <token>`; before tokens: `v-<nonce>`
     return text if VERSION.fullmatch(text) else None
+
+
+def marker_token(marker: bytes | None) -> int:
+    """The fencing token a marker names (`v-<nonce> <token>`); 0 for a marker written before tokens were."""
+    parts = (marker or b"").decode("utf-8", "replace").split()
+    return fence.entry_token(parts[1]) if len(parts) == 2 else 0
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as out:
+        out.write(data)
+        out.flush()
+        os.fsync(out.fileno())

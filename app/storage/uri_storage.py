@@ -13,7 +13,7 @@ from urllib.parse import urlsplit, urlunsplit
 from app.storage import fence
 from app.storage.local_cache import cache_root, clean_stale_once, owned_tmp
 from app.storage.names import inside, stays_inside
-from app.storage.publish import MARKER, VERSION, Entry, Storage, version_name
+from app.storage.publish import MARKER, VERSION, Entry, Storage, marker_token, version_name
 from app.storage.retry import RetryingFs, retried
 
 CHUNK = 8 << 20  # bytes a URI upload or download holds at once: checkpoints are multi-GB files
@@ -48,8 +48,7 @@ class UriStorage(Storage):
     # ---- files -------------------------------------------------------------------------------
 
     def write_file(self, rel: str, data: bytes) -> str:
-        if not rel.startswith(".run-"):  # the lease and the fence themselves are the lease's business
-            fence.note(self)
+        fence.guard(self, rel)  # a run that lost the folder writes no summary or report into it
         self._parent(rel)
 
         def put() -> None:
@@ -67,7 +66,9 @@ class UriStorage(Storage):
 
     def upload_file(self, rel: str, local: Path) -> str:
         """Streamed in CHUNK pieces (an S3 stream sends them as multipart parts): a multi-GB checkpoint
-        file never sits in memory whole. One object, visible once the stream closes."""
+        file never sits in memory whole. One object, visible once the stream closes. Fenced (`guard`):
+        a multi-GB checkpoint's upload is checked again before each of its files."""
+        fence.guard(self, rel)
         self._parent(rel)
 
         def put() -> None:  # the whole object again: a stream cut midway cannot go on where it stopped
@@ -121,25 +122,56 @@ class UriStorage(Storage):
         return owned_tmp(f"stage-{name}-", cache_root())
 
     def publish(self, staged: Path, name: str) -> str:
+        """Upload under a fresh version, then commit: the marker, `v-<nonce> <token>`. Fenced before the
+        upload, before each file (`upload_file`), before the commit, and before each version the sweep
+        deletes; the commit itself is conditional where the store has conditional writes (S3, GCS): a
+        marker another writer replaced since it was read is never overwritten."""
         version = f"v-{uuid.uuid4().hex[:12]}"
         try:
-            fence.check(self)  # a run that lost the lease (its driver stopped) must not publish any more
+            token = fence.check(self)  # a run that lost the lease (its driver stopped) must not publish any more
             for file in sorted(p for p in staged.rglob("*") if p.is_file()):
                 self.upload_file(f"{name}/{version}/{file.relative_to(staged).as_posix()}", file)
-            self.write_file(f"{name}/{MARKER}", version.encode())  # the commit point
+            self._commit(name, f"{version} {token}".encode(), token)  # the commit point
         finally:
             shutil.rmtree(staged, ignore_errors=True)
         self._sweep_versions(name, keep=version)
         return self.uri(f"{name}/{version}")
 
+    def _commit(self, name: str, marker: bytes, token: int) -> None:
+        """Write `name`'s marker after one more fence check, unless the marker there now was written under a
+        newer token (the new holder's entry of that name)."""
+        from app.storage.conditional import conditional_store
+
+        rel = f"{name}/{MARKER}"
+        fence.check(self)
+        store = conditional_store(self.root) if self.fs.type_name in ("s3", "gcs") else None
+        if store is None:
+            if marker_token(self.read_file(rel)) > token:
+                raise self._newer(name, token)
+            self.write_file(rel, marker)
+            return
+        found = store.read(rel)
+        if found is not None and marker_token(found.data) > token:
+            raise self._newer(name, token)
+        written = store.create(rel, marker) if found is None else store.replace(rel, marker, found.etag)
+        if written is None:  # replaced since it was read: whoever did is the newer writer
+            raise self._newer(name, token)
+
+    def _newer(self, name: str, token: int) -> fence.FencedOut:
+        return fence.FencedOut(f"{self.location(name)} was published under a newer fencing token than this run's "
+                               f"({token}) or by another writer meanwhile: another run holds the folder; this run stops")
+
     def _sweep_versions(self, name: str, keep: str) -> None:
-        """Drop versions of `name` other than the published one (a rewrite's old data, crashed uploads)."""
+        """Drop versions of `name` other than the published one (a rewrite's old data, crashed uploads),
+        never the one the marker names now (another writer's commit since ours); fenced before each delete."""
         from pyarrow.fs import FileSelector, FileType
 
         infos = self.fs.get_file_info(FileSelector(self._path(name), allow_not_found=True))
         versions = [i.base_name for i in infos if i.type == FileType.Directory and VERSION.fullmatch(i.base_name)]
+        live = version_name(self.read_file(f"{name}/{MARKER}"))
         for version in inside(versions, self._local(name), name):
-            if version != keep:
+            if version not in (keep, live):
+                fence.check(self)
                 self.fs.delete_dir(self._path(f"{name}/{version}"))
 
     def entries(self, prefix: str) -> list[Entry]:
@@ -149,16 +181,22 @@ class UriStorage(Storage):
         names = [i.base_name for i in self.fs.get_file_info(FileSelector(self.base, allow_not_found=True))
                  if i.type == FileType.Directory and i.base_name.startswith(prefix)]
         for name in inside(names, self._local(""), "."):  # a planted link out is never read nor pruned
-            version = version_name(self.read_file(f"{name}/{MARKER}"))
+            marker = self.read_file(f"{name}/{MARKER}")
+            version = version_name(marker)
             if version:  # unmarked: still being written, or half deleted; or not a version name at all
-                found.append(Entry(name, self.uri(f"{name}/{version}")))
+                found.append(Entry(name, self.uri(f"{name}/{version}"), marker_token(marker)))
         return found
 
     def delete(self, name: str) -> None:
+        """Fenced: `FencedOut` once another run holds the folder; an entry whose marker names a newer
+        token than this process's is left alone (its holder's)."""
         from pyarrow.fs import FileType
 
         if not stays_inside(name, self._local("")):
             raise ValueError(f"refusing to delete entry {name!r}: it leaves the checkpoint root")
+        token = fence.check(self)
+        if marker_token(self.read_file(f"{name}/{MARKER}")) > token:
+            return
         marker = self._path(f"{name}/{MARKER}")
         if self.fs.get_file_info(marker).type == FileType.File:
             self.fs.delete_file(marker)  # unpublish first

@@ -7,6 +7,11 @@ written into a temp folder and renamed into place, so a crash mid-write never le
 checkpoint that resume would pick up. `<dir>` may also be a URI (`s3://...`): then the files go under
 a fresh prefix and a marker written last publishes them (`app/storage/publish.py`); only marked
 checkpoints are listed, and a checkpoint's location is then a URI string instead of a `Path`.
+
+Each checkpoint carries the fencing token it was published under (app/storage/fence.py). A run that lost
+the lease while paused mid-publish can still land one checkpoint after the new holder's: a checkpoint
+under an older token than another at or below its step is such a stale writer's (or an abandoned branch
+of a resumed run) and is never listed, resumed from or counted as kept; the holder's prune removes it.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from app.pool.ledger import ids_from_state as ledger_ids, to_json as ledger_json
-from app.storage.fetch import fetch_dir, read_text
+from app.storage.fetch import fetch_dir, read_text, release
 from app.storage.orphans import clean_orphans as clean_local_orphans
 from app.storage.roots import is_uri, open_storage
 
@@ -109,9 +114,28 @@ def clean_orphans(root: str | Path) -> list[str]:
 
 
 def _prune(root: str | Path, keep: int) -> None:
+    """Keep the newest `keep` checkpoints; remove older ones and those a stale writer landed after a
+    takeover. Each delete is fenced (a run that lost the folder removes nothing: `FencedOut`) and leaves
+    an entry of a newer token alone (app/storage/publish.py `delete`)."""
     store = open_storage(root)
-    for old in list_checkpoints(root)[:-keep]:
+    live, stale = _ranked(store)
+    for old in stale + live[:-keep]:
         store.delete(old.name)
+
+
+def _step(name: str) -> int:
+    return int(name[len(PREFIX):])
+
+
+def _ranked(store) -> tuple[list, list]:
+    """(live entries oldest first, stale entries): an entry is stale when one published under a newer
+    fencing token has a step at or below its own (the newer holder resumed before it was written)."""
+    entries = [e for e in store.entries(PREFIX) if e.name[len(PREFIX):].isdigit()]
+    live, stale = [], []
+    for e in entries:
+        newer = any(o.token > e.token and _step(o.name) <= _step(e.name) for o in entries)
+        (stale if newer else live).append(e)
+    return sorted(live, key=lambda e: _step(e.name)), stale
 
 
 class RemoteCheckpoint(str):
@@ -126,15 +150,12 @@ class RemoteCheckpoint(str):
 
 
 def list_checkpoints(root: str | Path) -> list[Path | RemoteCheckpoint]:
-    """Complete checkpoints, oldest first (local: folders holding state.json; URI: marked ones)."""
-    def step(name: str) -> int:
-        return int(name[len(PREFIX):])
-
-    entries = [e for e in open_storage(root).entries(PREFIX) if e.name[len(PREFIX):].isdigit()]
+    """Complete checkpoints, oldest first (local: folders holding state.json; URI: marked ones), without
+    those a stale writer published after a takeover (`_ranked`)."""
+    entries, _ = _ranked(open_storage(root))
     if is_uri(root):
-        return [RemoteCheckpoint(e.location, e.name) for e in sorted(entries, key=lambda e: step(e.name))]
-    found = [Path(e.location) for e in entries if (Path(e.location) / "state.json").is_file()]
-    return sorted(found, key=lambda p: step(p.name))
+        return [RemoteCheckpoint(e.location, e.name) for e in entries]
+    return [Path(e.location) for e in entries if (Path(e.location) / "state.json").is_file()]
 
 
 def latest_checkpoint(root: str | Path) -> Path | RemoteCheckpoint | None:
@@ -159,7 +180,14 @@ def load_checkpoint(path: str | Path, map_location: str = "cpu") -> TrainState:
     `map_location` places the weights. `trainer.pt` is always read onto the CPU: its RNG states must
     stay CPU ByteTensors (`torch.set_rng_state` refuses any other, which crashed every GPU resume),
     and `optimizer.load_state_dict` moves the optimizer's state to its parameters' device itself."""
-    path = fetch_dir(path)
+    local = fetch_dir(path)  # pinned (not evicted) until read: `release` below
+    try:
+        return _load_local(local, map_location)
+    finally:
+        release(local)
+
+
+def _load_local(path: Path, map_location: str) -> TrainState:
     meta = json.loads((path / "state.json").read_text())
     # weights_only: a checkpoint folder (shared storage) must not be a way to run code in the driver
     # and every drafter. Older checkpoints hold numpy's RNG state as an array: allow exactly that.
