@@ -23,6 +23,7 @@ BENCHES = {
     "rebalance": ("app.bench.feeding.rebalance", "topology.rebalance auto vs off, one side made short by injected delays: jobs per virtual s"),
     "replay": ("app.bench.transport.replay", "a job's features: target forward vs replay store write and read, tiny and SmolLM2 shapes"),
     "quality": ("app.bench.runs.quality", "tau per tiny corpus over 3 seeds beside n-gram and untrained drafters, copy shares"),
+    "health": ("app.bench.runs.health", "an evaluation with the drafter's learning checks vs without, side by side (tiny demo)"),
 }
 
 
