@@ -55,7 +55,8 @@ def run(cfg, drafter_dir: str | None = None, prompts_file: str | None = None):
 
 def serve_lines(cfg, model_dir: str, drafter_dir: str) -> dict[str, str]:
     """The launch lines that serve the evaluated drafter, as a run's summary prints them (app/model/serving.py):
-    the verifier a run's export would name, the drafter folder made absolute (an engine starts elsewhere)."""
+    the verifier a run's export would name (`checkpoint.verifier` when set, else the target as engines load
+    it), the drafter folder made absolute (an engine starts elsewhere)."""
     from pathlib import Path
 
     from app.model.gguf_target import serving_name
@@ -63,7 +64,8 @@ def serve_lines(cfg, model_dir: str, drafter_dir: str) -> dict[str, str]:
 
     local = Path(drafter_dir).expanduser()
     drafter = str(local.resolve()) if local.exists() else drafter_dir  # a URI stays as given
-    return launch_lines(serving_name(cfg.model.target, model_dir), drafter, cfg.drafter.block_size)
+    verifier = getattr(cfg.checkpoint, "verifier", "") or serving_name(cfg.model.target, model_dir)
+    return launch_lines(verifier, drafter, cfg.drafter.block_size)
 
 
 def main(argv: list[str] | None = None) -> int:

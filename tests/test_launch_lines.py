@@ -157,6 +157,9 @@ def test_every_place_prints_every_engine_or_says_why_not(printed):
     engines = ("vllm", "sglang", "vllm_speculators") + (("vllm_speculators_main",) if hub else ())
     assert set(lines_of(printed)) == {f"{where} {engine}" for where in ("summary", "report") for engine in engines} | {
         "evaluate sglang", "evaluate vllm"}
+    # every place serves the one verifier the export names
+    assert {shlex.split(line)[2 if engine_of(k.split()[1]) == "vllm" else 4] for k, line in lines_of(printed).items()
+            if not k.endswith("vllm_speculators_main")} == {HUB_ID if hub else shlex.split(printed["summary vllm"])[2]}
     nones = {k: v for k, v in printed.items() if k.startswith("none ")}
     assert set(nones) == (set() if hub else {"none summary vllm_speculators_main", "none report vllm_speculators_main"})
     for why in nones.values():

@@ -297,7 +297,7 @@ def test_the_rebalance_benchs_setting_leaves_the_advisor_one_answer_whatever_the
     """Issue 45: the auto run's one wall-clock input is the advisor's choice on measured rates (injected delay
     plus the tiny model's compute, which load stretches). In the bench's setting that choice is 4/4 from either
     start, its estimated gain past rebalance_min_gain while either side's compute exceeds the other's by
-    under 0.9 s a job (0.2 s on each, and 1.25 s against 0.9 s, were measured), and the re-split it makes is
+    under 0.9 s a job (0.2 s on each, and about 1.3 s against 0.9 s, were measured), and the re-split it makes is
     worth 4/3 >= the goal in injected-delay seconds."""
     from app.bench.feeding.rebalance import GOAL, SIDES, WINDOW, virtual_rate
     from app.training.step_log import StepLog, lineage

@@ -14,7 +14,7 @@ rates (injected delay plus the tiny model's own compute, which a busy box stretc
 estimated gain is +33% (5/3 -> 4/4), twice `topology.rebalance_min_gain` (0.15), and it stays 4/4
 past that threshold while either side's compute exceeds the other's by under 0.9 s a job
 (tests/test_rebalance.py); the tiny model's own compute was 0.2 s a job on either side in a run at
-load 9-35, 1.25 s (target) against 0.9 s (drafter) in one at load 34. The earlier delays (2.3 s target,
+load 9-35, about 1.3 s (target) against 0.9 s (drafter) in one at load 34. The earlier delays (2.3 s target,
 2.0 s drafter) made the advisor's estimated gain +16% (+16.5% in a run at load 9-35), one point over
 the threshold: whether and when the advice held past it, so whether the re-split landed before the
 measured window, followed the noise in the wall-clock rates, and the verdict with it; at best that
