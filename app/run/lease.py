@@ -56,7 +56,7 @@ from app.storage.local_cache import forget_downloads, pid_alive
 from app.storage.roots import is_uri, open_storage, redact, root_problem
 
 LEASE_FILE = ".run-lease"
-RECORD_BYTES = 512  # a lease record's length on disk (JSON, space-padded)
+RECORD_BYTES = 1024  # a lease record's length on disk at least (JSON, space-padded)
 WATCH_MARGIN_S = 5.0  # past one heartbeat period, how long a lease from another host is watched before it is taken
 
 
@@ -157,7 +157,7 @@ class RunLease:
 
     def _record(self, **extra) -> bytes:
         """This holder's lease record, padded to RECORD_BYTES: a heartbeat written in place over the
-        previous one is never shorter, so no reader sees the tail of an older record."""
+        previous one is as long, so a reader never sees the tail of an older record."""
         data = json.dumps({**self.me, "token": self.token, "heartbeat": self.clock(), **extra}).encode()
         return data.ljust(RECORD_BYTES)
 
@@ -322,7 +322,9 @@ class RunLease:
             holder = _read_json(os.pread(fd, 1 << 16, 0)) or {}
             if holder.get("run_id") != self.me["run_id"] or holder.get("released"):
                 return False
-            os.pwrite(fd, self._record(), 0)
+            record = self._record()
+            os.pwrite(fd, record, 0)
+            os.ftruncate(fd, len(record))  # a record past RECORD_BYTES (a long job id) leaves no tail behind
             return True
         finally:
             os.close(fd)

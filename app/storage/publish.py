@@ -19,7 +19,8 @@ marker whose content is not a version name (`v-` and 12 hex digits) publishes no
 write the bucket must not get to point readers anywhere.
 
 Fencing (fence.py): a publish checks the root's counter before it starts and again right before its
-commit (the rename, the marker), and writes its token with the entry; `delete` checks again and never
+commit (the rename, the marker), and writes its token with the entry (a local entry under a lease holds
+a hidden `.fence-token` file, which engines loading an export folder ignore); `delete` checks again and never
 removes an entry written under a newer token than the deleting process's. `upload_dir` (the export)
 checks before each file it writes or removes and before its last file.
 """
@@ -142,7 +143,8 @@ class LocalStorage(Storage):
 
     def publish(self, staged: Path, name: str) -> str:
         token = fence.check(self)  # a run that lost the lease (its driver stopped) must not publish any more
-        _write_synced(staged / fence.ENTRY_TOKEN, str(token).encode())  # readers rank entries by it
+        if token:  # readers rank entries by it (a root no lease touched: none, the folder as it always was)
+            _write_synced(staged / fence.ENTRY_TOKEN, str(token).encode())
         final, old = self.path / name, self.path / aside_name(name)
         fence.check(self)  # again right before the commit: staging may have taken a while
         if self._token(name) > token:  # the new holder's own entry of that name: never replaced by this run
