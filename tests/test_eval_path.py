@@ -21,10 +21,8 @@ from app.run.evaluate.runner import EvalRunner
 from app.run.evaluate.schedule import EvalOffer
 from app.run.outputs.monitor import RunMonitor
 from app.run.supervisor import Supervisor
-from tests.toy import save_tiny_target
+from tests.toy import LAYERS, PROMPTS, save_tiny_target
 
-LAYERS = [0, 2]
-PROMPTS = [[5, 9, 17, 2], [100, 3], [7, 7, 7, 7, 7, 7, 40]]
 BUDGET = 24  # eval.max_new_tokens
 CPU = torch.device("cpu")
 

@@ -12,9 +12,8 @@ from app.config.run_sections import EvalConfig
 from app.model.build import build_or_load_drafter
 from app.model.live_eval import (META_KEY, EvalSpec, copy_as_best, evaluate_drafter, export_best,
                                  per_position_acceptance, read_best_meta, weights_to_numpy)
+from tests.toy import LAYERS, PROMPTS
 
-LAYERS = [0, 2]
-PROMPTS = [[5, 9, 17, 2], [100, 3], [7, 7, 7, 7, 7, 7, 40]]
 DCFG = DrafterConfig(num_layers=1, block_size=4)
 ECFG = EvalConfig(num_prompts=3, max_new_tokens=12)
 SPEC = EvalSpec(PROMPTS, DCFG, ECFG, mask_token_id=3, seed=0, eos_token_id=None)

@@ -11,11 +11,9 @@ from app.model.drafter import DFlashDrafter
 from app.model.features import target_features
 from app.model.loss import TrainBatch, dflash_loss
 from app.model.target_head import TargetHead
-from tests.toy import tiny_arch
+from tests.toy import LAYERS, PROMPTS, tiny_arch
 
 B = 4
-LAYERS = (0, 2)
-PROMPTS = [[5, 9, 17, 2], [100, 3], [7, 7, 7, 7, 7, 7, 40]]
 
 
 

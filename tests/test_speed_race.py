@@ -15,9 +15,8 @@ from app.model.live_eval import EvalSpec, race_exported
 from app.run.evaluate.final_tau import FinalTau
 from app.run.outputs.report import render
 from tests.test_trust_runtime import _Clock, _fake_get, _Target
+from tests.toy import LAYERS, PROMPTS
 
-LAYERS = [0, 2]
-PROMPTS = [[5, 9, 17, 2], [100, 3], [7, 7, 7, 7, 7, 7, 40]]
 DCFG = DrafterConfig(num_layers=1, block_size=4)
 
 

@@ -8,6 +8,11 @@ import torch
 from app.config.drafter_sections import DrafterConfig
 from app.model.arch import DrafterArch
 
+# The target layers and held-out prompts the tau tests share (spec decode, the race, the live and run-end paths):
+# two layers of a 4-layer tiny target, three prompts of different lengths, one a repeated token.
+LAYERS = [0, 2]
+PROMPTS = [[5, 9, 17, 2], [100, 3], [7, 7, 7, 7, 7, 7, 40]]
+
 
 def tiny_qwen3_config(hidden: int = 32, layers: int = 4, heads: int = 4, kv_heads: int = 2, vocab: int = 128,
                       tie: bool = False, **kw):
