@@ -195,3 +195,19 @@ def test_releasing_a_uri_run_s_lease_removes_its_downloads_on_this_node(download
     from app.storage import pins
 
     assert list(downloads.iterdir()) == [] and not local.exists() and not pins._held
+
+
+def test_six_runs_leave_the_cache_under_its_bound(capsys) -> None:
+    """The measurement of app/storage/cache_use.py at 1/1000 scale: six runs of a 6 MiB checkpoint and a
+    2 MiB export against a 25 MiB bound. The entries left are counted here from the RESULT line's own
+    figures and checked against the sizes each run added (8 MiB each, 48 MiB in all)."""
+    from app.storage.cache_use import main
+
+    assert main(["--checkpoint-gb", str(6 / 1024), "--export-gb", str(2 / 1024), "--bound-gb", str(25 / 1024)]) == 0
+    result = capsys.readouterr().out.strip().splitlines()[-1]
+    fields = dict(part.split("=") for part in result.split()[1:])
+    assert fields["entries"] == "6" and fields["within_bound"] == "True"
+    mib = 1 << 20
+    assert int(fields["bound_bytes"]) == int(25 / 1024 * (1 << 30))
+    assert 24 * mib <= int(fields["cache_bytes"]) <= 24 * mib + 6 * 4096 <= int(fields["bound_bytes"])
+    assert abs(int(fields["downloaded_bytes"]) - 48 * mib) < 64

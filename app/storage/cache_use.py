@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{total / GIB:.2f} GiB downloaded so far")
         n, size, _ = used(folder)
         print(f"RESULT runs={args.runs} cache_gib={size / GIB:.2f} bound_gib={bound / GIB:.2f} "
-              f"downloaded_gib={total / GIB:.2f} entries={n} within_bound={size <= bound}")
+              f"downloaded_gib={total / GIB:.2f} entries={n} within_bound={size <= bound} "
+              f"cache_bytes={size} bound_bytes={bound} downloaded_bytes={total}")
         tempfile.tempdir = None
     return 0
 
