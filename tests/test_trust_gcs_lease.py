@@ -128,3 +128,29 @@ def test_of_eight_takers_of_a_stale_gs_lease_exactly_one_wins_and_the_old_holder
     assert json.loads(store.read(LEASE_FILE).data)["run_id"] == won[0].me["run_id"]
     store.delete(LEASE_FILE)
     assert store.read(LEASE_FILE) is None and store.create(LEASE_FILE, b"{}") is not None
+
+
+def test_a_paused_gs_release_leaves_the_new_holder_s_lease(gcs: str) -> None:
+    """Issue 49: A's release pauses before it touches the lease object while B takes the stale lease
+    over; A's release is conditional on its own generation, so it changes nothing and B keeps the lease.
+    Before: release checked `held()`, then deleted B's lease unconditionally."""
+    now = [1000.0]
+    a = RunLease(_root(gcs, "paused"), 60, clock=lambda: now[0])
+    a._acquire_conditional()
+    b = RunLease(_root(gcs, "paused"), 60, clock=lambda: now[0])
+    real = a._conditional
+
+    class Paused:
+        def __getattr__(self, name):
+            def call(*args, **kwargs):
+                if b._etag == "":
+                    now[0] += 61
+                    b._acquire_conditional()
+                return getattr(real, name)(*args, **kwargs)
+            return call
+
+    a._conditional = Paused()
+    a.held = lambda: True  # what A saw just before the pause (the code before this change asked it first)
+    a.release()
+    store = GcsConditionalStore(_root(gcs, "paused"))
+    assert json.loads(store.read(LEASE_FILE).data)["run_id"] == b.me["run_id"] and b.beat() is True
