@@ -9,8 +9,10 @@ is raised at once: an `ObjectLostError` proper means the payload is gone, and wa
 When the retries are spent the last error is raised, and the caller's own handling applies (a
 timed-out fetch is an `ObjectLostError`: the job goes back to the queue).
 
-Pure: the callable, the error classes and the sleep are arguments (tests pass a fake and a recording
-sleep); `transient_object_errors()` names Ray's classes.
+The retrying is tenacity's (`Retrying`: stop after `attempts`, exponential waits, only the transient
+classes); what is ours is the policy (which errors, how long) and the hook that logs each retry. The
+callable, the error classes and the sleep are arguments (tests pass a fake and a recording sleep);
+`transient_object_errors()` names Ray's classes.
 """
 from __future__ import annotations
 
@@ -32,10 +34,6 @@ class Backoff:
     factor: float = 2.0
     max_s: float = 8.0
 
-    def delays(self) -> list[float]:
-        """The waits after each failed attempt but the last."""
-        return [min(self.max_s, self.first_s * self.factor ** i) for i in range(max(0, self.attempts - 1))]
-
 
 def transient_object_errors() -> tuple[type[BaseException], ...]:
     """Ray's object-store errors that pass if tried again."""
@@ -49,13 +47,13 @@ def with_retries(call: Callable[[], T], transient: tuple[type[BaseException], ..
                  on_retry: Callable[[int, BaseException, float], None] | None = None) -> T:
     """`call()`, tried again after each `transient` error with the backoff's waits; `on_retry(attempt,
     error, wait)` is told of each. Other errors, and the last transient one, are raised."""
-    for attempt, wait in enumerate([*backoff.delays(), None], start=1):
-        try:
-            return call()
-        except transient as exc:
-            if wait is None:
-                raise
-            if on_retry is not None:
-                on_retry(attempt, exc, wait)
-            sleep(wait)
-    raise AssertionError("unreachable: the last attempt returns or raises")
+    from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+    def told(state) -> None:
+        if on_retry is not None:
+            on_retry(state.attempt_number, state.outcome.exception(), state.next_action.sleep)
+
+    retrying = Retrying(stop=stop_after_attempt(backoff.attempts), sleep=sleep, reraise=True, before_sleep=told,
+                        wait=wait_exponential(multiplier=backoff.first_s, exp_base=backoff.factor, max=backoff.max_s),
+                        retry=retry_if_exception_type(transient))
+    return retrying(call)
