@@ -10,6 +10,7 @@ counter read as 0 and let a stale holder publish, and gave B token 1; summary.js
 """
 from __future__ import annotations
 
+import json
 import pathlib
 import uuid
 from pathlib import Path
@@ -218,3 +219,26 @@ def test_a_stale_driver_writes_no_summary_report_or_timeline(kind, tmp_path, req
             write(open_storage(root))
     assert open_storage(root).read_file("summary.json") == b'{"run": "b"}'
     assert open_storage(root).read_file("report.html") is None and open_storage(root).read_file("timeline.jsonl") is None
+
+
+def test_a_stale_driver_s_local_timeline_rows_are_dropped(tmp_path, monkeypatch) -> None:
+    """Item 6 on a local folder, where the driver appends timeline.jsonl in place: once run B holds the
+    folder, A's rows are dropped within a second of its timeline's clock (the counter is read at most
+    once a second), and B's land. Before: A appended to B's timeline until its next heartbeat."""
+    from app.run.outputs.timeline import FILE_NAME, Timeline
+
+    root, now, a_tables = str(tmp_path / "run"), [1000.0], {}
+    monkeypatch.setattr(fence, "_mine", a_tables)
+    RunLease(root, 60, clock=lambda: now[0]).acquire()
+    a_rows = Timeline(root, clock=lambda: now[0])
+    a_rows.note("a-before")
+    now[0] += 61
+    monkeypatch.setattr(fence, "_mine", {})
+    RunLease(root, 60, clock=lambda: now[0]).acquire()
+    b_rows = Timeline(root, clock=lambda: now[0])
+    b_rows.note("b")
+    monkeypatch.setattr(fence, "_mine", a_tables)
+    now[0] += 1.0
+    a_rows.note("a-after")
+    lines = (Path(root) / FILE_NAME).read_text().splitlines()
+    assert [json.loads(line)["text"] for line in lines] == ["a-before", "b"]

@@ -37,6 +37,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 FENCE_FILE = ".run-fence"
 ENTRY_TOKEN = ".fence-token"  # inside a local entry: the token it was published under (a URI entry's marker says it)
@@ -124,6 +125,16 @@ def guard(store, rel: str) -> None:
         check(store)
     else:
         note(store)
+
+
+def lost(root) -> bool:
+    """True when this process writes `root` under a lease's token and the root's counter no longer equals
+    it (another run holds the folder, or the counter is gone): for writers that append in place (the local
+    timeline), which drop what they would write instead of raising. One read; False with no token."""
+    from app.storage.publish import LocalStorage
+
+    token = held(root)
+    return token > 0 and current(LocalStorage(Path(root))) != token
 
 
 def entry_token(text: bytes | str | None) -> int:

@@ -29,6 +29,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from app.storage import fence
+
 FILE_NAME = "timeline.jsonl"
 
 # StepRecord fields kept per row: job ids are long and say nothing the pool's counters do not.
@@ -47,6 +49,7 @@ class Timeline:
         self.pool_every_s, self.clock = pool_every_s, clock
         self._last_pool = float("-inf")
         self._tau: dict = {}  # the latest evaluation: {"tau": ..., "tau_step": ...}
+        self._fence_read, self._lost = float("-inf"), False  # `_fenced`: when the counter was read, what it said
         torn = _last_byte(self.path) not in (None, b"\n")  # one byte read: the file grows ~0.5 GiB a day
         self._file = self.path.open("a", encoding="utf-8")
         if torn:  # a killed driver's half line must not swallow this start's first row
@@ -88,10 +91,19 @@ class Timeline:
         self._file.close()
 
     def _write(self, kind: str, **row) -> None:
-        if self._file.closed:
+        if self._file.closed or self._fenced():
             return
         self._file.write(json.dumps({"k": kind, "t": round(self.clock(), 3), **row}, default=_plain) + "\n")
         self._file.flush()
+
+    def _fenced(self) -> bool:
+        """A local run's timeline is its checkpoint.dir's: once another run holds the folder (its lease
+        taken over, app/storage/fence.py), this driver's rows are dropped, not appended to the new
+        holder's. The counter is read at most once a second of the timeline's clock."""
+        now = self.clock()
+        if now - self._fence_read >= 1.0:
+            self._fence_read, self._lost = now, fence.lost(self.path.parent)
+        return self._lost
 
 
 def _plain(obj):
