@@ -1,4 +1,4 @@
-"""The hidden-state pool: a plain class, no Ray.
+"""The hidden-state pool: a plain class, no Ray. (Over 300 lines: the facade's one method per pool call, and this map.)
 
 `HSPool` is the facade the actor (`actors/hs_pool.py`) wraps; its parts each live in their own
 module: jobs entering (`intake.py`), the job queue (`queue.py`) over the catalog of added jobs
