@@ -32,14 +32,16 @@ def _head(V=128, H=32, seed=0):
     return TargetHead(torch.randn(V, H, generator=g), torch.randn(V, H, generator=g) * 0.3)
 
 
-def test_sample_anchors_respects_mask_and_block_end():
+def test_sample_anchors_respects_mask_and_keeps_one_label_inside_the_sequence():
     mask = torch.tensor([0, 0, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1])
     g = torch.Generator().manual_seed(0)
     a = sample_anchors(mask, 10, 4, 100, g)
-    assert a.tolist() == [2, 3, 4, 6]  # loss_mask 1 and p <= 10 - 4
+    assert a.tolist() == [2, 3, 4, 6, 7, 8]  # loss_mask 1 and p + 1 < 10: the block's first label is real
     a = sample_anchors(mask, 10, 4, 2, g)
-    assert len(a) == 2 and len(set(a.tolist())) == 2 and set(a.tolist()) <= {2, 3, 4, 6}
-    assert sample_anchors(mask, 3, 4, 8, g).numel() == 0
+    assert len(a) == 2 and len(set(a.tolist())) == 2 and set(a.tolist()) <= {2, 3, 4, 6, 7, 8}
+    assert sample_anchors(mask, 3, 4, 8, g).numel() == 0  # position 2's next token is past the length
+    assert sample_anchors(mask, 4, 4, 8, g).tolist() == [2]  # one label (3) inside, the block's rest masked
+    assert sample_anchors(torch.tensor([1, 1]), 1, 4, 8, g).numel() == 0  # no label after the only token
 
 
 def test_labels_are_same_position_not_shifted():
@@ -76,11 +78,12 @@ def test_loss_trains_same_position_labels_and_weights():
     out = dflash_loss(_OracleDrafter(arch, b.input_ids_BS), head, b, block_size=4, num_anchors=64,
                       gamma=2.0, generator=torch.Generator().manual_seed(0))
     assert out.weight_sum > 0 and out.correct_sum == pytest.approx(out.weight_sum, rel=1e-6)
-    assert out.accept_len_sum == 4 * out.num_blocks  # every block fully accepted
-    # Anchors: positions 3..20 (S=24) and 3..13 (len 17) -> 18 + 11 blocks, all labels masked in.
-    assert out.num_blocks == 29
-    assert math.isclose(out.weight_sum, 29 * (1 + math.exp(-1 / 2) + math.exp(-2 / 2)), rel_tol=1e-6)
-    assert out.per_pos_count.tolist() == [29.0, 29.0, 29.0]
+    # Anchors: positions 3..22 (S=24) and 3..15 (len 17): one label inside the sequence -> 20 + 13 blocks; a
+    # label past the length is masked, so position k counts the blocks with p + k < len.
+    assert out.num_blocks == 33
+    assert out.per_pos_count.tolist() == [33.0, 31.0, 29.0]
+    assert math.isclose(out.weight_sum, 33 + 31 * math.exp(-1 / 2) + 29 * math.exp(-2 / 2), rel_tol=1e-6)
+    assert out.accept_len_sum == 33 + 33 + 31 + 29  # every labelled position accepted, then the bonus
 
 
 def test_decay_weights_and_the_gamma_a_run_trains_with():
@@ -102,7 +105,7 @@ def test_loss_without_gamma_uses_the_block_default():
 
     default = DrafterConfig(block_size=4).gamma  # 7 * 4 / 16 = 1.75
     assert default == 1.75
-    expected = 29 * (1 + math.exp(-1 / 1.75) + math.exp(-2 / 1.75))  # 29 blocks, all 3 labels masked in
+    expected = 33 + 31 * math.exp(-1 / 1.75) + 29 * math.exp(-2 / 1.75)  # 33 blocks; labels past the length masked
     assert weight_sum() == pytest.approx(expected, rel=1e-6) and weight_sum(gamma=default) == pytest.approx(expected, rel=1e-6)
 
 

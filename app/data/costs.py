@@ -1,8 +1,8 @@
 """A job's drafter cost, known from the data before any target runs: its query rows.
 
 DFlash trains on blocks: a sequence contributes min(drafter.num_anchors, valid anchors) blocks of
-block_size query rows, where a valid anchor is a position p with loss_mask[p] = 1 and p <= len - B
-(app/model/loss.py's sample_anchors). Short sequences get an anchor at nearly every response
+block_size query rows, where a valid anchor is a position p with loss_mask[p] = 1 and p <= len - 2
+(app/model/loss.py's sample_anchors: one label inside the sequence). Short sequences get an anchor at nearly every response
 position, so a job of many short sequences costs the drafter far more than one of a few long ones.
 The pool deals these costs across ranks so every rank's step costs about the same
 (app/pool/pull_policy.py).
@@ -40,7 +40,7 @@ def _rows(loss_mask: np.ndarray, offsets: np.ndarray, block_size: int, num_ancho
     starts, lengths = offsets[:-1], np.diff(offsets)
     cum = np.zeros(len(loss_mask) + 1, dtype=np.int64)
     np.cumsum(np.asarray(loss_mask) > 0, out=cum[1:])
-    last = lengths - block_size  # anchors at positions 0..last
+    last = lengths - 2  # anchors at positions 0..last (sample_anchors: p + 1 < length)
     ends = starts + np.maximum(last + 1, 0)
     valid = np.where(last >= 0, cum[ends] - cum[starts], 0)
     return np.minimum(valid, num_anchors).astype(np.int64) * block_size

@@ -86,8 +86,12 @@ def _hidden_to_torch(a: np.ndarray, hidden_dtype: str, device, dtype, scales: np
 def sample_anchors(
     loss_mask_S: torch.Tensor, length: int, block_size: int, num_anchors: int, generator: torch.Generator | None
 ) -> torch.Tensor:
-    """Up to `num_anchors` sorted positions p with loss_mask[p] == 1 and p <= length - B, no repeats."""
-    last = int(length) - block_size
+    """Up to `num_anchors` sorted positions p with loss_mask[p] == 1 and p <= length - 2, no repeats.
+
+    A block needs one label inside the sequence (p + 1 < length), not all B - 1: labels past the end are
+    masked (`packed_labels`), so the answer's last tokens and its EOS are first-position labels too (with
+    p <= length - B, the last B - 1 tokens of every answer never were). `block_size` is kept for callers."""
+    last = int(length) - 2
     if last < 0:
         return torch.zeros(0, dtype=torch.long)
     ok = loss_mask_S[: last + 1].detach().cpu() > 0
