@@ -14,7 +14,6 @@ class HealthConfig:
 
     enabled: bool = True  # measure the checks with every evaluation (during the run and at its end)
     fit_prompts: int = 8  # training sequences in the fixed fit sample (evenly spaced over the dataset; 0 = no fit check)
-    max_anchors: int = 64  # anchors per prompt for the first-guess checks (evenly spaced over its generated tokens)
     after_steps: int = 50  # no verdict before this step: a drafter at init is collapsed and ignores everything
     fit_min_tau: float = 1.3  # not fitting: tau on the training sample below this
     collapse_top_share: float = 0.5  # collapsed: the most common first guess is at least this share (and the target's text is more varied)
@@ -26,7 +25,6 @@ class HealthConfig:
 
     def __post_init__(self) -> None:
         at_least("health.fit_prompts", self.fit_prompts, 0, "0 turns the fit check off")
-        at_least("health.max_anchors", self.max_anchors, 1, "the first-guess checks need an anchor per prompt")
         at_least("health.after_steps", self.after_steps, 0, "0 gives verdicts from the first evaluation")
         at_least("health.fit_min_tau", self.fit_min_tau, 1.0, "tau counts the target's own token: 1 is no draft accepted")
         for key, share in (("health.collapse_top_share", self.collapse_top_share),

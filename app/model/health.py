@@ -14,12 +14,15 @@ from one target forward per prompt:
 - anchor: the share of first guesses that change when each anchor token is replaced by another token of
   the same text.
 - features: held-out tau replayed with the target features zeroed, beside the same replay with them.
-- verdicts: one line per fault a figure shows, with its likely causes and where to look.
+- head and layers: whether the drafter's LM head is the target's output embedding, and tau replayed reading every
+  target layer id - 1 and + 1 (a drafter trained on other layers than it is served with reads better there).
+- verdicts (app/model/health_verdicts.py): one line per fault a figure shows, its likely causes, where to look.
 
 Stable signatures a benchmark calls directly (a drafter, its `TargetHead`, the target's features of each
 sequence [S, k*H] as `features_from_hidden_states` gives them, token id lists; anchors = positions p whose
-block [tokens[p], MASK...] sees features of positions < p, None = up to `max_anchors` spread over the text):
+block [tokens[p], MASK...] sees features of positions < p; None = up to `max_anchors` spread over the text):
 
+    block_hidden(drafter, head, feats_SD, tokens, anchors, anchor_tokens=None) -> [A, B-1, H]
     first_guesses(drafter, head, feats_SD, tokens, anchors, anchor_tokens=None) -> list[int]
     collapse(guesses) -> Collapse(guesses, distinct, top_share, top_token)
     pos1(guesses, tokens, anchors) -> float           # first guesses equal to tokens[p + 1]
@@ -27,9 +30,9 @@ block [tokens[p], MASK...] sees features of positions < p, None = up to `max_anc
     replay_tau(drafter, head, feats_list, prompts, texts, block_size, max_new_tokens, zero_features=False) -> float
     verdicts(health, cfg) -> list[Verdict];  status_word(verdicts) -> str
 
-Every replayed tau is `app.model.references.tau_on_greedy` over the drafter's own proposals
-(`app.model.spec_bench.drafter_proposer`): on a target's greedy output it is the tau speculative decoding
-gets. Nothing here stops or changes a run.
+Every replayed tau is `app.model.references.tau_on_greedy` over the drafter's own drafts at every anchor, drafted
+in one batched forward (`block_hidden`; `draft_block`'s drafts): on a target's greedy output it is the tau
+speculative decoding gets (the tests check it equals the decoded one). Nothing here stops or changes a run.
 """
 from __future__ import annotations
 
@@ -40,6 +43,8 @@ import numpy as np
 import torch
 
 from app.model.health_verdicts import VERDICT_ORDER, Verdict, status_word, verdicts  # noqa: F401 (the stable names)
+
+EAGER_LOGITS = 2**24  # a replay computes every draft's argmax at once below this many logits (64 MiB in fp32)
 
 
 @dataclass(frozen=True)
@@ -137,14 +142,35 @@ def block_hidden(drafter, head, feats_SD: torch.Tensor, tokens: list[int], ancho
     """[A, B-1, H]: the drafter's hidden states of positions p+1..p+B-1 at each anchor p of one sequence, in one
     drafter forward (block [tokens[p] or anchor_tokens[i], MASK x (B-1)], seeing the features of positions < p,
     as a block drafted at p during speculative decoding does)."""
-    arch, B = drafter.arch, drafter.arch.block_size
-    dev = feats_SD.device
-    ids = torch.full((1, len(anchors) * B), arch.mask_token_id, dtype=torch.long, device=dev)
-    ids[0, ::B] = torch.tensor(anchor_tokens if anchor_tokens is not None else [tokens[p] for p in anchors], device=dev)
+    toks = anchor_tokens if anchor_tokens is not None else [tokens[p] for p in anchors]
+    return variant_hidden(drafter, head, [feats_SD], [toks], anchors)[0]
+
+
+def variant_hidden(drafter, head, feats_list: list[torch.Tensor], anchor_tokens_list: list[list[int]],
+                   anchors: list[int]) -> torch.Tensor:
+    """[N, A, B-1, H]: `block_hidden` for N variants of one sequence at the same anchors (its features zeroed or
+    read from other layers, other anchor tokens), all in one drafter forward."""
+    arch, B, N, A = drafter.arch, drafter.arch.block_size, len(feats_list), len(anchors)
+    dev = feats_list[0].device
+    ids = torch.full((N, A * B), arch.mask_token_id, dtype=torch.long, device=dev)
+    ids[:, ::B] = torch.tensor(anchor_tokens_list, device=dev)
     dtype = next(drafter.parameters()).dtype
     with torch.no_grad():
-        hidden = drafter(head.embed(ids).to(dtype), feats_SD[None].to(dtype), torch.tensor([anchors], device=dev))
-    return hidden[0].view(len(anchors), B, -1)[:, 1:]
+        hidden = drafter(head.embed(ids).to(dtype), torch.stack(feats_list).to(dtype),
+                         torch.tensor([anchors] * N, device=dev))
+    return hidden.view(N, A, B, -1)[:, :, 1:]
+
+
+def proposals(head, hidden_AQH: torch.Tensor):
+    """(i, count) -> the guesses of anchor row i: all rows' argmax at once when their logits are small (one
+    matmul), else each guess on first read (`LazyDrafts`: a block costs the rows up to its first miss)."""
+    from app.model.spec_bench import LazyDrafts
+
+    A, Q, _ = hidden_AQH.shape
+    if A * Q * head.vocab_size <= EAGER_LOGITS:
+        table = torch.tensor(argmax_rows(head, hidden_AQH.reshape(A * Q, -1))).view(A, Q).tolist()
+        return lambda i, count: table[i][:count]
+    return lambda i, count: LazyDrafts(head, hidden_AQH[i, :count])
 
 
 def argmax_rows(head, hidden_RH: torch.Tensor) -> list[int]:
@@ -227,9 +253,8 @@ def mean_tau(per_forward: list[int]) -> float:
 def replay_one(drafter, head, feats_SD, prompt: list[int], text: list[int], block_size: int, max_new_tokens: int,
                hidden=None) -> list[int]:
     """Tokens per verify forward of one prompt (`tau_on_greedy`), the drafts read from one batched forward over
-    every anchor the replay can visit (`hidden`: that forward's output, when already computed)."""
+    every anchor the replay can visit (`hidden`: that forward's output [A, B-1, H], when already computed)."""
     from app.model.references import tau_on_greedy
-    from app.model.spec_bench import LazyDrafts
 
     first = len(prompt)
     anchors = list(range(first, first + len(text) - 1))
@@ -237,57 +262,60 @@ def replay_one(drafter, head, feats_SD, prompt: list[int], text: list[int], bloc
         return tau_on_greedy(lambda prefix, count: [], prompt, text, block_size, max_new_tokens)
     if hidden is None:
         hidden = block_hidden(drafter, head, feats_SD, prompt + text, anchors)
-    return tau_on_greedy(lambda prefix, count: LazyDrafts(head, hidden[len(prefix) - 1 - first, :count]),
-                         prompt, text, block_size, max_new_tokens)
+    guesses = proposals(head, hidden)
+    return tau_on_greedy(lambda prefix, count: guesses(len(prefix) - 1 - first, count), prompt, text, block_size,
+                         max_new_tokens)
 
 
-def measure_health(target_model, drafter, head, step: int, tau: float, heldout, fit, max_new_tokens: int,
-                   max_anchors: int = 64) -> Health:
+def measure_health(target_model, drafter, head, step: int, tau: float, heldout, fit, max_new_tokens: int) -> Health:
     """Every check of one evaluation. `heldout`: (prompt, the target's greedy output) pairs (the ones tau was
-    decoded on); `fit`: (prompt, training response) pairs (`fit_sample`). Per prompt: one target forward and
-    one batched drafter forward each for the replay, the zeroed features and the swapped anchors."""
+    decoded on); `fit`: (prompt, training response) pairs (`fit_sample`). Per prompt: one target forward, and one
+    drafter forward over every anchor for five variants at once: as decoded, features zeroed, every layer id - 1
+    and + 1, every anchor token swapped for another of the same text."""
     import time
 
     from app.model.features import features_from_hidden_states
 
     t0 = time.perf_counter()
     layers, B = list(drafter.arch.target_layer_ids), drafter.arch.block_size
-    per, per_zero, feats, texts, anchors, guesses, flat, nexts = [], [], [], [], [], [], [], []
-    per_shift: dict[int, list[int] | None] = {-1: [], 1: []}
+    per: dict = {"replay": [], "zero": [], -1: [], 1: []}  # tokens per verify forward of each variant
+    flat, nexts, changed, counted = [], [], 0, 0
     for prompt, greedy in heldout:
         text = list(prompt) + list(greedy)
+        every = list(range(len(prompt), len(text) - 1))  # every anchor the replay can visit
+        if not every:
+            continue
         states = hidden_states_of(target_model, text)
         f = features_from_hidden_states(states, layers)[0]
-        every = list(range(len(prompt), len(text) - 1))  # every anchor the replay can visit
-        hidden = block_hidden(drafter, head, f, text, every) if every else None
-        per += replay_one(drafter, head, f, list(prompt), list(greedy), B, max_new_tokens, hidden)
-        per_zero += replay_one(drafter, head, torch.zeros_like(f), list(prompt), list(greedy), B, max_new_tokens)
-        for by in per_shift:  # the layers next to the configured ones: off by one reads better there
-            moved = shifted(layers, by, len(states) - 1)
-            if moved is None or per_shift[by] is None:
-                per_shift[by] = None
-                continue
-            g = features_from_hidden_states(states, moved)[0]
-            per_shift[by] += replay_one(drafter, head, g, list(prompt), list(greedy), B, max_new_tokens)
+        moved = {by: shifted(layers, by, len(states) - 1) for by in (-1, 1)}  # None: no such layers
+        own = [text[p] for p in every]
+        swapped = other_tokens(own)
+        variants = [("replay", f, own), ("zero", torch.zeros_like(f), own)]
+        variants += [(by, features_from_hidden_states(states, ids)[0], own) for by, ids in moved.items() if ids]
         del states
-        first = argmax_rows(head, hidden[:, 0]) if every else []
+        hidden = variant_hidden(drafter, head, [v[1] for v in variants] + [f], [v[2] for v in variants] + [swapped],
+                                every)
+        for k, (name, _, _) in enumerate(variants):
+            per[name] += replay_one(drafter, head, None, list(prompt), list(greedy), B, max_new_tokens, hidden[k])
+        per.update({by: None for by, ids in moved.items() if ids is None})
+        first, after = argmax_rows(head, hidden[0, :, 0]), argmax_rows(head, hidden[-1, :, 0])
         flat += first
         nexts += [text[p + 1] for p in every]
-        pick = spread(0, len(every) - 1, max_anchors)  # the anchor check's subset: it costs a forward of its own
-        feats.append(f), texts.append(text), anchors.append([every[i] for i in pick])
-        guesses.append([first[i] for i in pick])
+        for a, b, old, new in zip(first, after, own, swapped):
+            if new != old:  # an anchor with no other token to swap in says nothing
+                counted += 1
+                changed += a != b
     fit_feats = [features_of(target_model, list(p) + list(r), layers) for p, r in fit]
     tau_fit = replay_tau(drafter, head, fit_feats, [p for p, _ in fit], [r for _, r in fit], B, max_new_tokens) \
         if fit else None
     spread_of = collapse(flat)
     return Health(
-        step=step, tau=float(tau), tau_fit=tau_fit,
-        tau_replay=mean_tau(per), tau_no_features=mean_tau(per_zero),
-        tau_layers_below=None if per_shift[-1] is None else mean_tau(per_shift[-1]),
-        tau_layers_above=None if per_shift[1] is None else mean_tau(per_shift[1]),
+        step=step, tau=float(tau), tau_fit=tau_fit, tau_replay=mean_tau(per["replay"]),
+        tau_no_features=mean_tau(per["zero"]),
+        tau_layers_below=None if per[-1] is None else mean_tau(per[-1]),
+        tau_layers_above=None if per[1] is None else mean_tau(per[1]),
         head_is_target=head_is_target(head, target_model),
         first_distinct=spread_of.distinct, first_top_share=spread_of.top_share,
-        target_top_share=collapse(nexts).top_share,
-        anchor_changed=anchor_sensitivity(drafter, head, feats, texts, anchors, guesses_list=guesses),
+        target_top_share=collapse(nexts).top_share, anchor_changed=changed / counted if counted else 0.0,
         pos1=sum(g == n for g, n in zip(flat, nexts)) / max(len(flat), 1), anchors=len(flat),
         seconds=time.perf_counter() - t0)

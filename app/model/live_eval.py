@@ -160,8 +160,7 @@ def check_health(target_model, drafter, head, spec: EvalSpec, references: dict, 
             references[key] = greedy_reference(target_model, prompt, spec.eval.max_new_tokens, spec.eos_token_id)
         heldout.append((list(prompt), references[key]))
     with torch.no_grad():
-        h = measure_health(target_model, drafter, head, step, tau, heldout, list(spec.fit), spec.eval.max_new_tokens,
-                           spec.health.max_anchors)
+        h = measure_health(target_model, drafter, head, step, tau, heldout, list(spec.fit), spec.eval.max_new_tokens)
     found = verdicts(h, spec.health)
     return {**h.to_dict(), "verdicts": [v.line for v in found], "names": [v.name for v in found],
             "status": status_word(found)}
