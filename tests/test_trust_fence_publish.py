@@ -242,3 +242,16 @@ def test_a_stale_driver_s_local_timeline_rows_are_dropped(tmp_path, monkeypatch)
     a_rows.note("a-after")
     lines = (Path(root) / FILE_NAME).read_text().splitlines()
     assert [json.loads(line)["text"] for line in lines] == ["a-before", "b"]
+
+
+def test_a_sweep_run_s_timeline_keeps_its_rows_before_its_folder_s_counter_is_raised(tmp_path, monkeypatch) -> None:
+    """A sweep run's timeline (`<root>/runs/<name>`) may start before the driver raises that folder's
+    counter: its rows are judged by the leased root's counter then, and kept."""
+    from app.run.outputs.timeline import FILE_NAME, Timeline
+
+    root = tmp_path / "sweep"
+    monkeypatch.setattr(fence, "_mine", {})
+    RunLease(str(root), 60).acquire()
+    rows = Timeline(root / "runs" / "a")
+    rows.note("kept")
+    assert [json.loads(line)["text"] for line in (root / "runs" / "a" / FILE_NAME).read_text().splitlines()] == ["kept"]

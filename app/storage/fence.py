@@ -66,12 +66,18 @@ def adopt(root, token: int) -> None:
 
 def held(root) -> int:
     """The token this process writes `root` under, or the one of the leased root it lies below (0: none)."""
+    key = _holder(root)
+    return _mine[key] if key is not None else 0
+
+
+def _holder(root) -> str | None:
+    """The key of `_mine` that gives `root` its token: its own, or the nearest root above it."""
     key = _key(root)
     if key in _mine:
-        return _mine[key]
+        return key
     path = key.split("?", 1)[0]
     below = [k for k in _mine if path.startswith(k.split("?", 1)[0].rstrip("/") + "/")]
-    return _mine[max(below, key=len)] if below else 0
+    return max(below, key=len) if below else None
 
 
 def extend(store) -> int:
@@ -128,13 +134,17 @@ def guard(store, rel: str) -> None:
 
 
 def lost(root) -> bool:
-    """True when this process writes `root` under a lease's token and the root's counter no longer equals
-    it (another run holds the folder, or the counter is gone): for writers that append in place (the local
-    timeline), which drop what they would write instead of raising. One read; False with no token."""
-    from app.storage.publish import LocalStorage
-
-    token = held(root)
-    return token > 0 and current(LocalStorage(Path(root))) != token
+    """True when this process writes the local folder `root` under a lease's token and the folder's counter
+    no longer equals it (another run holds the folder, or the counter is gone): for writers that append in
+    place (the local timeline), which drop what they would write instead of raising. One read; False with
+    no token."""
+    key = _holder(root)
+    if key is None or _mine[key] == 0:
+        return False
+    try:  # the counter of the folder the token was taken for (a sweep run's before its own is raised: the root's)
+        return entry_token((Path(key) / FENCE_FILE).read_bytes()) != _mine[key]
+    except FileNotFoundError:
+        return True
 
 
 def entry_token(text: bytes | str | None) -> int:
