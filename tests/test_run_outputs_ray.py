@@ -38,7 +38,9 @@ def test_tau_during_the_run_best_drafter_and_report(reference_run) -> None:
 DELAY_S = 0.5
 
 
-SPLITS = {"target": (1, 7), "drafter": (7, 1)}  # the slow side: (targets, drafters)
+# The slow side: (targets, drafters). Eight bundles: at 1/3 and 3/1 the fast side was not fast enough on a loaded
+# box for a move to pay (1/3 advised keep at +1%); seven of the fast side keep the margin whatever the load.
+SPLITS = {"target": (1, 7), "drafter": (7, 1)}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +66,7 @@ def test_split_advice_moves_gpus_to_the_short_side(split_runs, slow: str) -> Non
     advice = summary(tmp_path)["split_advice"]
     assert advice["current_targets"] == targets and advice["current_drafters"] == drafters
     assert advice[f"{slow}_tok_s"] <= 768 / DELAY_S  # the delay reached the measured rate
-    assert advice["targets"] + advice["drafters"] == 8 and advice["gain"] > 0
+    assert advice["targets"] + advice["drafters"] == targets + drafters and advice["gain"] > 0
     if slow == "target":
         assert advice["bound_now"] == "targets" and advice["targets"] > targets
     else:
