@@ -9,19 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app.config.schema import PoolConfig
-from app.messages import EndOfStream, ItemMeta, JobSpec, PulledItem
+from app.messages import EndOfStream, PulledItem
 from app.bench.feeding.pull_policies import RandomPulls, TracedPulls
 from app.pool.hs_pool import Drained, HSPool, LeaseRevoked
 from app.pool.pull_policy import RoundRobin
-
-
-def job(i: int, bucket: int, est: int = 100) -> JobSpec:
-    return JobSpec(job_id=i, epoch=0, index=i, bucket=bucket, seq_indices=(i,), padded_tokens=64, est_bytes=est)
-
-
-def meta_for(j: JobSpec, target: int, nbytes: int | None = None) -> ItemMeta:
-    nb = j.est_bytes if nbytes is None else nbytes
-    return ItemMeta(j.job_id, j.bucket, 1, 50 + j.bucket, 40, nb, target, 0.01)
+from tests.pool_helpers import job, meta_for
 
 
 def produce_all(pool: HSPool, targets: int = 8) -> int:

@@ -5,17 +5,10 @@ from __future__ import annotations
 import asyncio
 
 from app.config.schema import PoolConfig
-from app.messages import ItemMeta, JobSpec, PulledItem, StepRecord, TargetFailure
+from app.messages import PulledItem, StepRecord, TargetFailure
 from app.pool.control import PoolControl
 from app.pool.hs_pool import HSPool
-
-
-def job(i: int, bucket: int = 0) -> JobSpec:
-    return JobSpec(job_id=i, epoch=0, index=i, bucket=bucket, seq_indices=(i,), padded_tokens=64, est_bytes=100)
-
-
-def meta_for(j: JobSpec, target: int) -> ItemMeta:
-    return ItemMeta(j.job_id, j.bucket, 1, 50, 40, 100, target, 0.01)
+from tests.pool_helpers import job, meta_for
 
 
 def control(n_jobs: int = 8, per_target: int = 2, **kw) -> PoolControl:

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from app.messages import ItemMeta, JobSpec
+from app.messages import ItemMeta
 from app.pool.budget import Budget
 from app.pool.buffer import BucketBuffer, Item
 from app.pool.leases import LeaseTable
@@ -14,10 +14,7 @@ from app.pool.production import InFlight
 from app.pool.pull_policy import PullContext, RoundRobin, make_pull_policy
 from app.pool.queue import JobQueue
 from app.pool.states import JobState, JobStates
-
-
-def job(i: int, bucket: int = 0, est: int = 100) -> JobSpec:
-    return JobSpec(job_id=i, epoch=0, index=i, bucket=bucket, seq_indices=(i,), padded_tokens=64, est_bytes=est)
+from tests.pool_helpers import job
 
 
 def item(i: int, bucket: int = 0, nbytes: int = 100) -> Item:

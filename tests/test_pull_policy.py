@@ -20,6 +20,7 @@ from app.pool.measures import (BacklogMeter, StepMix, bucket_counts, shares_of, 
 from app.pool.hs_pool import HSPool, LeaseRevoked
 from app.pool.pull_policy import PullContext, Stratified, apportion
 from app.pool.rounds import RoundTracker
+from tests.pool_helpers import job
 
 DEMO_MIX = [1, 4, 5, 6, 7, 11]  # conf/tiny.yaml's jobs per bucket per epoch: the longest bucket dominates
 DRAFTER_COST = [0.30, 0.25, 0.20, 0.15, 0.10, 0.05]  # s per item: short buckets cost the drafter more
@@ -29,10 +30,6 @@ def sim_setup(mix=DEMO_MIX, jobs=1200, supply=1.1, **kw) -> SimSetup:
     mean = sum(m * c for m, c in zip(mix, DRAFTER_COST)) / sum(mix)
     target = 5 * mean / (3 * supply)  # 5 targets make `supply` x what 3 drafters eat
     return SimSetup(mix, jobs, DRAFTER_COST, [target * (0.7 + 0.12 * b) for b in range(6)], **kw)
-
-
-def job(i: int, bucket: int) -> JobSpec:
-    return JobSpec(i, 0, i, bucket, (i,), 64, 100)
 
 
 def land(pool: HSPool, j: JobSpec, target: int = 0) -> None:

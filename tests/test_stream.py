@@ -6,16 +6,9 @@ from __future__ import annotations
 import random
 
 from app.config.schema import PoolConfig
-from app.messages import Drained, EndOfStream, ItemMeta, JobSpec, PulledItem
+from app.messages import Drained, EndOfStream, PulledItem
 from app.pool.stream import RunShape, SharedStream
-
-
-def job(i: int, bucket: int = 0, est: int = 100) -> JobSpec:
-    return JobSpec(job_id=i, epoch=0, index=i, bucket=bucket, seq_indices=(i,), padded_tokens=64, est_bytes=est)
-
-
-def meta_for(j: JobSpec, target: int) -> ItemMeta:
-    return ItemMeta(j.job_id, j.bucket, 1, 50, 40, j.est_bytes, target, 0.01)
+from tests.pool_helpers import job, meta_for
 
 
 def stream(runs=("a", "b"), **kw) -> SharedStream:
