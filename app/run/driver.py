@@ -60,7 +60,9 @@ def run(cfg: Config) -> int:
 def take_lease(cfg: Config):
     """This run's exclusive lease on checkpoint.dir (app/run/lease.py), kept alive until `release`."""
     from app.run.lease import RunLease
+    from app.storage.local_cache import set_download_bound
 
+    set_download_bound(int(cfg.checkpoint.download_cache_gb * 2**30))  # this node's download cache (local_cache.py)
     lease = RunLease(cfg.checkpoint.dir, cfg.checkpoint.lease_timeout_s).acquire()
     if lease.taken_over:
         log(f"took over the stale run lease on {cfg.checkpoint.dir} (a run that ended without releasing it)")
