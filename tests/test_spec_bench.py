@@ -133,3 +133,28 @@ def test_spec_decoding_fuses_each_context_position_once(target):
     assert len(res.accepted_per_forward) > 3  # several blocks drafted
     assert sum(rows) == len(PROMPTS[2]) + len(res.tokens) - 1  # every position before the last token, once
     assert "fuse_context" not in vars(drafter)
+
+
+def test_bench_replay_drafts_every_block_in_one_forward_as_the_proposer_does(target):
+    """quality_fit's drafter replay (every anchor of a prompt in one batched forward) gives the same tau per
+    forward as `drafter_proposer` (one forward per block), on prompts the toy drafter gets some right."""
+    from app.bench.runs.quality_fit import drafter_on, replay
+
+    model, head = target
+    drafter = _drafter(model)
+    refs = [sd.greedy_reference(model, p, 12) for p in PROMPTS]
+    feats = [target_features(model, torch.tensor([p + r]), None, LAYERS)[0] for p, r in zip(PROMPTS, refs)]
+    one = replay(lambda i: sb.drafter_proposer(drafter, head, feats[i], B), PROMPTS, refs, B, 12)
+    batched = replay(drafter_on(drafter, head, B)({"prompts": PROMPTS, "refs": refs, "feats": feats}),
+                     PROMPTS, refs, B, 12)
+    assert batched == one and one["pos1"] > 0  # drafts the replay accepted, read from the batched forward too
+
+
+def test_step_costs_time_each_block_and_the_one_token_forward(target):
+    from app.bench.runs.quality_speed import block_choice, step_costs
+
+    model, head = target
+    costs = step_costs(model, _drafter(model), head, PROMPTS[0], LAYERS, [2, 4], context_tokens=8, repeats=2)
+    assert costs["verify_1_ms"] > 0 and set(costs["verify_ms"]) == set(costs["draft_ms"]) == {2, 4}
+    assert all(v > 0 for v in [*costs["verify_ms"].values(), *costs["draft_ms"].values()])
+    assert set(block_choice(costs, [0.5, 0.2, 0.1])) == {2, 4}

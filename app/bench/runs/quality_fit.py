@@ -54,21 +54,33 @@ def replay(proposer_for, prompts, refs, block_size: int, max_new_tokens: int) ->
 
 
 def both_sets(proposer_on, work: dict) -> dict:
-    """`replay` on the held-out prompts and on the training sample; `proposer_on(feats_list)` gives the
-    per-prompt proposer factory for a set (a feature-free proposer ignores the list)."""
+    """`replay` on the held-out prompts and on the training sample; `proposer_on(prompt_set)` gives the
+    per-prompt proposer factory for a set (`work["eval"]` or `work["fit"]`; a feature-free proposer ignores it)."""
     B, mx = work["block_size"], work["max_new_tokens"]
     ev, fit = work["eval"], work["fit"]
-    held = replay(proposer_on(ev["feats"]), ev["prompts"], ev["refs"], B, mx)
-    train = replay(proposer_on(fit["feats"]), fit["prompts"], fit["refs"], B, mx)
+    held = replay(proposer_on(ev), ev["prompts"], ev["refs"], B, mx)
+    train = replay(proposer_on(fit), fit["prompts"], fit["refs"], B, mx)
     return held | {"tau_train": train["tau"], "pos1_train": train["pos1"]}
 
 
 def drafter_on(drafter, head, block_size: int):
-    """A proposer factory of the drafter for a list of per-prompt features."""
-    from app.model.spec_bench import drafter_proposer
+    """A proposer factory of the drafter for a prompt set: per prompt, every block the replay can visit is
+    drafted in one batched forward first (`app.model.health.block_hidden`: block j sees the features of the
+    positions before its anchor, as speculative decoding's block does); a proposal reads its block's rows."""
+    from app.model.health import block_hidden
+    from app.model.spec_bench import LazyDrafts
 
-    def on(feats_list):
-        return lambda i: drafter_proposer(drafter, head, feats_list[i].float(), block_size)
+    def on(prompt_set):
+        def for_prompt(i):
+            prompt, ref = list(prompt_set["prompts"][i]), list(prompt_set["refs"][i])
+            first, text = len(prompt), prompt + ref
+            anchors = list(range(first, len(text) - 1))  # every anchor the replay can visit
+            if not anchors:
+                return lambda prefix, count: []
+            hidden = block_hidden(drafter, head, prompt_set["feats"][i].float(), text, anchors)
+            return lambda prefix, count: LazyDrafts(head, hidden[len(prefix) - 1 - first, :count])
+
+        return for_prompt
 
     return on
 
@@ -79,9 +91,9 @@ def hybrid_on(drafter, head, block_size: int):
 
     drafted = drafter_on(drafter, head, block_size)
 
-    def on(feats_list):
+    def on(prompt_set):
         def for_prompt(i):
-            mine = drafted(feats_list)(i)
+            mine = drafted(prompt_set)(i)
             return lambda prefix, count: prompt_lookup(prefix, count) or mine(prefix, count)
 
         return for_prompt
