@@ -27,6 +27,7 @@ from app.config.schema import ModelConfig
 from app.devices import compute_dtype, limit_threads, load_target, pick_device
 from app.faults import fire_once, injected_delay, sticky_target
 from app.messages import HiddenBatch, ItemMeta, JobSpec
+from app.model.health import FeatureCache
 from app.model.live_eval import EvalSpec
 from app.payload.transport import HeldPayloads, put_payload, warm_up_nixl
 from app.replay.key import payload_dtype
@@ -66,6 +67,7 @@ class TargetActor:
         # Plain greedy outputs of the eval prompts: the target is frozen, so they are computed once
         # and every later evaluation checks against them for free (app/model/spec_decode.py).
         self.greedy_references: dict = {}
+        self.health_features = FeatureCache()  # the learning checks' target features, kept the same way
         # pool.replay: a job whose sequences are all stored skips the forward (app/replay/target_side.py)
         self.counts, self.replay = TargetCounts(), None
         if replay is not None:
@@ -151,7 +153,8 @@ class TargetActor:
         lowered = background_priority(self.device) if spec.background else contextlib.nullcontext()
         with self.compute_lock, lowered:
             result, drafter, arch = evaluate_drafter(self.model, self.model_dir, spec.layer_ids or self.layer_ids, step,
-                                                     weights, spec, self.device, self.dtype, self.greedy_references)
+                                                     weights, spec, self.device, self.dtype, self.greedy_references,
+                                                     self.health_features)
         exported = export_best(drafter, arch, best_dir, step, result.tau, export_dtype(spec.export_dtype)) \
             if best_dir and result.tau > beat_tau else None  # None too when a better best landed meanwhile
         if exported is not None:

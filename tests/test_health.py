@@ -165,3 +165,37 @@ def _check(run, spec, drafter, head, cfg: HealthConfig = CFG) -> dict:
     for line in health["verdicts"]:
         print("  " + line)
     return health
+
+
+def test_the_checks_replay_the_decoded_tau_and_keep_the_targets_features(tiny_target):
+    """On the toy target with a drafter of random weights: the replayed tau equals the one speculative decoding
+    counted, and a FeatureCache spares every target forward of a second evaluation (none when it holds nothing)."""
+    import app.model.spec_decode as sd
+    from app.config.drafter_sections import DrafterConfig
+    from app.model.build import build_or_load_drafter
+    from app.model.health import FeatureCache, measure_health
+
+    model, path = tiny_target
+    drafter, head, arch = build_or_load_drafter(str(path), None, DrafterConfig(num_layers=1, block_size=4), [0, 2], 3,
+                                                torch.device("cpu"), torch.float32, seed=7)
+    prompts = [[5, 9, 17, 2], [100, 3], [7, 7, 7, 7, 7, 7, 40]]
+    with torch.no_grad():
+        res = sd.measure_tau(model, drafter.eval(), head, prompts, 12, [0, 2], 4)
+        heldout = [(p, sd.greedy_reference(model, p, 12)) for p in prompts]
+    forwards = []
+    hook = model.register_forward_hook(lambda *_: forwards.append(1))
+    try:
+        cache, fit = FeatureCache(), [([5, 9], [17, 2, 8, 8])]
+        first = measure_health(model, drafter, head, 100, res.tau, heldout, fit, 12, cache)
+        n_first = len(forwards)
+        again = measure_health(model, drafter, head, 100, res.tau, heldout, fit, 12, cache)
+        n_again = len(forwards) - n_first
+        measure_health(model, drafter, head, 100, res.tau, heldout, fit, 12, FeatureCache(max_bytes=0))
+        n_uncached = len(forwards) - n_first - n_again
+    finally:
+        hook.remove()
+    assert first.tau_replay == pytest.approx(res.tau)  # the replay counts what decoding got
+    assert (n_first, n_again, n_uncached) == (4, 0, 4)  # one forward per held-out prompt and fit sequence
+    assert replace(again, seconds=0.0) == replace(first, seconds=0.0)
+    assert first.tau_layers_below is None and first.tau_layers_above is not None  # layer 0 has none below
+    assert first.head_is_target is True and first.anchors == sum(len(g) - 1 for _, g in heldout)

@@ -45,6 +45,29 @@ import torch
 from app.model.health_verdicts import VERDICT_ORDER, Verdict, status_word, verdicts  # noqa: F401 (the stable names)
 
 EAGER_LOGITS = 2**24  # a replay computes every draft's argmax at once below this many logits (64 MiB in fp32)
+FEATURE_CACHE_BYTES = 256 * 2**20  # the target features a FeatureCache keeps across evaluations, at most
+
+
+class FeatureCache:
+    """The frozen target's features of the checked texts, kept across evaluations (as the greedy outputs are):
+    after the first evaluation the checks run no target forward, while the features fit `max_bytes`."""
+
+    def __init__(self, max_bytes: int = FEATURE_CACHE_BYTES) -> None:
+        self.max_bytes, self.nbytes, self.entries = max_bytes, 0, {}
+
+    def features(self, target_model, text: list[int], layer_sets: list[tuple[int, ...]]) -> dict:
+        """{layer ids: [S, k*H] features of `text`} for each set, from one target forward or the cache."""
+        key = (tuple(text), tuple(layer_sets))
+        hit = self.entries.get(key)
+        if hit is None:
+            from app.model.features import features_from_hidden_states
+
+            states = hidden_states_of(target_model, text)
+            hit = {ids: features_from_hidden_states(states, list(ids))[0] for ids in layer_sets}
+            size = sum(t.numel() * t.element_size() for t in hit.values())
+            if self.nbytes + size <= self.max_bytes:
+                self.entries[key], self.nbytes = hit, self.nbytes + size
+        return hit
 
 
 @dataclass(frozen=True)
@@ -267,17 +290,20 @@ def replay_one(drafter, head, feats_SD, prompt: list[int], text: list[int], bloc
                          max_new_tokens)
 
 
-def measure_health(target_model, drafter, head, step: int, tau: float, heldout, fit, max_new_tokens: int) -> Health:
+def measure_health(target_model, drafter, head, step: int, tau: float, heldout, fit, max_new_tokens: int,
+                   cache: FeatureCache | None = None) -> Health:
     """Every check of one evaluation. `heldout`: (prompt, the target's greedy output) pairs (the ones tau was
     decoded on); `fit`: (prompt, training response) pairs (`fit_sample`). Per prompt: one target forward, and one
     drafter forward over every anchor for five variants at once: as decoded, features zeroed, every layer id - 1
-    and + 1, every anchor token swapped for another of the same text."""
+    and + 1, every anchor token swapped for another of the same text. `cache`: the target's features kept across
+    evaluations (none: one target forward per prompt each time)."""
     import time
 
-    from app.model.features import features_from_hidden_states
-
     t0 = time.perf_counter()
+    cache = cache if cache is not None else FeatureCache(max_bytes=0)
     layers, B = list(drafter.arch.target_layer_ids), drafter.arch.block_size
+    moved = {by: shifted(layers, by, drafter.arch.num_target_layers) for by in (-1, 1)}  # None: no such layers
+    layer_sets = [tuple(layers)] + [tuple(ids) for ids in moved.values() if ids is not None]
     per: dict = {"replay": [], "zero": [], -1: [], 1: []}  # tokens per verify forward of each variant
     flat, nexts, changed, counted = [], [], 0, 0
     for prompt, greedy in heldout:
@@ -285,14 +311,12 @@ def measure_health(target_model, drafter, head, step: int, tau: float, heldout, 
         every = list(range(len(prompt), len(text) - 1))  # every anchor the replay can visit
         if not every:
             continue
-        states = hidden_states_of(target_model, text)
-        f = features_from_hidden_states(states, layers)[0]
-        moved = {by: shifted(layers, by, len(states) - 1) for by in (-1, 1)}  # None: no such layers
+        feats = cache.features(target_model, text, layer_sets)
+        f = feats[tuple(layers)]
         own = [text[p] for p in every]
         swapped = other_tokens(own)
         variants = [("replay", f, own), ("zero", torch.zeros_like(f), own)]
-        variants += [(by, features_from_hidden_states(states, ids)[0], own) for by, ids in moved.items() if ids]
-        del states
+        variants += [(by, feats[tuple(ids)], own) for by, ids in moved.items() if ids]
         hidden = variant_hidden(drafter, head, [v[1] for v in variants] + [f], [v[2] for v in variants] + [swapped],
                                 every)
         for k, (name, _, _) in enumerate(variants):
@@ -305,7 +329,7 @@ def measure_health(target_model, drafter, head, step: int, tau: float, heldout, 
             if new != old:  # an anchor with no other token to swap in says nothing
                 counted += 1
                 changed += a != b
-    fit_feats = [features_of(target_model, list(p) + list(r), layers) for p, r in fit]
+    fit_feats = [cache.features(target_model, list(p) + list(r), [tuple(layers)])[tuple(layers)] for p, r in fit]
     tau_fit = replay_tau(drafter, head, fit_feats, [p for p, _ in fit], [r for _, r in fit], B, max_new_tokens) \
         if fit else None
     spread_of = collapse(flat)

@@ -127,16 +127,18 @@ def background_priority(device):
 
 
 def evaluate_drafter(target_model, model_dir: str, layer_ids: list[int], step: int, weights, spec: EvalSpec,
-                     device, dtype, references: dict | None = None) -> tuple[LiveEval, torch.nn.Module, object]:
+                     device, dtype, references: dict | None = None,
+                     health_cache=None) -> tuple[LiveEval, torch.nn.Module, object]:
     """(result, drafter, arch) for `weights` at `step`. `references`: the target's greedy outputs kept
-    across evaluations (`measure_tau`)."""
+    across evaluations (`measure_tau`); `health_cache`: the target's features the checks read, kept likewise
+    (`app.model.health.FeatureCache`)."""
     import time
 
     t0 = time.perf_counter()
     drafter, head, arch = drafter_for(weights, model_dir, layer_ids, spec, device, dtype)
     references = {} if references is None else references  # the checks read the greedy outputs tau decoded
     res = measure_spec(target_model, drafter, head, arch, spec, references)
-    health = check_health(target_model, drafter, head, spec, references, step, float(res.tau))
+    health = check_health(target_model, drafter, head, spec, references, step, float(res.tau), health_cache)
     result = LiveEval(step=step, tau=float(res.tau),
                       per_pos_accept=per_position_acceptance(res.accepted_per_forward, arch.block_size),
                       matches_greedy=bool(res.matches_greedy), lossless=bool(res.lossless),
@@ -145,7 +147,8 @@ def evaluate_drafter(target_model, model_dir: str, layer_ids: list[int], step: i
     return result, drafter, arch
 
 
-def check_health(target_model, drafter, head, spec: EvalSpec, references: dict, step: int, tau: float) -> dict | None:
+def check_health(target_model, drafter, head, spec: EvalSpec, references: dict, step: int, tau: float,
+                 cache=None) -> dict | None:
     """The learning checks of one evaluation (`app.model.health`), on the prompts tau was just decoded on (their
     greedy outputs from `references`) and the spec's training sample: figures, verdict lines and the status word."""
     if spec.health is None or not spec.health.enabled:
@@ -160,7 +163,8 @@ def check_health(target_model, drafter, head, spec: EvalSpec, references: dict, 
             references[key] = greedy_reference(target_model, prompt, spec.eval.max_new_tokens, spec.eos_token_id)
         heldout.append((list(prompt), references[key]))
     with torch.no_grad():
-        h = measure_health(target_model, drafter, head, step, tau, heldout, list(spec.fit), spec.eval.max_new_tokens)
+        h = measure_health(target_model, drafter, head, step, tau, heldout, list(spec.fit), spec.eval.max_new_tokens,
+                           cache)
     found = verdicts(h, spec.health)
     return {**h.to_dict(), "verdicts": [v.line for v in found], "names": [v.name for v in found],
             "status": status_word(found)}

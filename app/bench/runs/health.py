@@ -3,10 +3,10 @@
 Trains the markov demo's drafter in this process (conf/tiny.yaml, seed 0: `app.bench.runs.quality.train_in_process`,
 about 30 s of one CPU), then times the run's own evaluation (`app.model.live_eval.evaluate_drafter`: the drafter
 built from rank 0's weights, tau decoded on the held-out prompts) with and without the checks
-(app/model/health.py), alternately, `--rounds` times each, side by side in this one process. The greedy outputs are
-cached first, as they are after a run's first evaluation (every later one reuses them), so both sides time what
-an evaluation during the run costs. RESULT: the median seconds of each side, their ratio, the checks' own seconds
-and the figures they measured.
+(app/model/health.py), alternately, `--rounds` times each, side by side in this one process. The greedy outputs and
+the checks' target features are cached first, as a target keeps them after a run's first evaluation (every later one
+reuses them), so both sides time what an evaluation during the run costs. RESULT: the median wall and CPU seconds of each side (one thread: on a shared
+box the wall clock also counts other processes' turns), their ratios, the checks' own seconds and their figures.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from app.bench.common import add_overrides, print_result
 
 def main(argv: list[str]) -> int:
     from app.bench.runs.quality import corpus_config, train_in_process
+    from app.model.health import FeatureCache
     from app.model.live_eval import evaluate_drafter, stop_token, weights_to_numpy
     from app.run.evaluate.schedule import eval_spec
 
@@ -38,28 +39,33 @@ def main(argv: list[str]) -> int:
     plan, cpu = run.plan, torch.device("cpu")
     checked = eval_spec(plan, stop_token(plan.info.eos_token_ids))  # the run's own spec, training sample included
     plain = replace(checked, health=None, fit=())
-    weights, references = weights_to_numpy(run.drafter), {}
+    weights, references, features = weights_to_numpy(run.drafter), {}, FeatureCache()
 
-    def one(spec) -> tuple[float, dict]:
-        t0 = time.perf_counter()
+    def one(spec) -> tuple[float, float, dict]:
+        t0, c0 = time.perf_counter(), time.process_time()
         result, _, _ = evaluate_drafter(run.target, plan.model_dir, plan.layer_ids, len(run.losses), weights, spec,
-                                        cpu, torch.float32, references)
-        return time.perf_counter() - t0, result.to_dict()
+                                        cpu, torch.float32, references, features)
+        return time.perf_counter() - t0, time.process_time() - c0, result.to_dict()
 
-    one(plain)  # caches the greedy outputs, as a run's first evaluation does
-    plain_s, checked_s, health_s, health = [], [], [], None
+    one(checked)  # caches the greedy outputs and the checks' target features, as a run's first evaluation does
+    plain_s, checked_s, plain_cpu, checked_cpu, health_s, health = [], [], [], [], [], None
     for _ in range(args.rounds):
-        plain_s.append(one(plain)[0])
-        seconds, result = one(checked)
-        checked_s.append(seconds)
+        wall, cpu_s, _ = one(plain)
+        plain_s.append(wall), plain_cpu.append(cpu_s)
+        wall, cpu_s, result = one(checked)
+        checked_s.append(wall), checked_cpu.append(cpu_s)
         health = result["health"]
         health_s.append(health["seconds"])
     base, with_checks = statistics.median(plain_s), statistics.median(checked_s)
+    # CPU seconds too (one thread): on a shared box the wall clock also counts the other processes' turns.
+    base_cpu, with_checks_cpu = statistics.median(plain_cpu), statistics.median(checked_cpu)
     print(f"health: evaluation {base:.2f} s without the checks, {with_checks:.2f} s with them "
-          f"({with_checks / base:.2f}x); the checks alone {statistics.median(health_s):.2f} s; {health['status']}")
+          f"({with_checks / base:.2f}x; CPU seconds {base_cpu:.2f} vs {with_checks_cpu:.2f}: "
+          f"{with_checks_cpu / base_cpu:.2f}x); the checks alone {statistics.median(health_s):.2f} s; {health['status']}")
     for line in health["verdicts"]:
         print(f"health: {line}")
     print_result({"eval_s": base, "eval_with_checks_s": with_checks, "ratio": with_checks / base,
+                  "eval_cpu_s": base_cpu, "eval_with_checks_cpu_s": with_checks_cpu, "cpu_ratio": with_checks_cpu / base_cpu,
                   "checks_s": statistics.median(health_s), "rounds": args.rounds, "steps": len(run.losses),
                   "tau": health["tau"], "tau_fit": health["tau_fit"], "tau_no_features": health["tau_no_features"],
                   "first_distinct": health["first_distinct"], "first_top_share": health["first_top_share"],
