@@ -104,6 +104,7 @@ def finish_run(end: RunEnd, stream: dict, elapsed: float) -> dict:
     summary = build_summary(sup.plan, sup, sup.monitor, outcome, tau, elapsed)
     summary.update(stream)
     summary.update(end.outputs.finish(outcome.steps, export_dir))  # tau_history, tau_best, split_advice
+    log(sup.monitor.line())  # the last status line: the end's tau and its health beside the final step
     summary.update(serving_outputs(cfg, sup.plan.model_dir, export_dir,  # launch lines, drafter-speculators/
                                    tau.trained if tau.trained is not None else
                                    (summary.get("tau_best") or {}).get("tau"), log,
