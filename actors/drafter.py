@@ -3,22 +3,21 @@
 The rank's step protocol (accumulate `train.grad_accum` micro-batches with one pull prefetched, the
 step's single all-reduce, acks after the optimizer step, the all-gather of job ids into the ledger rank 0
 checkpoints, drains and end-of-stream, checkpoint and eval cadence) is `app/training/loop.py`; its
-operations (Ray calls, the trainer, the process group, the step log, fault hooks, the phases the
-supervisor's watchdog reads) are `RankOps` in `actors/drafter_ops.py`. This module holds the rank's
-state: the process group's setup, the trainer (`app/training/trainer.py`), checkpoints and the export.
+operations (Ray calls, the trainer, the process group, the step log, the drafter faults, the phases the
+supervisor's watchdog reads) are `RankOps` in `actors/drafter_ops.py`, handed the parts it uses and the
+rank's `RankState`. This module holds the rank: the process group's setup, the trainer
+(`app/training/trainer.py`), checkpoints and the export.
 What a rank is given and returns is `app/training/drafter_io.py`.
 """
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import torch
 
-from actors.drafter_ops import RankOps
+from actors.drafter_ops import RankOps, RankState
 from app.devices import compute_dtype, limit_threads, pick_device
-from app.faults import fire_once
 from app.messages import DrafterPhase, DrafterProgress
 from app.storage import fence
 from app.training.checkpoint import TrainState, load_checkpoint, restore_rng, rng_state, save_checkpoint, state_checksum
@@ -43,17 +42,11 @@ class DrafterActor:
         self.step_log = StepLog(setup.step_log) if rank == 0 and setup.step_log else None  # rank 0 writes it
         self.device = pick_device(setup.device)
         self.dtype = compute_dtype(setup.dtype, self.device)
-        self.step_now = 0
-        self._phase = (DrafterPhase.SETUP, time.monotonic())
-
-    def _enter(self, phase: str) -> None:
-        """Record where the loop is, for the supervisor's watchdog (one tuple: read atomically)."""
-        self._phase = (phase, time.monotonic())
+        self.state = RankState(rank)  # epoch, ledger, step and phase: what the step's operations change
 
     def progress(self) -> DrafterProgress:
         """Answered from a second actor thread while `run` trains (the actor has max_concurrency=2)."""
-        phase, since = self._phase
-        return DrafterProgress(self.rank, phase, time.monotonic() - since, self.step_now)
+        return self.state.progress()
 
     def address(self) -> tuple[str, int]:
         """Rank 0's rendezvous address for torch.distributed: this node's address only (app/training/rendezvous.py)."""
@@ -95,8 +88,6 @@ class DrafterActor:
         # Pinned staging buffers sized to the run's largest payload, allocated (registered) once, here.
         self.stager = PayloadStager(self.device, self.dtype, copy_threads=staging_threads(self.cfg.num_cpus),
                                     max_bytes=self.cfg.max_payload_bytes)
-        self.ledger: set[int] = set()
-        self.epoch = 0
         if self.cfg.resume_from:
             self._restore(self.cfg.resume_from)
         for p in drafter.parameters():  # start identical on every rank, whatever the init did
@@ -108,7 +99,7 @@ class DrafterActor:
         self.trainer.drafter.load_state_dict(state.drafter)
         self.trainer.optimizer.load_state_dict(state.optimizer)
         self.trainer.scheduler.load_state_dict(state.scheduler)
-        self.trainer.step, self.epoch, self.ledger = state.step, state.epoch, set(state.ledger)
+        self.trainer.step, self.state.epoch, self.state.ledger = state.step, state.epoch, set(state.ledger)
         if state.rng:
             restore_rng(state.rng)
 
@@ -119,39 +110,25 @@ class DrafterActor:
         if self.device.type == "cuda":  # run may execute on another actor thread than setup did
             torch.cuda.set_device(self.device)
         # This incarnation's generation: pulls a dead predecessor sent are refused, not served.
-        ops = RankOps(self, ray.get(self.pool.generation.remote(self.rank)))
+        ops = RankOps(self.pool, ray.get(self.pool.generation.remote(self.rank)), self.cfg, self.trainer, self.stager,
+                      self.device, self.dtype, self.state, self.step_log, self.save)
         c = self.cfg
         loop = RankLoop(LoopConfig(self.rank, c.world_size, c.train.grad_accum, c.checkpoint.every_steps,
                                    c.eval_every_steps, start_step=self.trainer.step))
         outcome = drive(loop, ops)
         ops.executor.shutdown(wait=False)
         ops.close()  # the staging and receive buffers, unless a pull is still in flight (then at exit)
-        self._enter(DrafterPhase.COMPUTE)
+        self.state.enter(DrafterPhase.COMPUTE)
         result = DrafterResult(self.rank, self.trainer.step, outcome.stopped, self.weights_checksum(), ops.last_ckpt,
                                self.export() if (self.rank == 0 and not outcome.stopped) else None,
                                outcome.nonfinite, ops.skipped)
-        self._enter(DrafterPhase.DONE)
+        self.state.enter(DrafterPhase.DONE)
         return result
-
-    def _maybe_stall(self, eos: bool) -> None:
-        # The last rank hangs outside any collective (the others wait in the all-reduce): at the
-        # configured step, or when its stream ended first (then nothing is buffered any more).
-        at = self.cfg.faults.stall_drafter_at_step
-        if at >= 0 and self.rank == self.cfg.world_size - 1 and (self.trainer.step + 1 >= at or eos) \
-                and fire_once(self.cfg.checkpoint.dir, "stall_drafter"):
-            self._enter(DrafterPhase.COMPUTE)
-            time.sleep(10**6)  # only the watchdog gets us out
-
-    def _maybe_crash(self, step: int) -> None:
-        # After the step's update but before its ack: the jobs are trained and not yet in the ledger.
-        if self.rank == 0 and step == self.cfg.faults.kill_drafter_at_step and fire_once(
-                self.cfg.checkpoint.dir, "kill_drafter"):
-            os._exit(1)
 
     def save(self) -> str:
         """Rank 0: write the checkpoint (weights, optimizer, scheduler, RNG, step, epoch, ledger)."""
         t = self.trainer
-        state = TrainState(step=t.step, epoch=self.epoch, ledger=sorted(self.ledger),
+        state = TrainState(step=t.step, epoch=self.state.epoch, ledger=sorted(self.state.ledger),
                            drafter=t.drafter.state_dict(), optimizer=t.optimizer.state_dict(),
                            scheduler=t.scheduler.state_dict(), rng=rng_state(),
                            extra={"data_fingerprint": self.cfg.data_fingerprint,
