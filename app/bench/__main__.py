@@ -13,6 +13,7 @@ BENCHES = {
     "sched": ("app.bench.feeding.sched", "stratified vs round-robin vs random pulls vs per-drafter queues (step mix, backlog, busy)"),
     "e2e": ("app.bench.runs.e2e", "end-to-end training throughput"),
     "loss": ("app.bench.compute.loss", "DFlash loss kernels"),
+    "sampled_step": ("app.bench.compute.sampled_step", "a drafter step at SmolLM2's shapes: full LM head vs sampled softmax"),
     "flops": ("app.bench.compute.flops", "target/drafter executed vs needed FLOPs and target peak memory at default shapes"),
     "memory": ("app.bench.compute.memory", "drafter peak GPU memory per bucket (fake tensors, full width): now vs before"),
     "data": ("app.bench.runs.data", "tokenizing at scale: single process vs Ray Data, cache load, driver RSS, pool bytes/job"),
