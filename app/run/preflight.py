@@ -5,9 +5,10 @@ A mistake is one `ConfigError`/`DataError` line and exit 2, before the cluster w
 2. while planning, before `ray.init` (app/run/plan.py `plan_run`): the target against the config
    (app/config/checks.py `check_target`), the data, and the resume point (same data, same schedule);
 3. against the cluster, once connected (`preflight`, here): resources (app/config/checks.py
-   `check_resources`), bundles per node (app/run/placement.py `check_cluster_fits`), one global step of
-   the largest job within the pool's budget (`RunPlan.use_device`), the object store (app/pool/budget.py
-   `check_object_store`), and each run of a sweep reading layers the target has (app/run/sweep.py `plan_runs`).
+   `check_resources`), bundles per node (app/run/placement.py `check_cluster_fits`), each run of a sweep
+   reading layers the target has (app/run/sweep.py `plan_runs`), one global step of the largest job within
+   the pool's budget (`RunPlan.use_device`, sized for every layer the targets capture: a sweep's union), and
+   the object store (app/pool/budget.py `check_object_store`).
 The check functions stay beside what they check; this module says which run, and when.
 """
 from __future__ import annotations
@@ -66,8 +67,11 @@ def preflight(plan, cluster: Cluster) -> dict:
     cfg = plan.cfg
     check_resources(cfg, cluster.resources, cluster.use_gpu)
     check_cluster_fits(cfg, cluster.use_gpu, cluster.nodes)  # per node: names what is short where
+    runs = plan_runs(plan)  # a sweep: the targets capture the union of its runs' layers, which sizes a job
     plan.use_device(cluster.use_gpu)  # one global step of the largest job fits the pool's byte budget
+    for run in runs.values():
+        run.bytes_per_token = plan.bytes_per_token  # the payload a run's ranks fetch is the stream's
     store = cluster.object_store_bytes
     extras = object_store_extras(plan) if store else (0, 0)  # Ray did not say: nothing to compare with
     check_object_store(cfg, plan.jobs.max_payload_bytes(), store, *extras)  # the dataset and eval offers too
-    return plan_runs(plan)  # each run's layers exist in the target; the targets capture their union
+    return runs
