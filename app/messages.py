@@ -111,6 +111,9 @@ class StepRecord:
     accept_len: float  # mean expected acceptance length per block on this rank
     per_pos_acc: list[float] = field(default_factory=list)  # block positions 1..B-1
     topk_acc: float = -1.0  # top-5 accuracy over the vocabulary on sampling steps, else -1
+    # The full vocabulary's loss of the step's rows: the loss itself without drafter.loss_negatives, measured on
+    # sampling steps with it (the exact figure the sampled loss is checked against); -1 when not measured.
+    full_loss: float = -1.0
     compute_s: float = 0.0
     data_wait_s: float = 0.0
     lr: float = 0.0

@@ -137,6 +137,27 @@ def test_top5_accuracy_only_on_sampling_steps(parts) -> None:
     assert 0.0 <= seen[1] <= 1.0 and 0.0 <= seen[3] <= 1.0
 
 
+def test_sampled_softmax_steps_report_the_full_vocabulary_loss_on_sampling_steps(parts) -> None:
+    """drafter.loss_negatives trains on a slice; a sampling step also gives the full vocabulary's loss of the
+    same rows: on the first step (same weights, same anchors) exactly the full-head trainer's own loss."""
+    from dataclasses import replace
+
+    arch, head, (small, _) = parts
+
+    def first_step(negatives: int, sample_every: int):
+        t = _trainer(arch, head)
+        t.dcfg = replace(t.dcfg, loss_negatives=negatives)
+        t.tcfg = TrainConfig(lr=1e-2, warmup_ratio=0.0, grad_accum=1, sample_every=sample_every)
+        t.micro_step(small, job_id=0)
+        return t.finish_step()
+
+    full, sampled = first_step(0, 1), first_step(8, 1)
+    assert full.full_loss == pytest.approx(full.loss)  # the full head: its loss is the full loss
+    assert sampled.full_loss == pytest.approx(full.loss, rel=1e-5)  # measured on the same rows
+    assert abs(sampled.loss - sampled.full_loss) > 1e-3  # it trained on the slice's loss, not the full head's
+    assert first_step(8, 2).full_loss == -1.0  # not a sampling step: not measured
+
+
 def test_bf16_autocast_keeps_fp32_master_weights_that_move(parts) -> None:
     """Norm weights sit at 1.0, where a bf16 weight cannot take a ~lr-sized AdamW step."""
     arch, head, (small, _) = parts

@@ -60,5 +60,5 @@ def step_record(rank: int, step: int, epoch: int, stats, job_ids: tuple[int, ...
     return StepRecord(
         rank=rank, step=step, epoch=epoch, loss=stats.loss, weight_sum=stats.weight_sum,
         correct=stats.accuracy, tokens=stats.local_tokens, accept_len=stats.accept_len,
-        per_pos_acc=stats.per_pos_acc, topk_acc=stats.topk_acc, compute_s=max(0.0, step_s - wait_s),
+        per_pos_acc=stats.per_pos_acc, topk_acc=stats.topk_acc, full_loss=stats.full_loss, compute_s=max(0.0, step_s - wait_s),
         data_wait_s=wait_s, lr=stats.lr, grad_norm=stats.grad_norm, job_ids=job_ids)

@@ -34,7 +34,7 @@ from app.storage import fence
 FILE_NAME = "timeline.jsonl"
 
 # StepRecord fields kept per row: job ids are long and say nothing the pool's counters do not.
-_STEP_FIELDS = ("rank", "step", "epoch", "loss", "correct", "tokens", "accept_len", "topk_acc", "compute_s",
+_STEP_FIELDS = ("rank", "step", "epoch", "loss", "correct", "tokens", "accept_len", "topk_acc", "full_loss", "compute_s",
                 "data_wait_s", "lr", "grad_norm")
 _POOL_FIELDS = ("q_hsb", "buffered", "capacity_items", "pool_bytes", "pending", "in_flight", "leased", "acked",
                 "total_jobs", "tokens_by_target", "forward_s_by_target", "done_by_target", "targets", "restarts")

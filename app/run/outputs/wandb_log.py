@@ -71,6 +71,8 @@ class StepRows:
         row.update({f"acc_pos{k + 1}": a for k, a in enumerate(first.per_pos_acc)})
         if first.topk_acc >= 0:
             row["top5_acc"] = first.topk_acc
+        if first.full_loss >= 0 and first.full_loss != first.loss:  # a sampled-softmax step's exact loss
+            row["full_loss"] = first.full_loss
         return [row]
 
 
