@@ -20,7 +20,7 @@ class HealthConfig:
     anchor_min_changed: float = 0.2  # ignoring its anchor: fewer first guesses than this share change with another anchor token
     anchor_pos1_ok: float = 0.5  # ...unless this share of its first guesses is right: then the features carry the anchor (greedy text's anchor is the target's own argmax)
     features_min_gain: float = 0.1  # ignoring its features: tau with them minus tau with them zeroed below this
-    layer_shift_margin: float = 0.05  # layers off by one: tau reading every layer id - 1 or + 1 beats tau with the configured ones by more than this
+    layer_loss_margin: float = 0.02  # layers off by one: the first guesses' loss reading every layer id - 1 or + 1 is this share below the configured layers' loss
     overfit_gap: float = 1.0  # over-fitting: tau on the training sample minus held-out tau above this
 
     def __post_init__(self) -> None:
@@ -33,5 +33,6 @@ class HealthConfig:
             if not 0.0 <= share <= 1.0:  # a range test: nan fails it too
                 fail(key, share, "must be a share in [0, 1]")
         at_least("health.features_min_gain", self.features_min_gain, 0.0, "a gain in tokens per verify forward")
-        at_least("health.layer_shift_margin", self.layer_shift_margin, 0.0, "a margin in tokens per verify forward")
+        if not 0.0 <= self.layer_loss_margin < 1.0:  # a range test: nan fails it too
+            fail("health.layer_loss_margin", self.layer_loss_margin, "must be a share in [0, 1)")
         at_least("health.overfit_gap", self.overfit_gap, 0.0, "a gap in tokens per verify forward")

@@ -14,8 +14,9 @@ from one target forward per prompt:
 - anchor: the share of first guesses that change when each anchor token is replaced by another token of
   the same text.
 - features: held-out tau replayed with the target features zeroed, beside the same replay with them.
-- head and layers: whether the drafter's LM head is the target's output embedding, and tau replayed reading every
-  target layer id - 1 and + 1 (a drafter trained on other layers than it is served with reads better there).
+- head and layers: whether the drafter's LM head is the target's output embedding, and the first guesses' loss (and
+  tau) reading every target layer id - 1 and + 1: a drafter reads the layers it was trained on best, so a lower
+  loss next door says the layers differ between training and serving.
 - verdicts (app/model/health_verdicts.py): one line per fault a figure shows, its likely causes, where to look.
 
 Stable signatures a benchmark calls directly (a drafter, its `TargetHead`, the target's features of each
@@ -99,6 +100,11 @@ class Health:
     pos1: float  # first guesses equal to the target's next token
     anchors: int
     seconds: float
+    # Mean cross-entropy (nats) of the first guesses against the target's next tokens, reading the configured layers
+    # and every layer id - 1 / + 1 (None: no such layers): a drafter reads the layers it was trained on best.
+    pos1_loss: float = 0.0
+    pos1_loss_below: float | None = None
+    pos1_loss_above: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -212,6 +218,17 @@ def first_guesses(drafter, head, feats_SD: torch.Tensor, tokens: list[int], anch
     return argmax_rows(head, block_hidden(drafter, head, feats_SD, tokens, anchors, anchor_tokens)[:, 0])
 
 
+def first_loss(head, hidden_AH: torch.Tensor, next_tokens: list[int]) -> tuple[list[int], float]:
+    """(the first guesses, the summed cross-entropy of their logits against `next_tokens`), 256 rows at a time."""
+    guesses, loss = [], 0.0
+    with torch.no_grad():
+        for rows, nexts in zip(hidden_AH.split(256), torch.tensor(next_tokens, device=hidden_AH.device).split(256)):
+            logits = head.logits(rows.to(head.lm_head.weight.dtype)).float()
+            guesses += logits.argmax(dim=-1).tolist()
+            loss += float(torch.nn.functional.cross_entropy(logits, nexts, reduction="sum"))
+    return guesses, loss
+
+
 def collapse(guesses: list[int]) -> Collapse:
     if not guesses:
         return Collapse(0, 0, 0.0, -1)
@@ -305,6 +322,7 @@ def measure_health(target_model, drafter, head, step: int, tau: float, heldout, 
     moved = {by: shifted(layers, by, drafter.arch.num_target_layers) for by in (-1, 1)}  # None: no such layers
     layer_sets = [tuple(layers)] + [tuple(ids) for ids in moved.values() if ids is not None]
     per: dict = {"replay": [], "zero": [], -1: [], 1: []}  # tokens per verify forward of each variant
+    loss: dict = {"replay": 0.0, -1: 0.0, 1: 0.0}  # summed first-guess cross-entropy, per layer variant
     flat, nexts, changed, counted = [], [], 0, 0
     for prompt, greedy in heldout:
         text = list(prompt) + list(greedy)
@@ -322,9 +340,16 @@ def measure_health(target_model, drafter, head, step: int, tau: float, heldout, 
         for k, (name, _, _) in enumerate(variants):
             per[name] += replay_one(drafter, head, None, list(prompt), list(greedy), B, max_new_tokens, hidden[k])
         per.update({by: None for by, ids in moved.items() if ids is None})
-        first, after = argmax_rows(head, hidden[0, :, 0]), argmax_rows(head, hidden[-1, :, 0])
+        wanted = [text[p + 1] for p in every]
+        for k, (name, _, _) in enumerate(variants):
+            if name in loss:
+                guessed, summed = first_loss(head, hidden[k, :, 0], wanted)
+                loss[name] += summed
+                if name == "replay":
+                    first = guessed
+        after = argmax_rows(head, hidden[-1, :, 0])
         flat += first
-        nexts += [text[p + 1] for p in every]
+        nexts += wanted
         for a, b, old, new in zip(first, after, own, swapped):
             if new != old:  # an anchor with no other token to swap in says nothing
                 counted += 1
@@ -342,4 +367,6 @@ def measure_health(target_model, drafter, head, step: int, tau: float, heldout, 
         first_distinct=spread_of.distinct, first_top_share=spread_of.top_share,
         target_top_share=collapse(nexts).top_share, anchor_changed=changed / counted if counted else 0.0,
         pos1=sum(g == n for g, n in zip(flat, nexts)) / max(len(flat), 1), anchors=len(flat),
-        seconds=time.perf_counter() - t0)
+        seconds=time.perf_counter() - t0, pos1_loss=loss["replay"] / max(len(flat), 1),
+        pos1_loss_below=None if per[-1] is None else loss[-1] / max(len(flat), 1),
+        pos1_loss_above=None if per[1] is None else loss[1] / max(len(flat), 1))

@@ -45,17 +45,20 @@ def _head(h) -> Verdict | None:
 
 
 def _layers(h, cfg) -> Verdict | None:
-    near = {f"{by} ": t for by, t in (("- 1", h.tau_layers_below), ("+ 1", h.tau_layers_above)) if t is not None}
+    # The loss, not tau: a few prompts' tau moves by a block or two between neighbouring layers of a small target,
+    # while the first guesses' loss over every anchor is lowest on the layers the drafter was trained on.
+    near = [(side, loss, tau) for side, loss, tau in (("- 1", h.pos1_loss_below, h.tau_layers_below),
+                                                      ("+ 1", h.pos1_loss_above, h.tau_layers_above)) if loss is not None]
     if not near:
         return None
-    side, best = max(near.items(), key=lambda kv: kv[1])
-    if best - h.tau_replay <= cfg.layer_shift_margin:
+    side, best, tau = min(near, key=lambda n: n[1])
+    if best >= h.pos1_loss * (1 - cfg.layer_loss_margin):
         return None
     return Verdict("layers_off", (
-        f"target layer ids off by one: tau {best:.2f} reading every layer id {side}beside {h.tau_replay:.2f} with the "
-        f"configured ones (margin health.layer_shift_margin {cfg.layer_shift_margin:g}); likely: layer ids that "
-        "differ between training and serving (model.target_layer_ids, hidden_states[l + 1] vs [l], an engine's "
-        "aux layer convention)"))
+        f"target layer ids off by one: the first guesses' loss is {best:.3f} reading every layer id {side} against "
+        f"{h.pos1_loss:.3f} with the configured ones (tau {tau:.2f} vs {h.tau_replay:.2f}; health.layer_loss_margin "
+        f"{cfg.layer_loss_margin:g}); likely: layer ids that differ between training and serving "
+        "(model.target_layer_ids, hidden_states[l + 1] vs [l], an engine's aux layer convention)"))
 
 
 def _fit(h, cfg) -> Verdict | None:

@@ -73,7 +73,7 @@ def health_keys(health: dict | None) -> dict[str, Any]:
     measured left out), `health/verdicts` (how many) and `health/status` (ok or the first verdict)."""
     if not health:
         return {}
-    figures = ("tau_fit", "tau_replay", "tau_no_features", "tau_layers_below", "tau_layers_above", "first_distinct",
+    figures = ("tau_fit", "tau_replay", "tau_no_features", "tau_layers_below", "tau_layers_above", "pos1_loss", "first_distinct",
                "first_top_share", "anchor_changed", "pos1", "seconds")
     return {**{f"health/{k}": health[k] for k in figures if health.get(k) is not None},
             "health/verdicts": len(health["names"]), "health/status": health["status"]}
