@@ -293,12 +293,13 @@ def test_the_rebalance_bench_measures_each_split_in_injected_delay_seconds_and_c
     assert virtual_rate(tail, 8, 2.3, 2.0, share=0.4)[0] == pytest.approx(1.5)
 
 
-def test_the_rebalance_benchs_setting_leaves_the_advisor_one_answer_whatever_the_compute(tmp_path):
+def test_the_rebalance_benchs_setting_leaves_the_advisor_one_answer_while_the_sides_compute_is_within_0_9_s(tmp_path):
     """Issue 45: the auto run's one wall-clock input is the advisor's choice on measured rates (injected delay
     plus the tiny model's compute, which load stretches). In the bench's setting that choice is 4/4 from either
     start, its estimated gain past rebalance_min_gain while either side's compute exceeds the other's by
     under 0.9 s a job (0.2 s on each, and about 1.3 s against 0.9 s, were measured), and the re-split it makes is
-    worth 4/3 >= the goal in injected-delay seconds."""
+    worth 4/3 >= the goal in injected-delay seconds. Beyond that band (two CPU busy loops beside the bench made
+    a drafter micro-batch's compute ~12.6 s against 2.1 s) the advisor answers otherwise: docs/benchmarks.md."""
     from app.bench.feeding.rebalance import GOAL, SIDES, WINDOW, virtual_rate
     from app.training.step_log import StepLog, lineage
 
