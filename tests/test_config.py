@@ -238,7 +238,7 @@ SECTION_CASES = [
     ("drafter.num_anchors=0", "drafter.num_anchors=0 must be >= 1"),
     ("drafter.loss_gamma=-1", "drafter.loss_gamma=-1.0 must be >= 0"),
     ("train.epochs=0", "train.epochs=0 must be >= 1"),
-    ("health.collapse_top_share=1.5", "health.collapse_top_share=1.5 must be a share in [0, 1]"),
+    ("health.collapse_top_share=1.5", "health.collapse_top_share=1.5 must be in [0, 1] (a share)"),
     ("health.fit_min_tau=0.5", "health.fit_min_tau=0.5 must be >= 1.0"),
     ("train.lr=0", "train.lr=0.0 must be > 0"),
     ("train.warmup_ratio=1", "train.warmup_ratio=1.0 must be in [0, 1)"),

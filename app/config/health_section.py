@@ -31,8 +31,8 @@ class HealthConfig:
                            ("health.anchor_min_changed", self.anchor_min_changed),
                            ("health.anchor_pos1_ok", self.anchor_pos1_ok)):
             if not 0.0 <= share <= 1.0:  # a range test: nan fails it too
-                fail(key, share, "must be a share in [0, 1]")
+                fail(key, share, "must be in [0, 1] (a share)")
         at_least("health.features_min_gain", self.features_min_gain, 0.0, "a gain in tokens per verify forward")
         if not 0.0 <= self.layer_loss_margin < 1.0:  # a range test: nan fails it too
-            fail("health.layer_loss_margin", self.layer_loss_margin, "must be a share in [0, 1)")
+            fail("health.layer_loss_margin", self.layer_loss_margin, "must be in [0, 1) (a share)")
         at_least("health.overfit_gap", self.overfit_gap, 0.0, "a gap in tokens per verify forward")
