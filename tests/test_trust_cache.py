@@ -181,9 +181,11 @@ def test_releasing_a_uri_run_s_lease_removes_its_downloads_on_this_node(download
     from app.run.lease import RunLease
     from app.storage import fence
     from app.storage.fetch import fetch_dir
+    from app.storage import pins
     from app.storage.roots import open_storage
 
     monkeypatch.setattr(fence, "_mine", {})
+    monkeypatch.setattr(pins, "_held", {})  # this process's pins from earlier tests are not this run's
     root = f"file://{tmp_path / 'bucket' / 'run'}"
     lease = RunLease(root, 60).acquire()
     store = open_storage(root)
@@ -191,9 +193,8 @@ def test_releasing_a_uri_run_s_lease_removes_its_downloads_on_this_node(download
     (staged / "state.json").write_text("{}")
     local = fetch_dir(store.publish(staged, "ckpt-00000002"))
     assert (local / "state.json").is_file() and len(list(downloads.iterdir())) == 1
+    assert str(local.parent) in pins._held  # the fetch pinned its entry
     lease.release()
-    from app.storage import pins
-
     assert list(downloads.iterdir()) == [] and not local.exists() and not pins._held
 
 
