@@ -40,6 +40,7 @@ def test_small_budget_drafter_holds_its_tau_floor(tmp_path) -> None:
     torch.set_num_threads(2)
     try:
         work, plan, _model = prepare(SMALL, Clock(log=lambda s: None), str(tmp_path), log=lambda s: None)
+        work["fit"] = {k: v[:8] for k, v in work["fit"].items()}  # 8 training prompts for tau_train: CI's budget
         free = training_free(work, plan)
         out = train_and_measure(work, 0, zero_features=False, log=lambda s: None)
     finally:
