@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         k = ("fp8_" if r["feature_dtype"] == "float8_e4m3" else "") + r["label"].lower()
         k = {"mt": "mt_", "view": "view_"}.get(r["mode"], "") + k
-        fields.update({f"{k}_median_gbps": f"{r['median_gbps']:.2f}", f"{k}_p99_gbps": f"{r['p99_gbps']:.2f}",
+        fields.update({f"{k}_median_gbps": f"{r['median_gbps']:.2f}", f"{k}_p99_gbps": f"{r['p99_gbps']:.4f}",
                        f"{k}_ratio": f"{r['ratio']:.3f}", f"{k}_memcpy_gbps": f"{r['memcpy_gbps']:.2f}",
                        f"{k}_seal_ms": f"{r['produce_seal_ms']:.0f}", f"{k}_produce_ms": f"{r['produce_ms']:.0f}",
                        f"{k}_fetch_ms": f"{r['fetch_ms']:.1f}",
