@@ -276,7 +276,7 @@ def main(argv: list[str]) -> int:
             zeroed = {s: r for s, r in zip(args.zero_seeds, done[len(args.seeds):])}
             for s, r in zip(args.seeds, per_seed):
                 r.update(zeroed.get(s, {}))
-        means = report(args.seeds, per_seed, free, sum(clock.parts.values()))
+        report(args.seeds, per_seed, free, sum(clock.parts.values()))
         if args.race_prompts:
             torch.set_num_threads(args.threads)
             with clock.part("speed race (batch 1)"):
