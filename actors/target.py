@@ -1,7 +1,7 @@
 """TargetActor: a frozen target LM that turns a job's sequences into drafter features.
 
-A thin shell: batching lives in `app/data/batching.py`, features in `app/model/target_trunk.py` (the
-decoder runs only up to the deepest requested layer). The pool calls `forward` with `num_returns=2`, so
+A thin shell: the job's forward (padding or packing, the host copy) lives in `app/data/target_forward.py`,
+features in `app/model/target_trunk.py` (the decoder runs only up to the deepest requested layer). The pool calls `forward` with `num_returns=2`, so
 the small `ItemMeta` and the large `HiddenBatch` become two objects owned by the pool, and the payload
 outlives this process.
 
@@ -21,7 +21,7 @@ import os
 import threading
 import time
 
-from app.data.batching import start_job
+from app.data.target_forward import start_job
 from app.config.run_sections import FaultsConfig
 from app.config.schema import ModelConfig
 from app.devices import compute_dtype, limit_threads, load_target, pick_device

@@ -12,7 +12,7 @@ import torch
 from actors.target import batch_nbytes
 from app.bench.transport.path_ends import FixedTrunk
 from app.config.schema import ModelConfig, PoolConfig
-from app.data.batching import start_job
+from app.data.target_forward import start_job
 from app.messages import ItemMeta, JobSpec
 from app.model.feature_codec import decode_fp8, decode_numpy, encode_fp8, payload_width
 from app.model.loss import TrainBatch

@@ -49,7 +49,7 @@ def test_greedy_references_are_cached_per_batch_and_end_at_eos(tiny_target, tmp_
 def test_jobs_from_cached_features_equal_the_target_actors_jobs(tiny_target, tmp_path):
     """The drafter receives from the cache what the TargetActor path (job_hidden_batch) gives it: the same ids,
     mask and lengths, and the features up to the bf16 rounding the cache stores them in."""
-    from app.data.batching import job_hidden_batch
+    from app.data.target_forward import job_hidden_batch
     from app.model.loss import TrainBatch
 
     model, _ = tiny_target

@@ -108,7 +108,7 @@ def test_the_budget_stops_writing_and_says_so_once(tmp_path: Path) -> None:
 
 def _batch_of(job_id: int, seqs: list, seeds: list[int]):
     """A forward's batch for `seqs`: padded, with garbage past each length (as padded SDPA leaves)."""
-    from app.data.batching import pad_sequences
+    from app.data.target_forward import pad_sequences
     from app.messages import HiddenBatch
 
     ids, mask, lengths = pad_sequences(seqs)
@@ -133,7 +133,7 @@ def test_a_job_is_assembled_from_sequences_another_job_wrote(tmp_path: Path) -> 
 
 
 def test_fp8_scales_travel_with_their_codes(tmp_path: Path) -> None:
-    from app.data.batching import pad_sequences
+    from app.data.target_forward import pad_sequences
     from app.messages import HiddenBatch
 
     store = _store(tmp_path, ReplayKey("w" * 32, (1,), "float8_e4m3"))

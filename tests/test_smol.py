@@ -28,7 +28,7 @@ def test_target_actor_features_equal_plain_hidden_states() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from app.data.batching import start_job
+    from app.data.target_forward import start_job
     from app.data.chat_mask import tokenize_conversation
     from app.devices import target_load_kwargs
     from app.model.target_trunk import TargetTrunk

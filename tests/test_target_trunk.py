@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.data.batching import job_hidden_batch, packed_inputs, run_target, to_host_async, use_packing
+from app.data.target_forward import job_hidden_batch, packed_inputs, run_target, to_host_async, use_packing
 from app.model.features import target_features
 from app.model.target_trunk import TargetTrunk
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from app.data.batching import pad_sequences
+from app.data.target_forward import pad_sequences
 from app.messages import HiddenBatch
 from app.replay.store import ReplayStore, Stored
 

@@ -42,7 +42,7 @@ class ReplayKey:
 
 
 def payload_dtype(feature_dtype: str, compute_dtype) -> str:
-    """The `HiddenBatch.hidden_dtype` a target's forward produces (app/data/batching.py pack_hidden)."""
+    """The `HiddenBatch.hidden_dtype` a target's forward produces (app/data/target_forward.py pack_hidden)."""
     import torch
 
     if feature_dtype == "float8_e4m3":

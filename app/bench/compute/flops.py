@@ -173,7 +173,7 @@ def meta_target(shape: Shape, dtype=torch.bfloat16):
 
 def peak_bytes(model, lengths: list[int], path: str) -> int:
     """Live activation bytes at the peak of one job's target call on meta tensors: old | new."""
-    from app.data.batching import packed_inputs, padded_rows, unpack_features
+    from app.data.target_forward import packed_inputs, padded_rows, unpack_features
     from app.model.features import target_features
     from app.model.target_trunk import TargetTrunk
 

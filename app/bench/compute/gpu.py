@@ -7,7 +7,7 @@ each check's time printed and appended to FILE (default runs/gpu-acceptance.json
 
 One script for a machine with one CUDA GPU, no downloads: a random-weight Qwen3-8B-shaped target in bf16
 and the default drafter (conf/default.yaml's `drafter` and `train` sections) built around the target's own
-embedding and LM head. Measures, with the code the actors run (`app.data.batching.start_job`; the
+embedding and LM head. Measures, with the code the actors run (`app.data.target_forward.start_job`; the
 drafter's step loop, app/bench/compute/alone.py):
 - target prefill tokens/s over jobs of the default schedule (synthetic chat-like lengths, as
   `python -m app.bench flops`), and MFU = needed FLOPs / time / peak (decoder layers up to the deepest
@@ -161,7 +161,7 @@ def job_seqs(lengths: list[int], vocab: int, rng: np.random.Generator) -> list[t
 def bench_target(s: Setup, model) -> tuple[dict, list]:
     """Prefill tok/s and MFU, and the copy overlap; returns the last jobs' HiddenBatches for the drafter."""
     from app.bench.compute.flops import target_flops
-    from app.data.batching import run_target, start_job, to_host_async, use_packing, pad_sequences
+    from app.data.target_forward import run_target, start_job, to_host_async, use_packing, pad_sequences
     from app.model.target_trunk import TargetTrunk
 
     trunk = TargetTrunk(model, s.layer_ids)

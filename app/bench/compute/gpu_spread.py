@@ -1,6 +1,6 @@
 """The `target_spread` check of `bench gpu --acceptance` (2+ GPUs): topology.gpus_per_target=2 as a target
 actor runs it. The random-weight target, built on GPU 0, is timed on a few jobs' prefill (the actors' code:
-TargetTrunk through app.data.batching.run_target), then dispatched by accelerate over GPUs 0 and 1 with the
+TargetTrunk through app.data.target_forward.run_target), then dispatched by accelerate over GPUs 0 and 1 with the
 plan a target actor loads with (app/devices.py plan_target_map) and timed again; the features (gathered on
 GPU 0, where the payload is built) must match the one-GPU ones. Prefill tokens/s both ways say what a second
 GPU per target buys against a second target (which doubles tokens/s, where the weights fit one GPU).
@@ -17,7 +17,7 @@ def spread_prefill(s, model, jobs_used: int = 4):
     """(status, fields, the dispatched model): `s` is bench gpu's Setup, `model` its target on GPU 0."""
     from accelerate import dispatch_model
 
-    from app.data.batching import pad_sequences, run_target, use_packing
+    from app.data.target_forward import pad_sequences, run_target, use_packing
     from app.devices import TARGET_WEIGHT_SHARE, plan_target_map
     from app.model.target_trunk import TargetTrunk
 

@@ -42,7 +42,7 @@ def standalone(cfg, num_jobs: int = 24, threads: int = 1) -> float:
     protocol the actor drives (app/bench/compute/alone.py)."""
     from transformers import AutoModelForCausalLM
 
-    from app.data.batching import job_hidden_batch
+    from app.data.target_forward import job_hidden_batch
     from app.model.build import build_or_load_drafter
     from app.run.plan import plan_run
     from app.bench.compute.alone import step_alone

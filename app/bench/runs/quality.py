@@ -69,7 +69,7 @@ def train_in_process(cfg, log=lambda s: None) -> Trained:
     """The run's training in one process, each optimizer step over the jobs the group's step takes."""
     from transformers import AutoModelForCausalLM
 
-    from app.data.batching import job_hidden_batch
+    from app.data.target_forward import job_hidden_batch
     from app.model.build import build_or_load_drafter
     from app.model.loss import TrainBatch
     from app.run.plan import plan_run

@@ -71,7 +71,7 @@ def job_batch(plan, feats, job):
     """One job as the drafter receives it: padded ids and mask, the cached features in bf16 transit."""
     import numpy as np
 
-    from app.data.batching import pack_hidden, pad_sequences
+    from app.data.target_forward import pack_hidden, pad_sequences
     from app.model.loss import TrainBatch
 
     seqs = [plan.dataset.sequence(i) for i in job.seq_indices]

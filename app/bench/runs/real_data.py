@@ -9,7 +9,7 @@ forward with hidden states 1.65 s on 2 threads), so both are computed once and k
   the target's greedy continuation up to `max_new_tokens`, its EOS included when it stopped there: what
   `greedy_reference` returns and what speculative decoding must reproduce.
 - features (`sequence_features`): the target folder, the layer ids and every sequence's ids. Computed by the
-  code the TargetActor runs (`app.data.batching.job_hidden_batch` through a `TargetTrunk`), kept as bfloat16
+  code the TargetActor runs (`app.data.target_forward.job_hidden_batch` through a `TargetTrunk`), kept as bfloat16
   (as a GPU run's features travel; a CPU run ships the fp32 ones, equal up to that rounding) in one flat
   [tokens, k*H] tensor with per-sequence offsets.
 
@@ -106,7 +106,7 @@ class Features:
 def sequence_features(model, model_id: str, seqs: list[list[int]], layer_ids: list[int], tokens_per_batch: int = 2048,
                       cache: Path = CACHE, log=print) -> Features:
     """The target's features of every sequence (`job_hidden_batch`, padded batches of similar lengths), cached."""
-    from app.data.batching import job_hidden_batch
+    from app.data.target_forward import job_hidden_batch
     from app.model.target_trunk import TargetTrunk
 
     path = cache / f"features-{cache_key(model_id, list(layer_ids), seqs)}.pt"

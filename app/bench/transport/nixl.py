@@ -73,7 +73,7 @@ class PathProducer:
 
     def forward(self, job):
         from actors.target import batch_nbytes
-        from app.data.batching import start_job
+        from app.data.target_forward import start_job
         from app.messages import ItemMeta
         from app.payload.transport import put_payload
 

@@ -45,7 +45,7 @@ class TransportProducer:
 
     def forward(self, job):
         from actors.target import batch_nbytes
-        from app.data.batching import start_job
+        from app.data.target_forward import start_job
         from app.messages import ItemMeta
 
         t0 = time.perf_counter()

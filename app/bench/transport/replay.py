@@ -1,7 +1,7 @@
 """`python -m app.bench replay`: what replaying a job's features costs against the target forward it saves.
 
 Per shape (the tiny target of conf/tiny.yaml and SmolLM2-135M of conf/smol.yaml), side by side in one run:
-- target: seconds per job of the forward the TargetActor runs (`app.data.batching.job_hidden_batch` through
+- target: seconds per job of the forward the TargetActor runs (`app.data.target_forward.job_hidden_batch` through
   a `TargetTrunk`, up to the deepest feature layer), on a randomly initialised model of the target's exact
   shape (the real weights are not loaded: the arithmetic is the same), one torch thread as a CPU target has;
 - write: seconds per job of `keep_job` into a fresh local store (each sequence checked-summed and linked
@@ -101,7 +101,7 @@ def measure(shape: Shape, folder: Path, repeats: int) -> dict:
     """target_s, write_s and read_s per job (the fastest of `repeats`), and the payload's megabytes."""
     import torch
 
-    from app.data.batching import job_hidden_batch
+    from app.data.target_forward import job_hidden_batch
     from app.model.target_trunk import TargetTrunk
     from app.replay.backend import LocalFolder
     from app.replay.jobs import keep_job, replay_job

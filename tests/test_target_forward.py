@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from app.data.batching import job_hidden_batch
+from app.data.target_forward import job_hidden_batch
 from tests.toy import save_tiny_target
 
 
