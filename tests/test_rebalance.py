@@ -325,6 +325,37 @@ def test_the_rebalance_benchs_setting_leaves_the_advisor_one_answer_while_the_si
         assert ratio == pytest.approx(4 / 3) and ratio >= GOAL
 
 
+def test_the_virtual_clock_charges_the_injected_delays_so_a_busy_boxs_starved_drafters_still_get_4_4(tmp_path):
+    """Issue 45: beside two CPU busy loops the bench's drafter micro-batch measured ~12.6 s of compute on top of its
+    4.0 s delay, a target forward 2.1 s on top of 3.7 s; the measured advice was 2/6, the wrong way for the delays
+    the bench's measure charges. faults.virtual_clock charges the delays instead: 4/4 at +33%, whatever the load."""
+    from app.bench.feeding.rebalance import COMMON, SIDES
+    from app.config.errors import ConfigError
+    from app.config.load import load_config
+
+    def advice(costs):
+        adv = SplitAdvisor(5, 3, hold_s=0.0, costs=costs)
+        for step in range(8):  # one job (micro-batch) per rank per step, 600 tokens each, the all-reduce starved
+            adv.add_records([{"rank": r, "tokens": 600, "compute_s": 4.0 + 12.6, "job_ids": (10 * step + r,)}
+                             for r in range(3)])
+        adv.add_pool({"tokens_by_target": {t: 6 * 600 for t in range(5)}, "done_by_target": {t: 6 for t in range(5)},
+                      "forward_s_by_target": {t: 6 * (3.7 + 2.1) for t in range(5)}})
+        assert adv.enough_samples()
+        est = adv.estimate()
+        return (est.targets, est.drafters), est.gain
+
+    assert advice(None)[0] == (2, 6)  # what the busy-loop run did: measured rates, the scheduler's verdict
+    split, gain = advice((3.7, 4.0))
+    assert split == (4, 4) and gain == pytest.approx(1 / 3)
+    # The bench turns it on with both delays set; the live run's advisor takes them as its costs.
+    side = SIDES["drafters"]
+    cfg = load_config("conf/tiny.yaml", [*COMMON, *side.overrides(), f"checkpoint.dir={tmp_path}"])
+    assert SplitAdvisor.for_run(cfg).costs == (side.target_delay_s, side.drafter_delay_s)
+    assert SplitAdvisor.for_run(load_config("conf/tiny.yaml", [f"checkpoint.dir={tmp_path}"])).costs is None
+    with pytest.raises(ConfigError, match=r"faults.virtual_clock=True charges each side its injected delay"):
+        load_config("conf/tiny.yaml", ["faults.virtual_clock=true", "faults.target_delay_s=3.7"])
+
+
 def test_the_rebalance_bench_says_where_the_resplit_landed_in_jobs():
     from app.bench.feeding.rebalance import first_new_split_job
 

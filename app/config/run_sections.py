@@ -95,12 +95,18 @@ class FaultsConfig:
     sticky_target_error: int = -1  # this target id's first incarnation raises on every job (a poisoned CUDA context)
     target_delay_s: float = 0.0  # seconds added to every target forward (0 = off): targets slow by construction
     drafter_delay_s: float = 0.0  # seconds added to every drafter micro-batch (0 = off): drafters slow by construction
+    # The split advisor charges each side its injected delay (per forward, per micro-batch) instead of its measured
+    # time: a bench's re-split then follows the delays, not how the machine's scheduler shares the CPU.
+    virtual_clock: bool = False
 
     def __post_init__(self) -> None:
         for key in ("target_delay_s", "drafter_delay_s"):
             seconds = getattr(self, key)
             if not 0.0 <= seconds < float("inf"):  # nan fails every comparison
                 fail(f"faults.{key}", seconds, f"must be a finite number of seconds >= 0; set faults.{key}=0 to turn it off")
+        if self.virtual_clock and not (self.target_delay_s > 0 and self.drafter_delay_s > 0):
+            fail("faults.virtual_clock", True, "charges each side its injected delay, so both must be > 0: set "
+                 "faults.target_delay_s and faults.drafter_delay_s, or faults.virtual_clock=false")
 
 
 @dataclass(frozen=True)

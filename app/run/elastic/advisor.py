@@ -13,6 +13,12 @@ estimate for the current split (both sides of the ratio come from one model, so 
 Drafter ranks are assumed to keep their per-rank rate at another group size: the all-reduce cost per
 step changes little with the number of ranks on one node.
 
+With `costs` (`faults.virtual_clock`: the injected delays) each side is charged its delay instead of
+its measured time: a target `done_by_target x target delay`, a rank `micro-batches x drafter delay`.
+The rates then follow the delays, not how a busy machine's scheduler shares the CPU (beside two busy
+loops a drafter micro-batch measured ~12.6 s against 2.1 s for a target forward, the drafter step's
+all-reduce waiting for the most-starved rank, and the measured advice went the wrong way).
+
 The advice is shown only once it is *stable*: every side has enough samples and the recommended
 split has not changed for `hold_s` seconds of updates.
 """
@@ -100,10 +106,13 @@ class SplitAdvisor:
 
     def __init__(self, num_targets: int, num_drafters: int, gpus_per_target: float = 1.0,
                  gpus_per_drafter: float = 1.0, hold_s: float = 20.0, clock=time.monotonic,
-                 half_life_s: float | None = None) -> None:
+                 half_life_s: float | None = None, costs: tuple[float, float] | None = None) -> None:
         """`half_life_s`: None measures since the start (or the last re-split); a number weighs the
-        samples by recency (halved every `half_life_s`), so a balance that shifts mid-run shows."""
+        samples by recency (halved every `half_life_s`), so a balance that shifts mid-run shows.
+        `costs`: (seconds per target forward, per drafter micro-batch) charged instead of the measured times."""
+        assert costs is None or min(costs) > 0, costs  # FaultsConfig refuses a virtual clock without both delays
         self.num_targets, self.num_drafters = num_targets, num_drafters
+        self.costs = costs
         self.gpus_per_target, self.gpus_per_drafter = gpus_per_target, gpus_per_drafter
         self.hold_s, self.clock, self.half_life_s = hold_s, clock, half_life_s
         self._decayed_at = clock()
@@ -124,6 +133,14 @@ class SplitAdvisor:
         """From a `TopologyConfig` (or anything with its four fields)."""
         return cls(topo.num_targets, topo.num_drafters, topo.gpus_per_target, topo.gpus_per_drafter, **kw)
 
+    @classmethod
+    def for_run(cls, cfg) -> "SplitAdvisor":
+        """The live run's advisor: `topology.rebalance_half_life_s` (0: since the start) and, with
+        `faults.virtual_clock`, the injected delays as each side's cost."""
+        faults = cfg.faults
+        costs = (faults.target_delay_s, faults.drafter_delay_s) if faults.virtual_clock else None
+        return cls.for_topology(cfg.topology, half_life_s=cfg.topology.rebalance_half_life_s or None, costs=costs)
+
     # ---- inputs ---------------------------------------------------------------------------
 
     def add_records(self, records) -> None:
@@ -131,6 +148,8 @@ class SplitAdvisor:
         self._decay()
         for rec in records:
             rank, tokens, compute_s = _get(rec, "rank"), _get(rec, "tokens"), _get(rec, "compute_s")
+            if self.costs is not None:  # its micro-batches (one per job) at the injected delay each
+                compute_s = len(_get(rec, "job_ids")) * self.costs[1]
             seen = self.rank_steps.get(rank, 0)
             self.rank_steps[rank] = seen + 1
             if seen < WARMUP_STEPS:
@@ -144,6 +163,8 @@ class SplitAdvisor:
         prev = self._raw
         self._raw = {key: {int(k): v for k, v in dict(_get(stats, key)).items()}
                      for key in ("tokens_by_target", "forward_s_by_target", "done_by_target")}
+        if self.costs is not None:  # every forward at the injected delay: the counter the rates divide by
+            self._raw["forward_s_by_target"] = {t: n * self.costs[0] for t, n in self._raw["done_by_target"].items()}
         if self.half_life_s is None:
             since = {key: {t: v - self._since(key, t, v) for t, v in raw.items()} for key, raw in self._raw.items()}
         else:  # the decayed sums plus what each target did since the last snapshot

@@ -33,8 +33,7 @@ class RunOutputs:
         self.earlier_evals = list(iter_timeline(self.run_dir, kinds=("eval",)))
         self.timeline = Timeline(self.run_dir, pool_every_s=min(2.0, cfg.logging.status_every_s))
         self.timeline.start(cfg.topology, run_name, resumed_step)
-        # topology.rebalance_half_life_s: recency weights (the re-split simulation's), 0 = since the start
-        monitor.advisor = SplitAdvisor.for_topology(cfg.topology, half_life_s=cfg.topology.rebalance_half_life_s or None)
+        monitor.advisor = SplitAdvisor.for_run(cfg)
         monitor.listeners += [monitor.advisor, self.timeline]
         self.evals = None
 
@@ -81,7 +80,7 @@ class RunOutputs:
 
 def serving_outputs(cfg, model_dir: str, export_dir: str | None, tau: float | None, log=print,
                     verifier: str | None = None) -> dict:
-    """After the export: `drafter-speculators/` beside `drafter/` (app/model/serving.py), the vLLM and
+    """After the export: `drafter-speculators/` beside `drafter/` (app/model/engines.py), the vLLM and
     SGLang launch lines with the run's real paths and `block_size - 1`, and the decode speed estimate
     from `tau`. The summary fields `serve`, `serve_none` (a form the engine refuses for this verifier -> why
     it is not in `serve`: `vllm_speculators_main` for a local verifier) and `serving_estimate`; {} when
@@ -90,7 +89,7 @@ def serving_outputs(cfg, model_dir: str, export_dir: str | None, tau: float | No
     target the engines load, when it is not `model_dir` (a GGUF target: its HF id or .gguf path); the user's
     `checkpoint.verifier` wins over both. The summary's `verifier` is the one written, `verifier_from` where it
     came from."""
-    from app.model.serving import SPECULATORS_DIR, cost_ratio, launch_lines, no_main_line, speed_estimate
+    from app.model.engines import SPECULATORS_DIR, cost_ratio, launch_lines, no_main_line, speed_estimate
     from app.storage.fetch import fetch_dir
 
     if not export_dir:
@@ -144,7 +143,7 @@ def _write_speculators(root: str, export_dir: str, local: Path, model_dir: str, 
     import os
 
     from app.model.export import publish_export
-    from app.model.serving import SPECULATORS_DIR, write_speculators
+    from app.model.engines import SPECULATORS_DIR, write_speculators
     from app.storage.roots import is_uri, open_storage
 
     if not is_uri(root):
