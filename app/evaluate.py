@@ -54,13 +54,13 @@ def run(cfg, drafter_dir: str | None = None, prompts_file: str | None = None):
 
 
 def serve_lines(cfg, model_dir: str, drafter_dir: str) -> dict[str, str]:
-    """The launch lines that serve the evaluated drafter, as a run's summary prints them (app/model/serving.py):
+    """The launch lines that serve the evaluated drafter, as a run's summary prints them (app/model/engines.py):
     the verifier a run's export would name (`checkpoint.verifier` when set, else the target as engines load
     it), the drafter folder made absolute (an engine starts elsewhere)."""
     from pathlib import Path
 
     from app.model.gguf_target import serving_name
-    from app.model.serving import launch_lines
+    from app.model.engines import launch_lines
 
     local = Path(drafter_dir).expanduser()
     drafter = str(local.resolve()) if local.exists() else drafter_dir  # a URI stays as given

@@ -11,7 +11,7 @@ import torch
 from app.config.run_sections import CheckpointConfig
 from app.model.drafter import DFlashDrafter
 from app.model.export import export_drafter, export_dtype, load_drafter
-from app.model.serving import cost_ratio, launch_lines, num_speculative_tokens, speed_estimate, speculators_config
+from app.model.engines import cost_ratio, launch_lines, num_speculative_tokens, speed_estimate, speculators_config
 from app.run.outputs.run_outputs import print_serving, serving_outputs
 from tests.toy import save_tiny_target, tiny_arch, tiny_qwen3_config
 

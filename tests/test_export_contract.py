@@ -22,7 +22,7 @@ import torch
 
 from app.model.drafter import DFlashDrafter
 from app.model.export import export_drafter, export_dtype
-from app.model.serving import write_speculators
+from app.model.engines import write_speculators
 from tests.toy import save_tiny_target, tiny_arch, tiny_qwen3_config
 
 LAYER_IDS = (0, 2)  # of a 4-layer target

@@ -184,7 +184,7 @@ def test_the_verifier_rule_is_vllms(tmp_path, monkeypatch):
 
 def test_the_check_fails_on_a_main_line_for_a_local_verifier(tmp_path):
     """The line a run printed before for the default verifier (the target folder, absolute): vLLM stops."""
-    from app.model.serving import speculators_config
+    from app.model.engines import speculators_config
 
     folder = tmp_path / "drafter-speculators"
     folder.mkdir()

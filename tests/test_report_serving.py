@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from app.model.serving import speed_estimate
+from app.model.engines import speed_estimate
 from app.report import main as report_main
 from app.run.outputs.report import render
 from tests.test_report import _synthetic_run

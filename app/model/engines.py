@@ -1,4 +1,5 @@
-"""From an exported drafter to a serving engine: launch lines, the speculators format, a speed estimate.
+"""From an exported drafter to the serving engines (vLLM, SGLang): launch lines, the speculators format, a speed
+estimate.
 
 - `launch_lines`: the vLLM and SGLang commands that serve the target with the run's `drafter/` (and
   `drafter-speculators/`). vLLM needs `"method": "dflash"` (it detects DFlash from the path only when
