@@ -1,7 +1,7 @@
 """`python -m app.report RUN_DIR`: write RUN_DIR/report.html, one self-contained page of the run's plots.
 
 RUN_DIR is the run's `checkpoint.dir`; the page is built from `timeline.jsonl` and `summary.json` there
-(see `app/run/outputs/report.py`). The driver writes the same page at the end of every run.
+(see `app/run/outputs/report_page.py`). The driver writes the same page at the end of every run.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from app.run.outputs.report import fetch_run_files, publish_report, write_report
+    from app.run.outputs.report_page import fetch_run_files, publish_report, write_report
     from app.storage.roots import redact
     from app.run.outputs.timeline import FILE_NAME, iter_timeline
 

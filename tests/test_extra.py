@@ -99,7 +99,7 @@ def test_max_extra_gpus_needs_rebalance_auto() -> None:
 def test_an_extra_bundle_is_a_timeline_row_and_a_marked_event_in_the_report(tmp_path) -> None:
     from types import SimpleNamespace
 
-    from app.run.outputs.report import write_report
+    from app.run.outputs.report_page import write_report
     from app.run.outputs.timeline import Timeline, read_timeline
 
     clock = SimpleNamespace(t=1000.0)

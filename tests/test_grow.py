@@ -71,7 +71,7 @@ def test_a_given_up_target_comes_back_only_after_its_bundle_was_seen_without_a_n
 def test_a_growth_is_a_timeline_row_and_a_marked_event_in_the_report(tmp_path) -> None:
     from types import SimpleNamespace
 
-    from app.run.outputs.report import write_report
+    from app.run.outputs.report_page import write_report
     from app.run.outputs.timeline import Timeline, read_timeline
 
     clock = SimpleNamespace(t=1000.0)

@@ -8,7 +8,7 @@ from app.config.health_section import HealthConfig
 from app.model.health import Health, status_word, verdicts
 from app.run.evaluate.schedule import TauBook, health_gauges, health_line
 from app.run.outputs.monitor import RunMonitor
-from app.run.outputs.report import render
+from app.run.outputs.report_page import render
 from app.run.outputs.wandb_rows import TauRows, health_keys
 
 STUCK = Health(step=200, tau=1.02, tau_fit=1.03, tau_replay=1.02, tau_no_features=1.01, tau_layers_below=1.0,

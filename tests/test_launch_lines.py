@@ -24,7 +24,7 @@ import torch
 
 from app.model.drafter import DFlashDrafter
 from app.model.export import export_drafter
-from app.run.outputs.report import render
+from app.run.outputs.report_page import render
 from app.run.outputs.run_outputs import print_serving, serving_outputs
 from tests.toy import save_tiny_target, tiny_arch, tiny_qwen3_config
 

@@ -191,7 +191,7 @@ def test_simulated_shifting_balance_auto_ends_within_10pct_of_the_best_fixed_spl
 
 
 def test_report_marks_each_resplit_on_the_time_axis_and_in_the_events_table():
-    from app.run.outputs.report import render
+    from app.run.outputs.report_page import render
 
     rows = [{"k": "run", "t": 0.0, "num_targets": 5, "num_drafters": 3},
             {"k": "resplit_done", "t": 5.0, "old": [5, 3], "new": [7, 1]}]

@@ -11,7 +11,7 @@ import pytest
 
 from app.messages import StepRecord
 from app.report import main as report_main
-from app.run.outputs.report import PLOTS, write_report
+from app.run.outputs.report_page import PLOTS, write_report
 from app.run.outputs.timeline import Timeline
 
 

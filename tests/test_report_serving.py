@@ -9,7 +9,7 @@ import pytest
 
 from app.model.engines import speed_estimate
 from app.report import main as report_main
-from app.run.outputs.report import render
+from app.run.outputs.report_page import render
 from tests.test_report import _synthetic_run
 
 

@@ -13,7 +13,7 @@ from app.model.build import build_or_load_drafter
 from app.model.export import export_drafter
 from app.model.live_eval import EvalSpec, race_exported
 from app.run.evaluate.final_tau import FinalTau
-from app.run.outputs.report import render
+from app.run.outputs.report_page import render
 from tests.test_trust_runtime import _Clock, _fake_get, _Target
 from tests.toy import LAYERS, PROMPTS
 

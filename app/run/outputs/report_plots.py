@@ -1,5 +1,5 @@
 """The report's plots: each one a matplotlib figure (Agg, no display) of a run's timeline rows, returned
-as a base64 PNG for `report.html` (app/run/outputs/report.py lays out the page). Time-axis plots mark
+as a base64 PNG for `report.html` (app/run/outputs/report_page.py lays out the page). Time-axis plots mark
 faults and restarts (`events`, red) and driver resumes (`starts`, gray); a plot with nothing to draw says
 so in gray instead.
 """
