@@ -18,7 +18,7 @@ from typing import Any
 
 from app import metric_names as mn
 from app.messages import StepRecord
-from app.pool.states import JobState
+from app.pool.records import JobState
 from app.pool.stats import PoolStats
 
 JOB_STATES = tuple(s.value for s in JobState)

@@ -15,7 +15,7 @@ from app.config.checks import check_resources, check_target_memory, check_transp
 from app.config.errors import ConfigError
 from app.config.schema import Config, PoolConfig
 from app.messages import HiddenBatch
-from app.pool.budget import check_object_store, payloads_in_store
+from app.pool.holdings import check_object_store, payloads_in_store
 from app.payload.transport import (HeldPayloads, NixlPayload, hidden_batch_from, layout,
                                 payload_tensors, spec_of)
 from app.payload.nixl_receive import NixlReceiver

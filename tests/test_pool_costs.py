@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from app.bench.feeding.simulate import SimSetup, simulate
-from app.pool.budget import check_object_store
+from app.pool.holdings import check_object_store
 from app.config.errors import ConfigError
 from app.config.drafter_sections import TrainConfig
 from app.config.schema import Config, PoolConfig, TopologyConfig

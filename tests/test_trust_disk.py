@@ -256,10 +256,10 @@ def test_the_object_store_check_counts_eval_offers_and_the_dataset() -> None:
     copies of the drafter's weights (live evaluations) sit in the same store and spill it. Now they
     count, and the one line names them."""
     from app.config.errors import ConfigError
-    from app.pool.budget import check_object_store
+    from app.pool.holdings import check_object_store
     from app.config.drafter_sections import TrainConfig
     from app.config.schema import Config, PoolConfig, TopologyConfig
-    from app.pool.budget import EVAL_COPIES, eval_offer_bytes
+    from app.pool.holdings import EVAL_COPIES, eval_offer_bytes
 
     gib = 2**30
     cfg = Config(pool=PoolConfig(capacity=24, capacity_bytes=15 * gib + gib // 2, min_ready=1),
@@ -290,7 +290,7 @@ def test_the_eval_offer_size_is_the_drafter_s_float32_state_dict(tmp_path: Path)
     from app.model.build import drafter_state_bytes
     from app.model.drafter import DFlashDrafter
     from app.model.live_eval import weights_to_numpy
-    from app.pool.budget import EVAL_COPIES
+    from app.pool.holdings import EVAL_COPIES
     from app.run.plan import object_store_extras
     from tests.toy import tiny_qwen3_config
 

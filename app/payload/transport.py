@@ -11,7 +11,7 @@
 
 What this changes (measured on CPU with Ray 2.60 and nixl 1.5.1, issue 27):
 - a target holds every unconsumed payload it produced: `pool.capacity_bytes` now bounds the targets'
-  memory instead of the object store's (app/config/checks.py `check_target_memory`, app/pool/budget.py);
+  memory instead of the object store's (app/config/checks.py `check_target_memory`, app/pool/holdings.py);
 - a target's death loses its unconsumed payloads (the ref's owner died): the drafter's fetch raises
   `OwnerDiedError`, an `ObjectLostError`, and that job goes back to the queue as a payload lost with a
   node does (actors/drafter_ops.py fetch_next, README faults table);

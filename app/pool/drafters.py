@@ -7,16 +7,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from app.pool.budget import Budget
+from app.pool.holdings import Budget
 from app.pool.buffer import BucketBuffer
 from app.pool.catalog import JobCatalog
 from app.pool.ledger import Ledger
 from app.pool.lending import Lending
 from app.pool.production import Production
 from app.pool.pull_policy import PullPolicy
-from app.pool.queue import JobQueue
+from app.pool.book import JobQueue
 from app.pool.rounds import RoundTracker
-from app.pool.states import JobState, JobStates
+from app.pool.records import JobState, JobStates
 
 
 class Recovery:

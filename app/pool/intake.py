@@ -11,8 +11,8 @@ from app.data.schedule import EpochJobs
 from app.messages import JobSpec, make_job_id
 from app.pool.catalog import JobCatalog
 from app.pool.ledger import Ledger
-from app.pool.queue import JobQueue
-from app.pool.states import JobState, JobStates
+from app.pool.book import JobQueue
+from app.pool.records import JobState, JobStates
 
 
 class Intake:

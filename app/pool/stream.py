@@ -31,7 +31,7 @@ from app.config.schema import PoolConfig
 from app.data.schedule import EpochJobs
 from app.messages import ItemMeta, JobSpec
 from app.pool.hs_pool import HSPool
-from app.pool.states import JobState
+from app.pool.records import JobState
 
 _HELD = (JobState.IN_FLIGHT, JobState.BUFFERED, JobState.LEASED)  # a run holds the job's ref (or reservation)
 _COUNTED = (JobState.IN_FLIGHT, JobState.BUFFERED)  # and counts it against pool.capacity (leases do not)

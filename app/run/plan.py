@@ -185,8 +185,8 @@ def object_store_extras(plan: RunPlan) -> tuple[int, int]:
     """(dataset bytes, eval-offer bytes): what the run puts in the object store besides the pool's
     payloads. The tokenized dataset and every epoch's schedule are put once and read by every target;
     a run that evaluates during training (`eval.every_steps` > 0 and held-out prompts) holds up to
-    `EVAL_COPIES` float32 copies of the drafter's weights (app/pool/budget.py)."""
-    from app.pool.budget import eval_offer_bytes
+    `EVAL_COPIES` float32 copies of the drafter's weights (app/pool/holdings.py)."""
+    from app.pool.holdings import eval_offer_bytes
 
     data = plan.dataset
     dataset = int(data.tokens.nbytes + data.loss_mask.nbytes + data.offsets.nbytes) + int(plan.jobs.nbytes)

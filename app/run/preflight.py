@@ -8,7 +8,7 @@ A mistake is one `ConfigError`/`DataError` line and exit 2, before the cluster w
    `check_resources`), bundles per node (app/run/placement.py `check_cluster_fits`), each run of a sweep
    reading layers the target has (app/run/sweep.py `plan_runs`), one global step of the largest job within
    the pool's budget (`RunPlan.use_device`, sized for every layer the targets capture: a sweep's union), and
-   the object store (app/pool/budget.py `check_object_store`).
+   the object store (app/pool/holdings.py `check_object_store`).
 The check functions stay beside what they check; this module says which run, and when.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 from app.config.checks import check_resources
 from app.config.errors import ConfigError
 from app.config.schema import Config
-from app.pool.budget import check_object_store
+from app.pool.holdings import check_object_store
 from app.storage.roots import is_uri
 
 
