@@ -8,6 +8,10 @@ CPU (exact arithmetic), any difference from plain greedy; in bf16 on a GPU a nea
 the two is reported (`verify_share` of tokens off greedy, `mismatch_rate`, `first_divergence`), not failed on. Without `--drafter` the drafter is freshly
 initialised (tau should be close to 1); without `--prompts` the config's held-out prompts are used.
 With `--drafter` it also prints the vLLM and SGLang lines that serve that drafter (a run summary's).
+
+Three places, one measurement: this command evaluates a drafter folder on its own, `app/run/evaluate/` is
+a training run's evaluation (when, on which target, the best drafter, the final tau), and both decode with
+`app/model/live_eval.py` (`measure_spec`), the math the target actor runs.
 """
 from __future__ import annotations
 
