@@ -49,7 +49,7 @@ SMOL_SEED ?= 0
 SMOL_ARGS ?=
 
 smol: setup $(VENV)/.installed-smol
-	$(BIN)/python -m app.data.instructions --out-dir $(SMOL_DIR) --train $(SMOL_PROMPTS) --eval $(SMOL_EVAL_PROMPTS) --seed $(SMOL_SEED)
+	$(BIN)/python -m app.instructions --out-dir $(SMOL_DIR) --train $(SMOL_PROMPTS) --eval $(SMOL_EVAL_PROMPTS) --seed $(SMOL_SEED)
 	$(MAKE) --no-print-directory $(SMOL_DIR)/train.jsonl
 	$(BIN)/python -m app.train --config conf/smol.yaml 'data.train_files=[$(SMOL_DIR)/train.jsonl]' 'data.eval_prompts=$(SMOL_DIR)/eval_prompts.jsonl' $(SMOL_ARGS)
 

@@ -1,5 +1,6 @@
-"""The on-machine instruction prompt set (app/data/instructions.py): every kind present, train and eval from
-disjoint sources, deterministic for a seed, written as records the data readers and app.regenerate accept."""
+"""The on-machine instruction prompt set (app/data/instruction_set.py; its files: python -m app.instructions):
+every kind present, train and eval from disjoint sources, deterministic for a seed, written as records the data
+readers and app.regenerate accept."""
 from __future__ import annotations
 
 import collections
@@ -8,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from app.data import instructions as ins
+from app import instructions as cmd
+from app.data import instruction_set as ins
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +72,7 @@ def test_files_are_what_the_readers_take(tmp_path: Path) -> None:
     from app.data.formats import detect_format, iter_records, to_messages
     from app.data.regenerate import pending_records
 
-    info = ins.write_prompt_files(tmp_path, seed=0, num_train=20, num_eval=5)
+    info = cmd.write_prompt_files(tmp_path, seed=0, num_train=20, num_eval=5)
     assert info["train"] == 20 and info["eval"] == 5 and sorted(p.name for p in tmp_path.iterdir()) == [
         "eval_prompts.jsonl", "prompts_train.jsonl"]
     for path in (info["train_file"], info["eval_file"]):
@@ -83,9 +85,9 @@ def test_files_are_what_the_readers_take(tmp_path: Path) -> None:
     assert first["kind"] in ins.KINDS and first["source"]
     # The same set again leaves the files alone (make smol regenerates only when the prompts changed).
     before = Path(info["train_file"]).stat().st_mtime_ns
-    ins.write_prompt_files(tmp_path, seed=0, num_train=20, num_eval=5)
+    cmd.write_prompt_files(tmp_path, seed=0, num_train=20, num_eval=5)
     assert Path(info["train_file"]).stat().st_mtime_ns == before
-    ins.write_prompt_files(tmp_path, seed=0, num_train=21, num_eval=5)
+    cmd.write_prompt_files(tmp_path, seed=0, num_train=21, num_eval=5)
     assert len(Path(info["train_file"]).read_text().splitlines()) == 21
 
 

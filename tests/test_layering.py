@@ -1,7 +1,8 @@
 """The import graph keeps the layout's layering: walks every import, including function-level ones.
 
 Layers, top to bottom:
-- entry points (`app/train.py`, `prepare`, `regenerate`, `evaluate`), `app/run/`, `app/bench/`: may import
+- entry points (`app/train.py`, `prepare`, `regenerate`, `evaluate`, `advise`, `report`, `instructions`),
+  `app/run/`, `app/bench/`: may import
   anything;
 - `actors/`: thin Ray shells over the layer below; never import `app/run/`, `app/bench/` or entry points;
 - everything else in `app/` (config, data, pool, model, training, tiny and the shared leaves at the top:
@@ -16,7 +17,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ENTRY_POINTS = {"app.train", "app.prepare", "app.regenerate", "app.evaluate", "app.advise", "app.report"}
+ENTRY_POINTS = {"app.train", "app.prepare", "app.regenerate", "app.evaluate", "app.advise", "app.report",
+                "app.instructions"}
 LEAF_PACKAGES = ("app.storage",)  # packages at app/'s top whose every module is a shared leaf
 TOP_LEVEL_LEAVES = {"app", "app.messages", "app.devices", "app.faults", "app.ray_cluster", "app.metric_names",
                     "app.storage", "app.storage.roots", "app.storage.publish", "app.storage.uri_storage",

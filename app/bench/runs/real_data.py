@@ -14,7 +14,7 @@ forward with hidden states 1.65 s on 2 threads), so both are computed once and k
   [tokens, k*H] tensor with per-sequence offsets.
 
 The target comes through the project's GGUF loader (`app.model.gguf_target`), the prompts from the
-instruction builder (`app.data.instructions`), chat-templated as the data path renders a user turn.
+instruction builder (`app.data.instruction_set`), chat-templated as the data path renders a user turn.
 The training records are the prompts with their greedy responses as pre-tokenized JSONL (`input_ids`,
 `loss_mask` on the response), so the run's own tokenized-data path, bucketing and job schedule read them.
 """
@@ -54,7 +54,7 @@ def load_target():
 def prompt_ids(tokenizer, num_train: int, num_eval: int, seed: int) -> tuple[list[list[int]], list[list[int]]]:
     """Chat-templated ids of `num_train` training and `num_eval` held-out instructions (disjoint)."""
     from app.data.chat_mask import render
-    from app.data.instructions import build_instructions
+    from app.data.instruction_set import build_instructions
 
     train, held_out = build_instructions(num_train, num_eval, seed=seed)
 

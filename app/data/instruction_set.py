@@ -1,5 +1,4 @@
-"""An instruction prompt set built on the machine, from text every Python install has. (Over 300 lines: one table
-of instruction kinds and their templates.)
+"""An instruction prompt set built on the machine, from text every Python install has.
 
 Sources: the standard library's modules, read with `ast` (never imported, so nothing in them runs): each
 module's docstring and its public functions' signatures and docstrings; and the language reference topics of
@@ -14,27 +13,19 @@ module's docstring and its public functions' signatures and docstrings; and the 
 Train and eval prompts come from disjoint sources: a source (a module, a reference topic) is held out for eval
 when its name's sha256 falls in the held-out share, so no eval prompt is about a module or topic a training
 prompt saw. The set is deterministic for a seed (and one interpreter's stdlib). Records are user-only
-`{"messages": [{"role": "user", ...}]}` lines (plus `kind` and `source`, which readers ignore): the training file
-is the input of `python -m app.regenerate` (the target writes the responses), the eval file is
-`data.eval_prompts` as is.
+`{"messages": [{"role": "user", ...}]}` lines (plus `kind` and `source`, which readers ignore).
 
-Run: python -m app.data.instructions --out-dir .cache/smol --train 192 --eval 32 --seed 0
-
-One concept, a little over 300 lines: the walk over the sources and the five kinds' templates that turn
-them into prompts read best together.
+The files are written by `python -m app.instructions` (app/instructions.py); benches build the set in memory
+(`build_instructions`).
 """
 from __future__ import annotations
 
-import argparse
 import ast
 import functools
 import hashlib
-import json
-import os
 import random
 import sysconfig
-import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 KINDS = ("explain", "summarise", "code", "list", "question")
@@ -42,7 +33,6 @@ HELD_OUT_PERCENT = 15  # share of sources (by name hash) whose prompts are eval-
 PASSAGE_CHARS = 700  # passages are cut at a paragraph or sentence end below this (~175 tokens)
 MAX_SIGNATURE_CHARS = 80  # longer argument lists are shown as (...)
 MIN_DOC_CHARS = 80  # shorter docstrings say too little to summarise or question
-TRAIN_FILE, EVAL_FILE = "prompts_train.jsonl", "eval_prompts.jsonl"
 # Folders of the stdlib that are tests, tools, data or platform shells rather than library modules.
 _SKIP_DIRS = {"test", "tests", "idlelib", "turtledemo", "site-packages", "dist-packages", "ensurepip", "lib2to3",
               "pydoc_data", "encodings", "__pycache__", "tkinter", "__phello__", "venv"}
@@ -257,55 +247,3 @@ def build_instructions(num_train: int = 192, num_eval: int = 32, *, seed: int = 
     train = sample(train_pool, num_train, random.Random(f"{seed}:train"))
     evals = sample(eval_pool, num_eval, random.Random(f"{seed}:eval"))
     return train, evals
-
-
-def write_jsonl(path: Path, items: list[Instruction]) -> bool:
-    """Write records atomically (temp file renamed into place): a reader never sees half a file. A file that
-    already holds exactly these records is left alone (its mtime too: `make smol` regenerates the responses only
-    when the prompts changed). Returns whether it wrote."""
-    text = "".join(json.dumps(it.record()) + "\n" for it in items)
-    if path.is_file() and path.read_text() == text:
-        return False
-    tmp = path.parent / f".tmp-{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return True
-
-
-def write_prompt_files(out_dir: str | Path, seed: int = 0, num_train: int = 192, num_eval: int = 32) -> dict:
-    """prompts_train.jsonl (to regenerate) and eval_prompts.jsonl in `out_dir`; returns their paths and counts."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    train, evals = build_instructions(num_train, num_eval, seed=seed)
-    write_jsonl(out / TRAIN_FILE, train)
-    write_jsonl(out / EVAL_FILE, evals)
-    kinds = {k: sum(it.kind == k for it in train) for k in KINDS}
-    return {"train_file": str(out / TRAIN_FILE), "eval_file": str(out / EVAL_FILE), "train": len(train),
-            "eval": len(evals), "train_kinds": kinds, "settings": asdict(_Settings(seed, num_train, num_eval))}
-
-
-@dataclass(frozen=True)
-class _Settings:
-    seed: int
-    num_train: int
-    num_eval: int
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m app.data.instructions", description=__doc__.splitlines()[0])
-    parser.add_argument("--out-dir", required=True, help="folder for prompts_train.jsonl and eval_prompts.jsonl")
-    parser.add_argument("--train", type=int, default=192, help="training prompts (their responses are regenerated)")
-    parser.add_argument("--eval", type=int, default=32, help="held-out prompts (data.eval_prompts)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling")
-    args = parser.parse_args(argv)
-    info = write_prompt_files(args.out_dir, args.seed, args.train, args.eval)
-    print(f"{info['train']} train prompts ({', '.join(f'{k} {v}' for k, v in info['train_kinds'].items())}) -> "
-          f"{info['train_file']}; {info['eval']} eval prompts -> {info['eval_file']}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
