@@ -1,3 +1,4 @@
+# Over 300 lines: the speculative loop, its greedy reference and the two checks that compare them are one measurement.
 """Greedy speculative decoding with a DFlash drafter, and the acceptance length tau.
 
 Each step drafts one block from the last accepted token ([token, MASK x (B-1)]) with the target

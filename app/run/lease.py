@@ -1,3 +1,4 @@
+# Over 300 lines: one lease held three ways (O_EXCL file, conditional PUT, read-back) under one stale and token rule.
 """The run lease: one run at a time on a `checkpoint.dir`, and the fencing token of each holder.
 
 Two drivers on one folder destroy each other (orphan cleanup, pruning and version sweeps delete the
