@@ -1,3 +1,4 @@
+# Not ray.util.ActorPool: it hands a timed-out actor back as idle; here a wedged slot restarts, its chunks go elsewhere.
 """Which chunk of `python -m app.regenerate` goes to which generator actor, and when an actor is wedged.
 
 No Ray here: the entry point (app/regenerate.py) asks for `assignments()`, submits them, tells `done`
