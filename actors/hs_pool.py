@@ -34,7 +34,7 @@ from app.messages import EndOfStream, ItemMeta, JobSpec, PulledItem, StepRecord
 from app.pool.control import PoolControl
 from app.pool.hs_pool import Drained, HSPool
 from app.pool.pull_policy import PullPolicy
-from app.pool.stats import PoolStats
+from app.pool.telemetry import PoolStats
 from app.pool.stream import RunShape, SharedStream
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from typing import Any
 from app import metric_names as mn
 from app.messages import StepRecord
 from app.pool.records import JobState
-from app.pool.stats import PoolStats
+from app.pool.telemetry import PoolStats
 
 JOB_STATES = tuple(s.value for s in JobState)
 WAIT_BOUNDARIES_S = [0.001, 0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0]

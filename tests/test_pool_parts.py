@@ -6,14 +6,11 @@ import random
 import pytest
 
 from app.messages import ItemMeta
-from app.pool.holdings import Budget
-from app.pool.buffer import BucketBuffer, Item
-from app.pool.leases import LeaseTable
-from app.pool.ledger import Ledger
+from app.pool.book import JobQueue
+from app.pool.holdings import BucketBuffer, Budget, Item, LeaseTable
 from app.pool.production import InFlight
 from app.pool.pull_policy import PullContext, RoundRobin, make_pull_policy
-from app.pool.book import JobQueue
-from app.pool.records import JobState, JobStates
+from app.pool.records import JobState, JobStates, Ledger
 from tests.pool_helpers import job
 
 

@@ -15,7 +15,7 @@ import pytest
 from app.config.run_sections import CheckpointConfig, LoggingConfig
 from app.config.schema import Config, ModelConfig
 from app.messages import StepRecord
-from app.pool.stats import PoolStats, WaitSnapshot
+from app.pool.telemetry import PoolStats, WaitSnapshot
 from app.run.outputs.monitor import RunMonitor
 from app.run.outputs.wandb_log import STEP_KEYS, StepRows, WandbLogger, read_history
 

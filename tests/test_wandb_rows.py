@@ -1,7 +1,7 @@
 """wandb step rows (issue 36): tau in the row of the step it was measured at, the pool per bucket beside it."""
 from __future__ import annotations
 
-from app.pool.stats import PoolStats, WaitSnapshot
+from app.pool.telemetry import PoolStats, WaitSnapshot
 from app.run.outputs.wandb_rows import TauRows, pool_keys
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from app.data.schedule import EpochJobs
 from app.messages import JobSpec, make_job_id, split_job_id
-from app.pool.catalog import JobCatalog, bit, pack_bits
+from app.pool.records import JobCatalog, bit, pack_bits
 
 
 class _EpochCursor:

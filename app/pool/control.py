@@ -14,7 +14,7 @@ from typing import Any
 
 from app.messages import JobSpec, StepRecord, TargetFailure
 from app.pool.hs_pool import HSPool
-from app.pool.stats import PoolStats
+from app.pool.telemetry import PoolStats
 
 
 class PoolControl:

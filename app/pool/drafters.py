@@ -7,16 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from app.pool.holdings import Budget
-from app.pool.buffer import BucketBuffer
-from app.pool.catalog import JobCatalog
-from app.pool.ledger import Ledger
+from app.pool.book import JobQueue
+from app.pool.holdings import BucketBuffer, Budget
 from app.pool.lending import Lending
 from app.pool.production import Production
 from app.pool.pull_policy import PullPolicy
-from app.pool.book import JobQueue
+from app.pool.records import JobCatalog, JobState, JobStates, Ledger
 from app.pool.rounds import RoundTracker
-from app.pool.records import JobState, JobStates
 
 
 class Recovery:

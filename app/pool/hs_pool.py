@@ -38,22 +38,17 @@ from typing import Any
 from app.config.schema import PoolConfig
 from app.data.schedule import EpochJobs
 from app.messages import Drained, EndOfStream, ItemMeta, JobSpec, PulledItem
-from app.pool.holdings import Budget
-from app.pool.buffer import BucketBuffer
-from app.pool.catalog import JobCatalog
-from app.pool.intake import Intake
-from app.pool.leases import LeaseRevoked
-from app.pool.lending import Lending
-from app.pool.ledger import Ledger
-from app.pool.production import Production
-from app.pool.pull_policy import PullPolicy, make_pull_policy
 from app.pool.book import JobQueue
 from app.pool.drafters import Recovery
+from app.pool.holdings import BucketBuffer, Budget, LeaseRevoked
+from app.pool.intake import Intake
+from app.pool.lending import Lending
+from app.pool.production import Production
+from app.pool.pull_policy import PullPolicy, make_pull_policy
+from app.pool.records import JobCatalog, JobState, JobStates, Ledger
 from app.pool.rounds import RoundTracker
 from app.pool.serving import Serving
-from app.pool.records import JobState, JobStates
-from app.pool.stats import PoolStats
-from app.pool.telemetry import PoolTelemetry
+from app.pool.telemetry import PoolStats, PoolTelemetry
 
 __all__ = ["Drained", "HSPool", "LeaseRevoked"]
 

@@ -9,10 +9,8 @@ import numpy as np
 
 from app.data.schedule import EpochJobs
 from app.messages import JobSpec, make_job_id
-from app.pool.catalog import JobCatalog
-from app.pool.ledger import Ledger
 from app.pool.book import JobQueue
-from app.pool.records import JobState, JobStates
+from app.pool.records import JobCatalog, JobState, JobStates, Ledger
 
 
 class Intake:

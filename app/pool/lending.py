@@ -5,12 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from app.pool.holdings import Budget
-from app.pool.buffer import Item
-from app.pool.leases import LeaseTable
-from app.pool.ledger import Ledger
 from app.pool.book import JobQueue
-from app.pool.records import JobState, JobStates
+from app.pool.holdings import Budget, Item, LeaseTable
+from app.pool.records import JobState, JobStates, Ledger
 from app.pool.telemetry import PoolTelemetry
 
 

@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.messages import ItemMeta, JobSpec
-from app.pool.holdings import Budget
-from app.pool.buffer import BucketBuffer, Item
 from app.pool.book import JobQueue
+from app.pool.holdings import BucketBuffer, Budget, Item
 from app.pool.records import JobState, JobStates
 from app.pool.strikes import Strikes, Verdict
 from app.pool.telemetry import PoolTelemetry

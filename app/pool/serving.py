@@ -9,7 +9,7 @@ import random
 from collections.abc import Callable
 
 from app.messages import Drained, EndOfStream, PulledItem
-from app.pool.buffer import BucketBuffer
+from app.pool.holdings import BucketBuffer
 from app.pool.lending import Lending
 from app.pool.production import Production
 from app.pool.pull_policy import PullContext, PullPolicy

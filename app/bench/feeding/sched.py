@@ -14,7 +14,7 @@ the all-gather), and acks on its next pull (at once while a pull still waits). I
 span 50-300 ms (short buckets cost the drafter most, as query rows do), targets supply 10% more than
 the drafters eat.
 
-Measures (app/pool/measures.py, the same for every layout): step_tv (mean TV distance of each global
+Measures (app/pool/telemetry.py, the same for every layout): step_tv (mean TV distance of each global
 step's bucket mix from the data's shares), step_tv_floor (the schedule's own order cut into steps),
 backlog (time-averaged share of the buffer held by its largest bucket, buffer = landed but not yet
 pulled, from the targets' and drafters' own timestamps), tail_single (share of the last 15% of
@@ -36,7 +36,7 @@ from app.bench.common import own_cluster, print_result
 from app.bench.feeding.sleepers import ACCUM, NUM_DRAFTERS, NUM_TARGETS, Barrier, SleepDrafter, SleepTarget
 from app.config.schema import PoolConfig
 from app.messages import EndOfStream, JobSpec
-from app.pool.measures import BacklogMeter, bucket_counts, shares_of, step_tv, step_tv_floor, tail_single
+from app.pool.telemetry import BacklogMeter, bucket_counts, shares_of, step_tv, step_tv_floor, tail_single
 
 DRAFTER_COST = [0.30, 0.25, 0.20, 0.15, 0.10, 0.05]  # s per item by bucket (short sequences: more rows)
 FAST_COST = [0.080, 0.068, 0.056, 0.044, 0.032, 0.020]  # --fast: 20-80 ms

@@ -7,7 +7,7 @@ on the next pull or go at once exactly where the actor sends them. Pull and ack 
 `latency / 2` each way.
 
 Seconds of simulated run cost milliseconds, so tests and `python -m app.bench sched --sim` can look
-at thousands of steps. The measures are the ones `app/pool/measures.py` defines for every policy.
+at thousands of steps. The measures are the ones `app/pool/telemetry.py` defines for every policy.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from app.config.schema import PoolConfig
 from app.data.schedule import interleave
 from app.messages import ItemMeta, JobSpec, PulledItem
-from app.pool.measures import BacklogMeter, bucket_counts, shares_of, step_tv, step_tv_floor, tail_single
+from app.pool.telemetry import BacklogMeter, bucket_counts, shares_of, step_tv, step_tv_floor, tail_single
 from app.pool.hs_pool import HSPool
 from app.pool.pull_policy import PullPolicy
 from app.training.effects import (AwaitPull, Compute, Fetched, Gather, LoopConfig, PullAnswered, Reduce, SendAcks,

@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from app.messages import StepRecord
-from app.pool.stats import PoolStats
+from app.pool.telemetry import PoolStats
 
 # Data-wait share above which the drafters are starving (targets are the bottleneck).
 STARVING_WAIT_SHARE = 0.10

@@ -1,4 +1,4 @@
-"""What a pool snapshot (`PoolStats`, app/pool/stats.py) means to supervision, as pure code: the policy's
+"""What a pool snapshot (`PoolStats`, app/pool/telemetry.py) means to supervision, as pure code: the policy's
 periodic `Tick`, the target failures and quarantined jobs not seen before, and the ledger's counts for
 summary.json. `PoolWatch` remembers what it has reported; the supervisor (app/run/supervisor.py) reads
 the snapshot each loop turn and feeds what this says to the policy.
