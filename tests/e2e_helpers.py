@@ -10,7 +10,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
+
 
 # The tiny config, shortened for tests: two epochs, tau on four prompts, no end-of-run speed race (no Ray test
 # asserts one; the reference run keeps it, so one real run goes through it). The tiny target's own settings stay

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import numpy as np
-
 from app.bench.compute.alone import AloneOps
-from app.messages import HiddenBatch
 from app.training.effects import LoopConfig
 from app.training.loop import RankLoop, drive
+from tests.helpers import hidden_batch
 
 
 class CountingTrainer:
@@ -33,14 +31,9 @@ class CountingTrainer:
                                nonfinite="", halt=False, tokens=10 * n)
 
 
-def _batch(job_id: int) -> HiddenBatch:
-    return HiddenBatch(job_id, np.zeros((1, 4, 4), np.float32), "float32", np.zeros((1, 4), np.int64),
-                       np.ones((1, 4), np.uint8), np.array([4]))
-
-
 def test_the_standalone_drafter_steps_through_the_rank_loop_in_grad_accum_groups() -> None:
     trainer = CountingTrainer()
-    ops = AloneOps(trainer, [(j, _batch(j)) for j in (7, 8, 9, 10, 11)])
+    ops = AloneOps(trainer, [(j, hidden_batch(j, seqs=1, tokens=4, width=4, dtype="float32")) for j in (7, 8, 9, 10, 11)])
     outcome = drive(RankLoop(LoopConfig(0, 1, 2)), ops)
     assert trainer.calls == [("micro", 7), ("micro", 8), ("step", False), ("micro", 9), ("micro", 10),
                              ("step", False), ("micro", 11), ("step", False), ("step", True)]

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 def test_chaos_run_survives_and_trains_every_job_once(tmp_path: Path) -> None:

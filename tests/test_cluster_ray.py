@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import ROOT
+
 # Each run is bounded by run_cluster's own timeout (1500 s); pytest-timeout's suite-wide 900 s would cut a
 # slow box's run short instead of letting that bound speak, so these get 1800 s.
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(1800)]
 
-ROOT = Path(__file__).resolve().parents[1]
 GPU_RUN = ["topology.device=auto", "topology.gpus_per_target=1", "topology.gpus_per_drafter=1",
            "train.epochs=2", "eval.num_prompts=2", "eval.max_new_tokens=16", "logging.status_every_s=5",
            "logging.step_log=true", "supervision.stall_timeout_s=120"]

@@ -12,8 +12,8 @@ from app.config.schema import Config, ModelConfig
 from app.config.checks import (TargetInfo, actor_bundles, check_resources, check_target, read_target_info,
                                reserved_resources, resolved_mask_token_id)
 from app.config.load import ConfigError, load_config
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 CONF_FILES = sorted((ROOT / "conf").glob("*.yaml"))
 
 

@@ -6,14 +6,13 @@ import json
 import re
 import subprocess
 import tomllib
-from pathlib import Path
 
 import pytest
 import yaml
 
 from app import metric_names
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
 ENTRYPOINT = "python -m app.train --config conf/default.yaml"
 AUTH_SECRET = "dflash-ray-auth"  # the Secret docker/README.md tells users to create

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
+
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # `RESULT key=value ...`: the quoted keys, a quote running over a line break included.
 QUOTE = re.compile(r"RESULT\s+((?:[A-Za-z_][\w.]*=[^\s`]*\s+)*[A-Za-z_][\w.]*=[^\s`]*)")

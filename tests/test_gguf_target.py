@@ -12,7 +12,8 @@ import pytest
 from app.config.errors import ConfigError
 from app.config import gguf_names as gn
 from app.model import gguf_target as gt
-from tests.smol_target import ROOT, smol_available, smol_dir
+from tests.smol_target import smol_available, smol_dir
+from tests.helpers import ROOT
 
 
 def _fake_convert(calls: list):

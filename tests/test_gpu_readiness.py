@@ -10,8 +10,8 @@ import pytest
 from app.config.checks import TargetInfo, check_target, read_target_info
 from app.config.errors import ConfigError
 from app.config.load import load_config
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 INFO = TargetInfo(num_layers=6, vocab_size=512, hidden_size=64, pad_token_id=0, eos_token_ids=(2,), mask_token_id=3,
                   head_dim=8)
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
+
 ENTRY_POINTS = {"app.train", "app.prepare", "app.regenerate", "app.evaluate", "app.advise", "app.report",
                 "app.instructions"}
 LEAF_PACKAGES = ("app.storage",)  # packages at app/'s top whose every module is a shared leaf

@@ -1,12 +1,10 @@
 """conf/medium.yaml: the CPU rehearsal at real widths, and the tiny builder's words for a real vocabulary."""
 from __future__ import annotations
 
-from pathlib import Path
 
 from app.config.load import load_config
 from app.tiny.build import synthetic_words, word_offset
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
 
 
 def test_medium_has_real_vocab_and_long_sequences():

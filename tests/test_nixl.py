@@ -20,20 +20,9 @@ from app.payload.transport import (HeldPayloads, NixlPayload, hidden_batch_from,
                                 payload_tensors, spec_of)
 from app.payload.nixl_receive import NixlReceiver
 from app.payload.staging import PayloadStager
+from tests.helpers import hidden_batch
 
 GIB = 2**30
-
-
-def _batch(job_id: int = 7, seqs: int = 2, tokens: int = 5, width: int = 6, fp8: bool = False) -> HiddenBatch:
-    rng = np.random.default_rng(job_id)
-    feats = torch.from_numpy(rng.standard_normal((seqs, tokens, width), dtype=np.float32)).to(torch.bfloat16)
-    hidden = feats.view(torch.int16).numpy().view(np.uint16)
-    scales = None
-    if fp8:
-        hidden, scales = rng.integers(0, 255, (seqs, tokens, width), dtype=np.uint8), np.ones((seqs, tokens), np.float32)
-    return HiddenBatch(job_id=job_id, hidden_BSD=hidden, hidden_dtype="float8_e4m3" if fp8 else "bfloat16",
-                       input_ids_BS=rng.integers(0, 100, (seqs, tokens)), loss_mask_BS=np.ones((seqs, tokens), np.uint8),
-                       lengths_B=np.full(seqs, tokens, np.int64), hidden_scale_BS=scales)
 
 
 def _cfg(**pool) -> Config:
@@ -76,7 +65,7 @@ def test_with_nixl_the_payloads_leave_the_object_store_and_count_in_the_targets_
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_payload_tensors_share_the_batch_memory_and_come_back_as_the_same_batch(fp8):
-    hb = _batch(fp8=fp8)
+    hb = hidden_batch(dtype="float8_e4m3" if fp8 else "bfloat16", read_only=False)
     tensors = payload_tensors(hb)
     assert [t.dtype for t in tensors][:4] == [torch.uint8 if fp8 else torch.int16, torch.int64, torch.uint8, torch.int64]
     assert len(tensors) == (5 if fp8 else 4)  # FP8 scales travel too
@@ -92,7 +81,7 @@ def test_payload_tensors_share_the_batch_memory_and_come_back_as_the_same_batch(
 
 
 def test_layout_aligns_every_tensor_and_sizes_the_buffer():
-    specs = tuple(spec_of(t) for t in payload_tensors(_batch(seqs=3, tokens=7, width=5)))
+    specs = tuple(spec_of(t) for t in payload_tensors(hidden_batch(seqs=3, tokens=7, width=5, read_only=False)))
     offsets, need = layout(specs)
     assert offsets[0] == 0 and all(o % 64 == 0 for o in offsets)
     assert all(offsets[i] + specs[i].nbytes <= offsets[i + 1] for i in range(len(specs) - 1))
@@ -135,7 +124,7 @@ def test_receiver_reads_into_two_reused_registered_buffers_in_turn_then_stages_a
     rx = NixlReceiver(fake.register, fake.deregister, fake.set_target, fake.get)
     stager = PayloadStager(torch.device("cpu"), torch.float32, side_stream=object())  # the CUDA path's host half
     ptrs = []
-    batches = [_batch(job_id=j) for j in range(6)]
+    batches = [hidden_batch(j, read_only=False) for j in range(6)]
     for j, hb in enumerate(batches):
         got = rx.receive(fake.payload(hb, f"ref{j}"))
         np.testing.assert_array_equal(got.hidden_BSD, hb.hidden_BSD)
@@ -157,21 +146,21 @@ def test_receiver_reads_into_two_reused_registered_buffers_in_turn_then_stages_a
 def test_receiver_grows_a_buffer_for_a_larger_payload_and_passes_object_store_batches_through():
     fake = FakeRay()
     rx = NixlReceiver(fake.register, fake.deregister, fake.set_target, fake.get)
-    rx.receive(fake.payload(_batch(tokens=4), "a"))
-    rx.receive(fake.payload(_batch(tokens=4), "b"))
+    rx.receive(fake.payload(hidden_batch(tokens=4, read_only=False), "a"))
+    rx.receive(fake.payload(hidden_batch(tokens=4, read_only=False), "b"))
     small = rx.buffer_bytes()
-    big = _batch(job_id=3, tokens=64)
+    big = hidden_batch(3, tokens=64, read_only=False)
     got = rx.receive(fake.payload(big, "c"))
     np.testing.assert_array_equal(got.hidden_BSD, big.hidden_BSD)
     assert len(fake.deregistered) == 1 and len(fake.registered) == 3 and rx.buffer_bytes() > small
-    hb = _batch()
+    hb = hidden_batch(read_only=False)
     assert rx.receive(hb) is hb  # pool.transport=object_store: unchanged, nothing registered
     assert len(fake.registered) == 3
 
 
 def test_held_payloads_count_exactly_what_is_still_alive():
     held = HeldPayloads()
-    keep = {j: payload_tensors(_batch(job_id=j)) for j in range(3)}
+    keep = {j: payload_tensors(hidden_batch(j, read_only=False)) for j in range(3)}
     for j, ts in keep.items():
         held.add(j, ts)
     ids, nbytes = held.held()

@@ -10,8 +10,7 @@ import pytest
 from app.config.errors import ConfigError
 from app.config.load import load_config
 from app.run.preflight import Cluster, check_dir_shared, preflight
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
 
 
 def _node(cpus: float) -> dict:

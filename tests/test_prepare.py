@@ -6,7 +6,6 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -15,8 +14,7 @@ from app.config.run_sections import CheckpointConfig
 from app.config.schema import Config, DataConfig, ModelConfig
 from app.config.tiny_section import TinyConfig
 from app.prepare import run_prepare
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
 
 
 def _small_cfg(cache_dir: str, extra_files: list[str] = ()) -> Config:

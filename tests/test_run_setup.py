@@ -9,8 +9,8 @@ import torch
 from app.training.checkpoint import TrainState, save_checkpoint
 from app.config.load import ConfigError, load_config
 from app.run.plan import plan_run
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # builds (or reuses) the tiny target
 
 

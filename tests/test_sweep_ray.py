@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e_helpers import ROOT, tiny_overrides
+from tests.e2e_helpers import tiny_overrides
+from tests.helpers import ROOT
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

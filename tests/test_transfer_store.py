@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from app.messages import HiddenBatch
 from app.model.loss import TrainBatch
+from tests.helpers import hidden_batch
 from app.payload.staging import COPY_CHUNK, PayloadStager, StoreRegistration, copy_into, plasma_ranges
 
 MAPS = ("7f0000000000-7f0000100000 rw-s 00000000 00:1b 1 /dev/shm/plasmaXYZ (deleted)\n"
@@ -68,22 +68,6 @@ class _Event:
         self.synced += 1
 
 
-def _hb(job_id: int, dtype: str):
-    rng = np.random.default_rng(job_id)
-    feats = torch.from_numpy(rng.standard_normal((2, 6, 8)).astype(np.float32))
-    if dtype == "float8_e4m3":
-        from app.model.feature_codec import encode_fp8
-
-        codes, scales = encode_fp8(feats)
-        hidden, scale = codes.view(torch.uint8).numpy(), scales.numpy()
-    else:
-        hidden, scale = feats.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16), None
-    hidden.flags.writeable = False  # as the object store hands it out
-    return HiddenBatch(job_id=job_id, hidden_BSD=hidden, hidden_dtype=dtype, hidden_scale_BS=scale,
-                       input_ids_BS=np.arange(12).reshape(2, 6), loss_mask_BS=np.ones((2, 6), np.uint8),
-                       lengths_B=np.array([6, 4]))
-
-
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3"])
 def test_reading_the_registered_store_in_place_gives_the_copy_paths_batch(monkeypatch, dtype):
     """The CUDA path with stand-in streams: the direct stager makes no staging buffer, holds only the newest
@@ -93,7 +77,7 @@ def test_reading_the_registered_store_in_place_gives_the_copy_paths_batch(monkey
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     direct = PayloadStager(torch.device("cpu"), torch.float32, side_stream=object(), store=_Covers(True))
     copy = PayloadStager(torch.device("cpu"), torch.float32, side_stream=object(), store=_Covers(False))
-    hbs = [_hb(i, dtype) for i in range(3)]
+    hbs = [hidden_batch(i, dtype=dtype, lengths=[6, 4]) for i in range(3)]
     first = weakref.ref(hbs[0].hidden_BSD)
     staged = [direct.stage(hb) for hb in hbs[:2]]
     copied = [copy.stage(hb) for hb in hbs[:2]]
@@ -115,7 +99,7 @@ def test_reading_the_registered_store_in_place_gives_the_copy_paths_batch(monkey
 
 
 def test_a_view_outside_the_store_is_copied_into_a_staging_buffer():
-    hb = _hb(0, "bfloat16")
+    hb = hidden_batch(0, lengths=[6, 4])
     stager = PayloadStager(torch.device("cpu"), torch.float32, store=_Covers(False))
     host = stager.stage_host(hb)
     assert stager.direct == 0 and host.data_ptr() != hb.hidden_BSD.ctypes.data

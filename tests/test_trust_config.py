@@ -17,8 +17,8 @@ from app.config.load import load_config
 from app.config.schema import Config, DataConfig
 from app.data.records import DataError
 from app.storage.roots import has_credentials, redact
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 SECRET = "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY"  # AWS's documented example secret: '/' and '+' included
 
 

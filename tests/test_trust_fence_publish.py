@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import uuid
 from pathlib import Path
 
 import pytest
@@ -24,15 +23,8 @@ from app.storage.conditional import ConditionalStore
 from app.storage.roots import open_storage
 from app.storage.uri_storage import UriStorage
 from app.training.checkpoint import TrainState, latest_checkpoint, list_checkpoints, save_checkpoint
+from tests.helpers import storage_root
 from tests.test_trust_lease import atomic_puts  # noqa: F401  (a fixture)
-
-
-def _root(kind: str, tmp_path: Path, request, name: str) -> str:
-    if kind == "s3":
-        s3 = request.getfixturevalue("s3")
-        request.getfixturevalue("atomic_puts")
-        return s3.uri(f"{name}-{uuid.uuid4().hex[:6]}")
-    return str(tmp_path / name)
 
 
 def _save(root: str, step: int, keep: int = 1) -> None:
@@ -97,7 +89,7 @@ def test_a_run_paused_mid_publish_never_outlives_the_new_holder_s_checkpoint(kin
     resume point. Either way B's ckpt-10 survives and is the latest; B's next save removes what A left.
     Before: one check before the upload; A committed ckpt-12 and its prune deleted ckpt-8 and B's
     ckpt-10, leaving A's the folder's only checkpoint."""
-    root, now, a_tables, b_tables = _root(kind, tmp_path, request, "pause"), [1000.0], {}, {}
+    root, now, a_tables, b_tables = storage_root(kind, tmp_path, request, "pause"), [1000.0], {}, {}
     monkeypatch.setattr(fence, "_mine", a_tables)
     RunLease(root, 60, clock=lambda: now[0]).acquire()
     _save(root, 8)
@@ -129,7 +121,7 @@ def test_a_run_paused_mid_publish_never_outlives_the_new_holder_s_checkpoint(kin
 def test_a_stale_run_never_deletes_an_entry_of_a_newer_token(kind, tmp_path, request, monkeypatch) -> None:
     """The last window of a prune: A's fence check passed, then B (token 2) published ckpt-6 before A's
     delete ran. The entry carries B's token: A's delete leaves it."""
-    root = _root(kind, tmp_path, request, "prune")
+    root = storage_root(kind, tmp_path, request, "prune")
     monkeypatch.setattr(fence, "_mine", {})
     RunLease(root, 60).acquire().release()
     b = RunLease(root, 60).acquire()
@@ -146,7 +138,7 @@ def test_a_stale_run_never_deletes_an_entry_of_a_newer_token(kind, tmp_path, req
 def test_a_deleted_counter_refuses_the_holder_until_its_heartbeat_writes_it_back(kind, tmp_path, request,
                                                                                    monkeypatch) -> None:
     """Before: a missing `.run-fence` read as 0, below every token, and any holder published."""
-    root = _root(kind, tmp_path, request, "deleted")
+    root = storage_root(kind, tmp_path, request, "deleted")
     monkeypatch.setattr(fence, "_mine", {})
     lease = RunLease(root, 60).acquire()
     _save(root, 2, keep=3)
@@ -168,7 +160,7 @@ def test_a_counter_deleted_before_a_takeover_never_hands_out_a_token_twice(kind,
     """A (token 1) is stopped; its counter is deleted; B takes the stale lease over. B's token is one
     above the one A's lease record holds (2), and A is refused. Before: B took 0 + 1 = 1, A's token,
     and both published."""
-    root, now, a_tables = _root(kind, tmp_path, request, "retoken"), [1000.0], {}
+    root, now, a_tables = storage_root(kind, tmp_path, request, "retoken"), [1000.0], {}
     monkeypatch.setattr(fence, "_mine", a_tables)
     assert RunLease(root, 60, clock=lambda: now[0]).acquire().token == 1
     open_storage(root).remove_file(fence.FENCE_FILE)
@@ -202,7 +194,7 @@ def test_a_released_folder_whose_counter_went_keeps_counting_from_its_checkpoint
 def test_a_stale_driver_writes_no_summary_report_or_timeline(kind, tmp_path, request, monkeypatch) -> None:
     """Item 6: in the heartbeat after a takeover, before the stale driver learns it, its summary.json,
     report.html and (URI roots) uploaded timeline are refused; B's stay. Before: written unfenced."""
-    root, now, a_tables = _root(kind, tmp_path, request, "files"), [1000.0], {}
+    root, now, a_tables = storage_root(kind, tmp_path, request, "files"), [1000.0], {}
     monkeypatch.setattr(fence, "_mine", a_tables)
     RunLease(root, 60, clock=lambda: now[0]).acquire()
     open_storage(root).write_file("summary.json", b'{"run": "a"}')

@@ -16,6 +16,7 @@ import pytest
 
 from app.run.lease import LEASE_FILE, LeaseHeld, RunLease
 from app.storage.conditional import GcsConditionalStore, conditional_store
+from tests.helpers import race
 
 TAKERS = 8
 
@@ -82,26 +83,6 @@ def _root(gcs: str, name: str) -> str:
     return f"gs://bucket/{name}?endpoint_override={gcs}&scheme=http"
 
 
-def _race(make) -> tuple[list[RunLease], list[Exception]]:
-    start, won, lost = threading.Barrier(TAKERS), [], []
-
-    def take() -> None:
-        lease = make()
-        start.wait(timeout=30)
-        try:
-            lease._acquire_conditional()
-            won.append(lease)
-        except LeaseHeld as exc:
-            lost.append(exc)
-
-    threads = [threading.Thread(target=take) for _ in range(TAKERS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    return won, lost
-
-
 def test_a_gs_root_gets_the_conditional_store() -> None:
     assert isinstance(conditional_store("gs://bucket/run"), GcsConditionalStore)
     assert conditional_store("hdfs://x/run") is None
@@ -109,7 +90,7 @@ def test_a_gs_root_gets_the_conditional_store() -> None:
 
 def test_of_eight_drivers_starting_at_once_exactly_one_takes_the_gs_lease(gcs: str) -> None:
     """Before: gs:// took the read / write / read-back lease, which all eight could win in the worst order."""
-    won, lost = _race(lambda: RunLease(_root(gcs, "race"), 60))
+    won, lost = race(lambda: RunLease(_root(gcs, "race"), 60), RunLease._acquire_conditional, LeaseHeld, TAKERS)
     assert (len(won), len(lost)) == (1, TAKERS - 1)
     assert all("another run holds" in str(e) for e in lost)
     assert won[0].beat() is True
@@ -120,7 +101,8 @@ def test_of_eight_takers_of_a_stale_gs_lease_exactly_one_wins_and_the_old_holder
     old = RunLease(_root(gcs, "stale"), 60, clock=lambda: now[0])
     old._acquire_conditional()
     now[0] += 61  # no heartbeat for longer than the timeout
-    won, lost = _race(lambda: RunLease(_root(gcs, "stale"), 60, clock=lambda: now[0]))
+    won, lost = race(lambda: RunLease(_root(gcs, "stale"), 60, clock=lambda: now[0]), RunLease._acquire_conditional,
+                     LeaseHeld, TAKERS)
     assert (len(won), len(lost)) == (1, TAKERS - 1)
     assert won[0].taken_over["run_id"] == old.me["run_id"]
     assert old.beat() is False and won[0].beat() is True  # the old heartbeat never overwrites the new holder

@@ -15,6 +15,7 @@ import pytest
 from app.run.lease import LEASE_FILE, LeaseHeld, RunLease
 from app.storage import fence
 from app.storage.roots import open_storage
+from tests.helpers import race, storage_root
 
 TAKERS = 8
 
@@ -62,37 +63,13 @@ class WorstOrder:
         monkeypatch.setattr(UriStorage, "write_file", write_file)
 
 
-def _race(make_lease, order: WorstOrder | None = None) -> tuple[list[RunLease], list[Exception]]:
-    """`TAKERS` threads call `make_lease().acquire()` at the same moment: (winners, refusals)."""
-    start = threading.Barrier(TAKERS)
-    won, lost, lock = [], [], threading.Lock()
-
-    def take() -> None:
-        lease = make_lease()
-        if order is not None:
-            order.local.racing = True
-        start.wait(timeout=30)
-        try:
-            lease.acquire()
-            with lock:
-                won.append(lease)
-        except LeaseHeld as e:
-            with lock:
-                lost.append(e)
-
-    threads = [threading.Thread(target=take) for _ in range(TAKERS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    return won, lost
-
-
 def test_of_eight_drivers_starting_at_once_exactly_one_takes_the_s3_lease(s3, atomic_puts, monkeypatch) -> None:
     """Before: read, write, read back; in the worst order (`WorstOrder`) all 8 took the lease. Now a
     create-if-absent: one winner, seven one-line refusals, fencing token 1."""
     root = s3.uri(f"race-{uuid.uuid4().hex[:6]}")
-    won, lost = _race(lambda: RunLease(root, 60), WorstOrder(monkeypatch))
+    order = WorstOrder(monkeypatch)
+    won, lost = race(lambda: RunLease(root, 60), RunLease.acquire, LeaseHeld, TAKERS,
+                     ready=lambda: setattr(order.local, "racing", True))
     assert (len(won), len(lost)) == (1, TAKERS - 1)
     assert all("another run holds" in str(e) and "\n" not in str(e) for e in lost)
     assert won[0].held() and won[0].token == 1
@@ -107,7 +84,7 @@ def test_of_eight_takers_of_a_stale_s3_lease_exactly_one_wins_and_the_old_holder
     now = [1000.0]
     old = RunLease(root, 60, clock=lambda: now[0]).acquire()
     now[0] += 61  # no heartbeat for longer than the timeout
-    won, lost = _race(lambda: RunLease(root, 60, clock=lambda: now[0]))
+    won, lost = race(lambda: RunLease(root, 60, clock=lambda: now[0]), RunLease.acquire, LeaseHeld, TAKERS)
     assert (len(won), len(lost)) == (1, TAKERS - 1)
     assert won[0].taken_over["run_id"] == old.me["run_id"] and won[0].token == old.token + 1
     assert old.beat() is False and won[0].held()  # its heartbeat never overwrites the new holder's lease
@@ -121,12 +98,7 @@ def test_a_run_that_lost_its_lease_cannot_publish(kind: str, tmp_path: Path, req
     so it writes under A's token. A is stopped long enough for run B to take the lease over. A's rank 0
     then publishes a checkpoint: refused (`FencedOut`), and B's rank publishes. Before: the lease
     guarded the driver only and A's rank 0 kept publishing into B's folder."""
-    if kind == "s3":
-        s3 = request.getfixturevalue("s3")
-        request.getfixturevalue("atomic_puts")
-        root = s3.uri(f"fenced-{uuid.uuid4().hex[:6]}")
-    else:
-        root = str(tmp_path / "run")
+    root = storage_root(kind, tmp_path, request, "fenced")
     now = [1000.0]
     driver_a, rank_a, rank_b = {}, {}, {}  # each process's tokens
     monkeypatch.setattr(fence, "_mine", driver_a)
@@ -179,12 +151,7 @@ def test_a_lease_that_looks_stale_only_by_another_host_s_clock_is_not_taken(kind
     is gone: its lease is taken. Before: taken at once, from a live run."""
     import json
 
-    if kind == "s3":
-        s3 = request.getfixturevalue("s3")
-        request.getfixturevalue("atomic_puts")
-        root = s3.uri(f"skew-{uuid.uuid4().hex[:6]}")
-    else:
-        root = str(tmp_path / "run")
+    root = storage_root(kind, tmp_path, request, "skew")
     store = open_storage(root)
     holder = {"host": "node-7", "pid": 4242, "run_id": "live", "heartbeat": 1000.0 - 61}
     store.write_file(LEASE_FILE, json.dumps(holder).encode())

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
+
 TINY_CACHE = f"tiny.cache_dir={ROOT / '.cache/tiny'}"  # shared with the other tests that build the tiny target
 
 
