@@ -1,7 +1,11 @@
+# Not model.generate: it fills unset fields from a checkpoint's generation_config.json, and limits tokens per batch.
 """Batched greedy generation with a KV cache, shared by the tiny-target build and `app.regenerate`.
 
 A hand-written loop instead of `model.generate`: it gives per-prompt token limits, explicit stop and
-suppressed ids, and no dependence on whatever `generation_config.json` a checkpoint ships with.
+suppressed ids, and no dependence on whatever `generation_config.json` a checkpoint ships with. transformers
+(5.25) fills every field a passed `GenerationConfig` leaves unset from the checkpoint's file, so a shipped
+`repetition_penalty` changes what `GenerationConfig(do_sample=False)` produces (checked on the tiny Qwen3
+target: penalty 1.5 turned twelve greedy 17s into other tokens; this loop's output did not move).
 Prompts are grouped by length (sorted) so a batch carries little left padding.
 """
 from __future__ import annotations
