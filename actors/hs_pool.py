@@ -66,7 +66,7 @@ class HSPoolActor:
     ) -> None:
         """`pull_policy` None = pool_cfg.pull_policy; `ranks` x `accum` (drafters x train.grad_accum)
         is one global step, which the stratified policy mixes; `broken_after` =
-        supervision.broken_target_raises (see app/pool/strikes.py). `runs`: several drafter runs on one
+        supervision.broken_target_raises (see app/pool/production.py). `runs`: several drafter runs on one
         stream, each run's ranks and grad_accum by name; None = one run."""
         self._cfg = pool_cfg
         self._runs: dict[str, PoolControl] = {}

@@ -1,2 +1,3 @@
-"""The hidden-state pool (pure, no Ray): HSPool and its parts, the pool actor's control state, telemetry,
-stats and the metric names the pool actor exports."""
+"""The hidden-state pool (pure, no Ray): `HSPool` (hs_pool.py) over its book, its producing and drafters' sides,
+the records, holdings, pull policy and telemetry beneath them; the pool actor's control state and the shared
+stream of several runs above it."""

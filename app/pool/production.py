@@ -1,90 +1,57 @@
 """Jobs on their way to the buffer: issued to a target within the capacity budget, landed in their
 bucket, or failed back to the FRONT of the queue (the hidden states are recomputed, never kept).
 
-A job whose forward raised waits among the re-tries (issued before the queue, to a target that did
-not fail it yet); one that raised on two targets is quarantined, and a target that raises on every
-job is broken instead, without charging its jobs (the rules: `strikes.py`). `InFlight` records which
-target runs each job, since when, and the bytes reserved for its payload.
+Whose fault a raised forward is, the job's (a poison job) or the target's (a broken GPU): a target
+whose CUDA context is poisoned (a sticky illegal memory access, a wedged driver) raises on every job
+within milliseconds and frees its slot first, so it would take every re-tried job and quarantine the
+dataset two strikes at a time. So `Strikes` are kept per (job, target):
+- a target that raises `broken_after` times in a row (no job landed in between; distinct jobs
+  whenever the pool had another to give it) is broken: it gets no more jobs, and the strikes it gave
+  are taken back (its jobs are not charged). A new incarnation of it (`reset`) starts clean;
+- a job is quarantined once it raised on two different targets, or, when no other target could
+  take it, raised again on a target that has landed other jobs (a lone healthy target);
+- a job that raised waits among the re-tries (issued before the queue) and is re-tried first on a
+  target that did not fail it yet (`may_take`), and on one that did only as a last resort
+  (`last_resort`: every other known healthy target failed it too).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from app.messages import ItemMeta, JobSpec
-from app.pool.book import JobQueue
-from app.pool.holdings import BucketBuffer, Budget, Item
-from app.pool.records import JobState, JobStates
-from app.pool.strikes import Strikes, Verdict
-from app.pool.telemetry import PoolTelemetry
-
-
-@dataclass
-class InFlightJob:
-    """A job on a target: which target, since when, and the bytes reserved for its payload."""
-
-    job: JobSpec
-    target_id: int
-    start: float
-    reserved_bytes: int
-
-
-class InFlight:
-    """job id -> InFlightJob, with per-target counts for the job slots."""
-
-    def __init__(self) -> None:
-        self._jobs: dict[int, InFlightJob] = {}
-        self._per_target: dict[int, int] = {}
-
-    def start(self, job: JobSpec, target_id: int, now: float, reserved_bytes: int) -> None:
-        assert job.job_id not in self._jobs, f"job {job.job_id} issued twice"
-        self._jobs[job.job_id] = InFlightJob(job, target_id, now, reserved_bytes)
-        self._per_target[target_id] = self._per_target.get(target_id, 0) + 1
-
-    def get(self, job_id: int) -> InFlightJob | None:
-        return self._jobs.get(job_id)
-
-    def pop(self, job_id: int) -> InFlightJob:
-        fl = self._jobs.pop(job_id)
-        self._per_target[fl.target_id] -= 1
-        return fl
-
-    def of_target(self, target_id: int) -> list[int]:
-        return [jid for jid, fl in self._jobs.items() if fl.target_id == target_id]
-
-    def count(self, target_id: int) -> int:
-        return self._per_target.get(target_id, 0)
-
-    def by_target(self) -> dict[int, list[tuple[int, float]]]:
-        """target -> [(job id, start)], for stats and the watchdog."""
-        out: dict[int, list[tuple[int, float]]] = {}
-        for jid, fl in self._jobs.items():
-            out.setdefault(fl.target_id, []).append((jid, fl.start))
-        return out
-
-    def __len__(self) -> int:
-        return len(self._jobs)
+from app.pool.book import JobBook
+from app.pool.holdings import Item
+from app.pool.records import JobState
 
 
 class Production:
-    """The targets' side of the pool: which job a target gets next and what becomes of it. Shares the
-    queue, job states, buffer, budget and telemetry with `HSPool`; calls `changed` after each change."""
+    """The targets' side of the pool: which job a target gets next and what becomes of it, over the
+    pool's book (queue, job states, buffer, budget, telemetry); calls the book's `changed` after each change."""
 
-    def __init__(self, jobs_per_target: int, queue: JobQueue, states: JobStates, buffer: BucketBuffer,
-                 budget: Budget, tel: PoolTelemetry, clock: Callable[[], float],
-                 changed: Callable[[], None], broken_after: int = 3) -> None:
+    def __init__(self, book: JobBook, jobs_per_target: int, broken_after: int = 3) -> None:
         """`broken_after`: raises in a row that make a target broken (supervision.broken_target_raises)."""
         # Several drafter runs on one stream (`stream.py`): the stream's own budget, counting a shared
         # ref once, must also admit a job; None for a pool of its own.
         self.gate: Callable[[int], bool] | None = None
         self.jobs_per_target = jobs_per_target
-        self.in_flight = InFlight()
+        self.in_flight = book.in_flight
         self.quarantined: dict[int, str] = {}  # job id -> error of its last failure
         self.strikes = Strikes(broken_after)
         self.retries: list[int] = []  # pending jobs whose forward raised, oldest first; issued before the queue
-        self._queue, self._states, self._buffer, self._budget = queue, states, buffer, budget
-        self._tel, self._clock, self._changed = tel, clock, changed
+        self._book = book
+        self._queue, self._states, self._buffer, self._budget = book.queue, book.states, book.buffer, book.budget
+        self._tel, self._clock, self._changed = book.tel, book.clock, book.changed
+
+    @property
+    def finished(self) -> bool:
+        """Every job is produced: nothing pending, nothing in flight, no more coming."""
+        return self._book.finished and not self.waiting and not self.in_flight
+
+    def buffer_changed(self) -> None:
+        """The buffer's counts moved: the backlog meter integrates them while production goes on."""
+        self._tel.backlog.update(self._clock(), self._buffer.counts(), active=not self.finished)
 
     @property
     def items_held(self) -> int:
@@ -157,6 +124,7 @@ class Production:
         self._states.move(meta.job_id, JobState.BUFFERED)
         self.strikes.landed(target_id, meta.job_id)
         self._tel.landed(target_id, meta)
+        self.buffer_changed()
         return True
 
     def failed(self, target_id: int, job_id: int) -> bool:
@@ -166,13 +134,9 @@ class Production:
         return True
 
     def raised(self, target_id: int, job_id: int, error: str) -> bool:
-        """The job's forward raised on a live target: re-tried first on another target, or, once it
-        raised on two different targets, quarantined: a poison job (a token id beyond the vocabulary,
-        an OOM on the one largest job) would otherwise fail on every target for the rest of the run.
-        A quarantined job is never trained nor acked; `quarantined` maps its id to the last error. A
-        target that raises `broken_after` times in a row is broken instead (a poisoned CUDA context):
-        it gets no more jobs and its jobs are not charged (rules: `strikes.py`). A target dying is not
-        counted here (`failed`): the job that happened to be in flight is not to blame."""
+        """The job's forward raised on a live target: re-tried, quarantined (a poison job, e.g. a token id
+        beyond the vocabulary: never trained nor acked; `quarantined` maps its id to the last error) or, on a
+        broken target, not charged; the rules above. A target dying is `failed`: its job is not to blame."""
         if not self._runs_on(target_id, job_id):
             return False
         if self.strikes.raised(target_id, job_id) is not Verdict.QUARANTINE:
@@ -250,3 +214,83 @@ class Production:
         self.retries += [j for j in ids if self.strikes.charged(j)]
         self._queue.push_front(j for j in ids if not self.strikes.charged(j))
         self._changed()
+
+
+class Verdict(str, Enum):
+    RETRY = "retry"  # the job goes back, to be re-tried on another target first
+    QUARANTINE = "quarantine"  # a poison job: set aside for good
+    BROKEN = "broken"  # the target is broken; the job is not charged
+    UNCHARGED = "uncharged"  # a late raise from a target already found broken
+
+
+class Strikes:
+    """Forward failures per job and target, raise streaks per target, and the broken targets (the rules
+    above)."""
+
+    def __init__(self, broken_after: int) -> None:
+        assert broken_after >= 2, broken_after  # 1 would call a target broken for one poison job
+        self.broken_after = broken_after
+        self.failed_on: dict[int, set[int]] = {}  # job id -> targets its forward raised on (charged)
+        self.broken: set[int] = set()
+        self._streak: dict[int, list[int]] = {}  # target -> job ids it raised on since its last landing
+        self._landed: set[int] = set()  # targets that landed a job in this incarnation
+        self._known: set[int] = set()  # targets that asked for jobs and were not lost since
+
+    def saw(self, target_id: int) -> None:
+        """The target asked for a job: it is alive."""
+        self._known.add(target_id)
+
+    def may_take(self, job_id: int, target_id: int) -> bool:
+        return target_id not in self.failed_on.get(job_id, ())
+
+    def last_resort(self, job_id: int, target_id: int) -> bool:
+        """No other live, healthy target could re-try the job: this one (which failed it) may."""
+        return self._known - self.broken - {target_id} <= self.failed_on.get(job_id, set())
+
+    def landed(self, target_id: int, job_id: int) -> None:
+        self._streak.pop(target_id, None)
+        self._landed.add(target_id)
+        self.failed_on.pop(job_id, None)
+
+    def raised(self, target_id: int, job_id: int) -> Verdict:
+        if target_id in self.broken:
+            return Verdict.UNCHARGED
+        streak = self._streak.setdefault(target_id, [])
+        streak.append(job_id)
+        if len(streak) >= self.broken_after:
+            self._mark_broken(target_id)
+            return Verdict.BROKEN
+        fails = self.failed_on.setdefault(job_id, set())
+        again = target_id in fails
+        fails.add(target_id)
+        if len(fails) >= 2 or (again and target_id in self._landed):
+            return Verdict.QUARANTINE
+        return Verdict.RETRY
+
+    def charged(self, job_id: int) -> bool:
+        """The job has strikes: it waits among the re-tries, not at the queue's front."""
+        return bool(self.failed_on.get(job_id))
+
+    def forget(self, job_id: int) -> None:
+        """The job is done with (quarantined, or acked by a rollback)."""
+        self.failed_on.pop(job_id, None)
+
+    def lost(self, target_id: int) -> None:
+        """The target is gone: it takes part in no last-resort decision."""
+        self._known.discard(target_id)
+
+    def reset(self, target_id: int) -> None:
+        """A new incarnation of the target (a restart): no streak, not broken, nothing landed yet."""
+        self.broken.discard(target_id)
+        self._streak.pop(target_id, None)
+        self._landed.discard(target_id)
+
+    def _mark_broken(self, target_id: int) -> None:
+        self.broken.add(target_id)
+        self._known.discard(target_id)
+        for job_id in self._streak.pop(target_id):
+            fails = self.failed_on.get(job_id)
+            if fails is not None:
+                fails.discard(target_id)
+                if not fails:
+                    del self.failed_on[job_id]
