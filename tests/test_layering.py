@@ -138,6 +138,26 @@ def test_the_walker_sees_function_level_imports_and_cycles(tmp_path):
     assert found == {"actors.drafter", "app.metric_names"}
 
 
+def ray_imports(path: Path) -> set[str]:
+    """The `ray` modules a file imports, at its top or inside a function."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+        found.update(n for n in names if n.split(".")[0] == "ray")
+    return found
+
+
+def test_the_pool_is_plain_python(tmp_path):
+    """app/pool is tested without Ray: none of its modules imports ray, even inside a function (the pool actor,
+    actors/hs_pool.py, makes the Ray calls). The check can fail: a function-level import is found."""
+    pool = sorted((ROOT / "app" / "pool").glob("*.py"))
+    assert len(pool) > 1 and {module_name(p): ray_imports(p) for p in pool if ray_imports(p)} == {}
+    p = tmp_path / "m.py"
+    p.write_text("def f():\n    from ray.exceptions import RayError\n")
+    assert ray_imports(p) == {"ray.exceptions"}
+
+
 RUN_TOP = {"app.run", "app.run.driver", "app.run.plan", "app.run.lease", "app.run.placement", "app.run.topology",
            "app.run.supervisor", "app.run.sweep", "app.run.finish",
            "app.run.preflight"}  # sweep: runs on one stream; finish: how each run ends; preflight: the checks
