@@ -14,7 +14,8 @@ Drafter ranks are assumed to keep their per-rank rate at another group size: the
 step changes little with the number of ranks on one node.
 
 With `costs` (`faults.virtual_clock`: the injected delays) each side is charged its delay instead of
-its measured time: a target `done_by_target x target delay`, a rank `micro-batches x drafter delay`.
+its measured time: a target `done_by_target x target delay`, a rank `micro-batches x drafter delay`,
+both at one tokens-per-job figure (`_virtual_rates`).
 The rates then follow the delays, not how a busy machine's scheduler shares the CPU (beside two busy
 loops a drafter micro-batch measured ~12.6 s against 2.1 s for a target forward, the drafter step's
 all-reduce waiting for the most-starved rank, and the measured advice went the wrong way).
@@ -216,6 +217,8 @@ class SplitAdvisor:
         t = [self.target_tokens[i] / s for i, s in self.target_forward_s.items()
              if s > 0 and self.target_tokens.get(i, 0) > 0]
         d = [self.rank_tokens[r] / s for r, s in self.rank_compute_s.items() if s > 0 and self.rank_tokens.get(r)]
+        if self.costs is not None:
+            return self._virtual_rates(bool(t), bool(d))
         if self.half_life_s is not None and t:
             # Recency-weighted: a target that sat idle lately (the pool was full) keeps an old rate;
             # the pooled ratio weighs each target by its recent forward time instead.
@@ -223,6 +226,16 @@ class SplitAdvisor:
             t = [sum(self.target_tokens.get(i, 0) for i in busy) / sum(self.target_forward_s[i] for i in busy)]
         # Median: one restarted or half-idle actor does not drag the estimate.
         return (statistics.median(t) if t else 0.0), (statistics.median(d) if d else 0.0)
+
+    def _virtual_rates(self, targets_worked: bool, ranks_worked: bool) -> tuple[float, float]:
+        """`costs`: each side's rate is its delay's, at the tokens per job of both sides' jobs pooled. Per side,
+        the jobs handled so far are not the same jobs (the targets run ahead by the buffer, and a bucket's jobs
+        differ in length): their own tokens per job tilted the advice by up to 14% on the bench."""
+        ct, cd = self.costs
+        tokens = sum(self.target_tokens.values()) + sum(self.rank_tokens.values())
+        jobs = sum(self.target_forward_s.values()) / ct + sum(self.rank_compute_s.values()) / cd
+        per_job = tokens / jobs if jobs > 0 else 0.0
+        return (per_job / ct if targets_worked else 0.0), (per_job / cd if ranks_worked else 0.0)
 
     def enough_samples(self) -> bool:
         ranks_ok = self.rank_steps and min(self.rank_steps.values()) >= MIN_STEPS_PER_RANK + WARMUP_STEPS
