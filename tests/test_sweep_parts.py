@@ -92,12 +92,18 @@ def test_the_targets_capture_the_union_of_the_runs_layers_and_each_run_reads_its
     assert runs["depth1"].cfg.checkpoint.dir == f"{tmp_path}/runs/depth1" and runs["depth1"].resume_from is None
 
 
-def test_a_run_reading_a_layer_the_target_lacks_is_refused_before_any_actor(tmp_path):
+def test_a_run_reading_a_layer_the_target_lacks_is_refused_before_any_actor(tmp_path, capsys, monkeypatch):
+    """The plan's target check refuses it (app/config/layer_checks.py, before ray.init), so `plan_runs`, which
+    runs after it, has no range check of its own: `app.train.main` exits 2 with the one line."""
     import pytest
+    import ray
 
-    from app.config.errors import ConfigError
-    from app.run.sweep import plan_runs
+    from app.train import main
 
-    plan = _plan(tmp_path, "runs=[{name: a}, {name: deep, target_layer_ids: [1, 9]}]")
-    with pytest.raises(ConfigError, match=r"runs\[deep\] reads target layers \[9\].*layers 0..5"):
-        plan_runs(plan)
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init before the layers were checked"))
+    assert main(["--config", "conf/tiny-sweep.yaml", f"checkpoint.dir={tmp_path}",
+                 "runs=[{name: a}, {name: deep, target_layer_ids: [1, 9]}]"]) == 2
+    out = capsys.readouterr()
+    lines = [line for line in (out.out + out.err).splitlines() if line.strip() and "model shards" not in line]
+    assert len(lines) == 1, lines
+    assert "runs[deep].target_layer_ids=[1, 9] has 9, outside the target's 6 layers (0..5)" in lines[0], lines

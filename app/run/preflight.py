@@ -5,8 +5,8 @@ A mistake is one `ConfigError`/`DataError` line and exit 2, before the cluster w
 2. while planning, before `ray.init` (app/run/plan.py `plan_run`): the target against the config
    (app/config/checks.py `check_target`), the data, and the resume point (same data, same schedule);
 3. against the cluster, once connected (`preflight`, here): resources (app/config/checks.py
-   `check_resources`), bundles per node (app/run/placement.py `check_cluster_fits`), each run of a sweep
-   reading layers the target has (app/run/sweep.py `plan_runs`), one global step of the largest job within
+   `check_resources`), bundles per node (app/run/placement.py `check_cluster_fits`), the runs of a sweep
+   planned (app/run/sweep.py `plan_runs`; their layers were checked in step 2), one global step of the largest job within
    the pool's budget (`RunPlan.use_device`, sized for every layer the targets capture: a sweep's union), and
    the object store (app/pool/holdings.py `check_object_store`).
 The check functions stay beside what they check; this module says which run, and when.

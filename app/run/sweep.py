@@ -33,7 +33,8 @@ RUN_WAIT_S = 0.2  # each run's turn waits this long for its drafters
 def plan_runs(plan: RunPlan) -> dict[str, RunPlan]:
     """The runs of this stream by name. A single run is a sweep of one: `{"": plan}`. With `runs:`, each
     run's plan from the sweep's (target, data, schedule shared): its config, layers, resume point and step
-    count; the sweep's plan then captures the union of the runs' layers."""
+    count; the sweep's plan then captures the union of the runs' layers. Each run's layers were checked with
+    the plan's target (app/config/layer_checks.py, before `ray.init`): inside the target, ascending, distinct."""
     from app.config.checks import resolved_layer_ids
     from app.config.sweep_section import run_config
     from app.run.plan import data_fingerprint, read_resume_point, total_steps
@@ -44,13 +45,6 @@ def plan_runs(plan: RunPlan) -> dict[str, RunPlan]:
     for spec in plan.cfg.runs:
         cfg = run_config(plan.cfg, spec)
         layers = resolved_layer_ids(cfg, plan.info)
-        bad = [i for i in layers if not 0 <= i < plan.info.num_layers]
-        if bad:
-            from app.config.errors import ConfigError
-
-            raise ConfigError(f"runs[{spec.name}] reads target layers {bad}, which the target does not have (layers "
-                              f"0..{plan.info.num_layers - 1}); fix runs[{spec.name}].target_layer_ids or "
-                              "model.target_layer_ids")
         fingerprint = data_fingerprint(plan.dataset, cfg)
         resume = read_resume_point(cfg, plan.jobs, fingerprint)
         out[spec.name] = dataclasses.replace(
