@@ -1,62 +1,30 @@
-"""Issue 35 H5: a transient storage error (an object store's 5xx, a transfer cut short) during a save or a
-resume is tried again with a bounded backoff and one line per retry, never ends the save or the resume.
-A fake filesystem over a real file:// root fails twice, then works; the waits go to a virtual clock
-(no real sleeping). No Ray, no network."""
+"""Issue 35 H5: a transient storage error (an object store's 5xx, SlowDown) during a save or a resume is tried
+again by the S3 client itself, with a bounded number of tries; anything else is raised at once. The real pyarrow
+S3 client talks to moto through a front that answers chosen requests with S3 errors (tests/s3_server.py
+`FaultyFront`); the front counts the requests, not the client. No Ray."""
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
 
-from app.storage import fence, retry, uri_storage
+from app.storage import fence, uri_storage
 from app.training.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 
-SLOW_DOWN = ("When uploading part for key 'run/ckpt-00000003/v-0123456789ab/trainer.pt' in bucket 'b': AWS Error "
-             "SLOW_DOWN during UploadPart operation: Please reduce your request rate.")
-UNAVAILABLE = "When reading information for key 'run/x': AWS Error UNKNOWN (HTTP status 503) during HeadObject operation"
 
+@pytest.fixture(scope="module")
+def front(s3):
+    from tests.s3_server import FaultyFront
 
-class Flaky:
-    """A pyarrow filesystem whose `method` raises `error` on its first `failures` calls, then works."""
-
-    def __init__(self, raw, method: str, failures: int, error: str) -> None:
-        self.raw, self.method, self.left, self.error, self.calls = raw, method, failures, error, 0
-
-    def __getattr__(self, name: str):
-        value = getattr(self.raw, name)
-        if name != self.method:
-            return value
-
-        def call(*args, **kwargs):
-            self.calls += 1
-            if self.left > 0:
-                self.left -= 1
-                raise OSError(self.error)
-            return value(*args, **kwargs)
-
-        return call
+    f = FaultyFront(s3)
+    yield f
+    f.stop()
 
 
 @pytest.fixture
-def waits(monkeypatch) -> list[float]:
-    slept: list[float] = []
-    monkeypatch.setattr(retry, "sleep", slept.append)  # virtual: nothing waits for real
+def root(front, monkeypatch, request) -> str:
     monkeypatch.setattr(fence, "_mine", {})
-    return slept
-
-
-def _flaky(monkeypatch, method: str, failures: int, error: str = SLOW_DOWN) -> list[Flaky]:
-    made: list[Flaky] = []
-    real = uri_storage._from_uri
-
-    def from_uri(uri: str):
-        fs, base = real(uri)
-        made.append(Flaky(fs, method, failures, error))
-        return made[-1], base
-
-    monkeypatch.setattr(uri_storage, "_from_uri", from_uri)
-    return made
+    front.fail("PUT", 0)
+    return front.uri(request.node.name.replace("[", "-").rstrip("]"))
 
 
 def _state(step: int) -> TrainState:
@@ -64,70 +32,61 @@ def _state(step: int) -> TrainState:
                       optimizer={"state": {}, "param_groups": []}, scheduler={}, rng=None)
 
 
-def test_a_save_outlives_two_slow_downs(tmp_path: Path, monkeypatch, waits, capsys) -> None:
-    root = f"file://{tmp_path / 'run'}"
-    made = _flaky(monkeypatch, "open_output_stream", failures=2)
+@pytest.mark.slow  # the client's backoff waits for real: a few seconds
+def test_a_save_outlives_two_slow_downs(front, root: str) -> None:
+    front.fail("PUT", 2)  # the first two PUTs (an upload's first part) answered 503 SlowDown
     where = save_checkpoint(root, _state(3), keep=2)
-    assert sum(f.calls for f in made) >= 3 and waits == [0.5, 2.0]
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("storage:")]
-    assert len(lines) == 2 and "(SLOW_DOWN), attempt 1 of 4; trying again in 0.5 s" in lines[0]
-    assert "attempt 2 of 4; trying again in 2 s" in lines[1]
-    monkeypatch.undo()
+    assert front.faults["PUT"][0] == 0 and front.tries["PUT"] >= 3  # both served, and the PUT made again
     assert str(latest_checkpoint(root)) == str(where)
     assert load_checkpoint(where).ledger == [1, 2, 5]
 
 
-def test_a_resume_outlives_two_503s(tmp_path: Path, monkeypatch, waits) -> None:
-    root = f"file://{tmp_path / 'run'}"
+def test_a_resume_outlives_a_500(front, root: str) -> None:
     where = save_checkpoint(root, _state(4), keep=2)
-    _flaky(monkeypatch, "open_input_stream", failures=2, error=UNAVAILABLE)
+    front.fail("GET", 1, 500, "InternalError")
     state = load_checkpoint(where)
+    assert front.faults["GET"][0] == 0
     assert (state.step, state.ledger) == (4, [1, 2, 5]) and torch.equal(state.drafter["w"], torch.arange(6.0))
-    assert waits == [0.5, 2.0]
 
 
-def test_a_listing_outlives_a_cut_connection(tmp_path: Path, monkeypatch, waits) -> None:
-    root = f"file://{tmp_path / 'run'}"
+def test_a_listing_outlives_a_slow_down(front, root: str) -> None:
     save_checkpoint(root, _state(5), keep=2)
-    _flaky(monkeypatch, "get_file_info", failures=1, error="AWS Error NETWORK_CONNECTION during ListObjectsV2 "
-                                                             "operation: curlCode: 56, Failure when receiving data from the peer")
-    assert latest_checkpoint(root).name == "ckpt-00000005" and waits == [0.5]
+    front.fail("GET", 1)  # the listing's ListObjectsV2 is a GET
+    assert latest_checkpoint(root).name == "ckpt-00000005" and front.faults["GET"][0] == 0
 
 
-def test_retries_are_bounded(tmp_path: Path, monkeypatch, waits) -> None:
-    _flaky(monkeypatch, "open_output_stream", failures=100)
+def test_retries_are_bounded(front, root: str, monkeypatch) -> None:
+    """S3_ATTEMPTS tries of a request, then the error (2 here: the real 5 take ~10 s of backoff)."""
+    monkeypatch.setattr(uri_storage, "S3_ATTEMPTS", 2)
+    front.fail("PUT", 100)
     with pytest.raises(OSError, match="SLOW_DOWN"):
-        save_checkpoint(f"file://{tmp_path / 'run'}", _state(6), keep=2)
-    assert waits == [0.5, 2.0, 8.0]  # 4 attempts, about 10 s of waiting in all
+        uri_storage.UriStorage(root).write_file("x.json", b"{}")
+    assert front.tries["PUT"] == 2
 
 
-@pytest.mark.parametrize("error", [
-    FileNotFoundError(2, "No such file"),
-    PermissionError(13, "denied"),
-    OSError("AWS Error ACCESS_DENIED during PutObject operation: Access Denied"),
-    OSError("AWS Error NETWORK_CONNECTION during HeadBucket operation: curlCode: 7, Could not connect to server"),
-    OSError("no such key run/ckpt-00000503/state.json"),  # a 503 inside a name is no status
-    ValueError("refusing to download object 'run/../x'"),
-])
-def test_other_errors_are_raised_at_once(error: Exception, waits) -> None:
-    calls = []
-
-    def fail():
-        calls.append(1)
-        raise error
-
-    with pytest.raises(type(error)):
-        retry.retried(fail, "write of x")
-    assert calls == [1] and waits == []
+@pytest.mark.parametrize("status, code", [(403, "AccessDenied"), (400, "InvalidArgument")])
+def test_other_errors_are_raised_at_once(front, root: str, status: int, code: str) -> None:
+    store = uri_storage.UriStorage(root)
+    front.fail("PUT", 1, status, code)
+    with pytest.raises(OSError):
+        store.write_file("x.json", b"{}")
+    assert front.tries["PUT"] == 1
 
 
-@pytest.mark.parametrize("error, kind", [
-    (OSError(SLOW_DOWN), "SLOW_DOWN"),
-    (OSError(UNAVAILABLE), "HTTP status 503"),
-    (OSError("GCS: InternalError: backend error"), "InternalError"),
-    (OSError("curlCode: 28, Timeout was reached"), "curlCode: 28"),
-    (TimeoutError(110, "timed out"), "ETIMEDOUT"),
-    (ConnectionResetError(104, "reset"), "ECONNRESET"),
-])
-def test_transient_kinds(error: Exception, kind: str) -> None:
-    assert retry.transient_kind(error) == kind
+def test_s3_and_gcs_filesystems_get_their_retry_and_keep_their_options(s3) -> None:
+    """The S3 filesystem is opened again with the options `from_uri` resolved (endpoint, scheme, region); GCS's
+    retry is bounded at GCS_RETRY_S (pyarrow reports it back; S3's strategy it does not, the bound test above
+    counts it)."""
+    from datetime import timedelta
+
+    from pyarrow.fs import GcsFileSystem, S3FileSystem
+
+    fs, base = uri_storage.filesystem(s3.uri("opts"))
+    options = fs.__reduce__()[1][0]
+    assert isinstance(fs, S3FileSystem) and base == f"{s3.bucket}/opts"
+    assert (options["endpoint_override"], options["scheme"], options["region"]) == (s3.endpoint, "http", "us-east-1")
+    gcs, _ = uri_storage.filesystem("gs://bucket/run")
+    assert isinstance(gcs, GcsFileSystem)
+    assert gcs.__reduce__()[1][0]["retry_time_limit"] == timedelta(seconds=uri_storage.GCS_RETRY_S)
+    local = uri_storage.filesystem("file:///tmp/x")[0]
+    assert local.type_name == "local"

@@ -9,6 +9,6 @@ replaces it meanwhile; `cache_use.py`: what the cache holds after several runs, 
 anything is deleted or downloaded; `orphans.py`: the names written into a local checkpoint folder for
 a moment (one fixed prefix) and the start-up cleanup of what a crash left of them; `fence.py`: the
 fencing token that refuses a publish, commit, delete or write by a run that lost its lease; `conditional.py`: create-if-absent
-and replace-if-unchanged of one object on S3 and GCS (the lease); `retry.py`: transient storage errors
-(a 5xx, a transfer cut short) tried again with a bounded backoff.
+and replace-if-unchanged of one object on S3 and GCS (the lease). Transient storage errors are retried by the
+S3 and GCS clients themselves (`uri_storage.with_retries`).
 """

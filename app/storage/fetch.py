@@ -15,7 +15,6 @@ from pathlib import Path
 from app.storage import local_cache, pins
 from app.storage.names import stays_inside
 from app.storage.roots import is_uri, redact
-from app.storage.retry import retried
 from app.storage.uri_storage import download, filesystem
 
 
@@ -62,7 +61,7 @@ def fetch_dir(location: str | Path, cache: bool = True) -> Path:
     entry, family, keep = local_cache.download_entry(str(location))
     if cache and (entry / "files").is_dir() and pins.pin(entry):
         return local_cache.use(entry)
-    fs, base = filesystem(str(location))  # transient errors retried (app/storage/retry.py)
+    fs, base = filesystem(str(location))  # transient errors retried by the client (`with_retries`)
     infos = [i for i in fs.get_file_info(FileSelector(base, recursive=True)) if i.type == FileType.File]
     manifest = sorted([i.path, i.size, i.mtime_ns] for i in infos)
     if (entry / "files").is_dir() and local_cache.read_manifest(entry) == manifest and pins.pin(entry):
@@ -105,9 +104,5 @@ def read_text(location: str | Path, file: str) -> str:
         return (Path(location) / file).read_text()
     fs, base = filesystem(str(location))
     path = f"{base.rstrip('/')}/{file}"
-
-    def get() -> str:
-        with fs.raw.open_input_stream(path) as src:
-            return src.read().decode()
-
-    return retried(get, f"read of {path}")
+    with fs.open_input_stream(path) as src:
+        return src.read().decode()

@@ -1,7 +1,8 @@
 """`UriStorage`: a checkpoint root that `pyarrow.fs` opens (s3://, gs://, file://, ...), where entries
 are published by a marker written last (the protocol: `publish.py`), and files are streamed in
-CHUNK pieces both ways: a multi-GB checkpoint file never sits in memory whole. Each operation is
-tried again after a transient error (a 5xx, a transfer cut short: `retry.py`).
+CHUNK pieces both ways: a multi-GB checkpoint file never sits in memory whole. Transient errors (a 5xx,
+SlowDown or throttling, a cut or timed-out connection) are retried by the S3 and GCS clients themselves,
+request by request, as `with_retries` sets them up.
 """
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from app.storage import fence
 from app.storage.local_cache import cache_root, clean_stale_once, owned_tmp
 from app.storage.names import inside, stays_inside
 from app.storage.publish import MARKER, VERSION, Entry, Storage, marker_token, version_name
-from app.storage.retry import RetryingFs, retried
 
 CHUNK = 8 << 20  # bytes a URI upload or download holds at once: checkpoints are multi-GB files
+S3_ATTEMPTS = 5  # tries of one S3 request (the SDK's standard mode: backoff with jitter; 4 retries span ~10 s)
+GCS_RETRY_S = 20  # how long the GCS client retries one request
 
 
 class UriStorage(Storage):
@@ -51,11 +53,8 @@ class UriStorage(Storage):
         fence.guard(self, rel)  # a run that lost the folder writes no summary or report into it
         self._parent(rel)
 
-        def put() -> None:
-            with self.fs.raw.open_output_stream(self._path(rel)) as out:  # one PUT: readers see old or new
-                out.write(data)
-
-        retried(put, f"write of {rel}")
+        with self.fs.open_output_stream(self._path(rel)) as out:  # one PUT: readers see old or new
+            out.write(data)
         return self.uri(rel)
 
     def _parent(self, rel: str) -> None:
@@ -71,11 +70,8 @@ class UriStorage(Storage):
         fence.guard(self, rel)
         self._parent(rel)
 
-        def put() -> None:  # the whole object again: a stream cut midway cannot go on where it stopped
-            with open(local, "rb") as src, self.fs.raw.open_output_stream(self._path(rel)) as out:
-                copy_stream(src, out)
-
-        retried(put, f"upload of {rel}")
+        with open(local, "rb") as src, self.fs.open_output_stream(self._path(rel)) as out:
+            copy_stream(src, out)  # each part's PUT retried by the client
         return self.uri(rel)
 
     def read_file(self, rel: str) -> bytes | None:
@@ -84,11 +80,8 @@ class UriStorage(Storage):
         if self.fs.get_file_info(self._path(rel)).type != FileType.File:
             return None
 
-        def get() -> bytes:
-            with self.fs.raw.open_input_stream(self._path(rel)) as src:
-                return src.read()
-
-        return retried(get, f"read of {rel}")
+        with self.fs.open_input_stream(self._path(rel)) as src:
+            return src.read()
 
     def file_size(self, rel: str) -> int | None:
         """The size of `<root>/<rel>`, or None when it does not exist."""
@@ -205,19 +198,33 @@ class UriStorage(Storage):
 
 
 def download(fs, path: str, dest: Path) -> None:
-    """One object to a local file, in CHUNK pieces (never the whole object in memory); the whole object
-    again after a transient error (`retry.py`)."""
-    def get() -> None:
-        with getattr(fs, "raw", fs).open_input_stream(path) as src, open(dest, "wb") as out:
-            copy_stream(src, out)
-
-    retried(get, f"download of {path}")
+    """One object to a local file, in CHUNK pieces (never the whole object in memory)."""
+    with fs.open_input_stream(path) as src, open(dest, "wb") as out:
+        copy_stream(src, out)
 
 
 def filesystem(uri: str):
-    """(filesystem, base path) of a URI, as `pyarrow.fs` opens it, its single calls retried (`RetryingFs`)."""
+    """(filesystem, base path) of a URI, as `pyarrow.fs` opens it, with its client's retries set (`with_retries`)."""
     fs, base = _from_uri(uri)
-    return RetryingFs(fs), base
+    return with_retries(fs), base
+
+
+def with_retries(fs):
+    """`fs` with its client's own retry of transient errors (a 5xx, SlowDown, throttling, a cut or timed-out
+    connection) set: S3's standard retry mode, S3_ATTEMPTS tries of each request with backoff; GCS's retry for
+    GCS_RETRY_S. Anything else (a missing object, a refused permission) is raised at once. `from_uri` takes no
+    retry setting, so the filesystem is opened again with the options it resolved. Other filesystems (local
+    disk) are returned as they are."""
+    from datetime import timedelta
+
+    from pyarrow.fs import AwsStandardS3RetryStrategy, GcsFileSystem, S3FileSystem
+
+    if isinstance(fs, S3FileSystem):
+        options = fs.__reduce__()[1][0]
+        return S3FileSystem(**options, retry_strategy=AwsStandardS3RetryStrategy(max_attempts=S3_ATTEMPTS))
+    if isinstance(fs, GcsFileSystem):
+        return GcsFileSystem(**{**fs.__reduce__()[1][0], "retry_time_limit": timedelta(seconds=GCS_RETRY_S)})
+    return fs
 
 
 def _from_uri(uri: str):
