@@ -26,7 +26,7 @@ from tests.test_trust_lease import atomic_puts  # noqa: F401  (a fixture)
 
 
 def namespace() -> dict:
-    """This process's boot and pid namespace, read here as the lease records them (app/run/lease.py)."""
+    """This process's boot and pid namespace, read here as the lease records them (app/run/lease_record.py)."""
     found = {}
     for key, read in (("boot", lambda: Path("/proc/sys/kernel/random/boot_id").read_text().strip()),
                       ("pidns", lambda: os.readlink("/proc/self/ns/pid"))):
@@ -116,8 +116,8 @@ def test_a_paused_local_release_leaves_the_new_holder_s_lease(where: str, tmp_pa
         monkeypatch.setattr(os, "rename", lambda src, dst: (hook if Path(dst).name.startswith(f"{LEASE_FILE}.release")
                                                              else real)(src, dst))
     else:
-        hook = Once(lease_module._read_json, lambda: _takeover(root, now, taken), after=True)
-        monkeypatch.setattr(lease_module, "_read_json", hook)
+        hook = Once(lease_module.read_json, lambda: _takeover(root, now, taken), after=True)
+        monkeypatch.setattr(lease_module, "read_json", hook)
     hook.armed = True
     a.release()
     assert hook.fired and taken[0].held() and not a.held()
@@ -132,8 +132,8 @@ def test_a_paused_local_heartbeat_never_overwrites_the_new_holder_s_lease(tmp_pa
     monkeypatch.setattr(fence, "_mine", {})
     root, now, taken = str(tmp_path / "run"), [1000.0], []
     a = RunLease(root, 60, clock=lambda: now[0]).acquire()
-    hook = Once(lease_module._read_json, lambda: _takeover(root, now, taken), after=True)
-    monkeypatch.setattr(lease_module, "_read_json", hook)
+    hook = Once(lease_module.read_json, lambda: _takeover(root, now, taken), after=True)
+    monkeypatch.setattr(lease_module, "read_json", hook)
     hook.armed = True
     a.beat()
     assert hook.fired and taken[0].held() and taken[0].beat()

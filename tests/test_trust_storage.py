@@ -135,7 +135,7 @@ def test_a_lease_of_a_dead_process_on_this_host_is_taken_over_at_once(tmp_path: 
     from app.run.lease import LEASE_FILE, RunLease
 
     proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    from app.run.lease import namespace
+    from app.run.lease_record import namespace
 
     dead = {"host": socket.gethostname(), "pid": int(proc.stdout), "run_id": "x", "heartbeat": __import__("time").time(),
             **namespace()}  # this boot and pid namespace: the pid's absence means it is dead (issue 49)

@@ -51,9 +51,10 @@ from typing import Callable
 from urllib.parse import urlsplit
 
 from app.config.errors import ConfigError, UserError
+from app.run.lease_record import describe, is_stale, namespace, read_bytes, read_json, read_local, submission_id
 from app.storage import fence
 from app.storage.conditional import conditional_store
-from app.storage.local_cache import forget_downloads, pid_alive
+from app.storage.local_cache import forget_downloads
 from app.storage.roots import is_uri, open_storage, redact, root_problem
 
 LEASE_FILE = ".run-lease"
@@ -65,46 +66,6 @@ class LeaseHeld(UserError):
     """Another run holds the lease on this `checkpoint.dir`."""
 
     kind = "checkpoint"
-
-
-def submission_id() -> str:
-    """The `ray job submit` id of this driver ("" outside a submitted job): Ray passes it in the job config."""
-    try:
-        config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}")
-    except ValueError:
-        return ""
-    return str((config.get("metadata") or {}).get("job_submission_id", "")) if isinstance(config, dict) else ""
-
-
-def namespace() -> dict:
-    """What makes a pid mean the same process here and in a lease record: this boot (`boot_id`) and this pid
-    namespace (`pid:[<inode>]`). Empty parts where /proc does not say (then no pid is judged)."""
-    found = {}
-    for key, read in (("boot", lambda: Path("/proc/sys/kernel/random/boot_id").read_text().strip()),
-                      ("pidns", lambda: os.readlink("/proc/self/ns/pid"))):
-        try:
-            found[key] = read()
-        except OSError:
-            pass
-    return found
-
-
-def is_stale(holder: dict, timeout_s: float, now: float) -> bool:
-    """A lease nobody keeps: released, no heartbeat for `timeout_s`, or its process gone from this host;
-    a pid counts only when the record names this hostname, boot and pid namespace (a pid that another
-    container's namespace hides is not a dead one)."""
-    if holder.get("released") or now - float(holder.get("heartbeat", 0.0)) > timeout_s:
-        return True
-    here = namespace()
-    same = holder.get("host") == socket.gethostname() and len(here) == 2 \
-        and all(holder.get(k) == v for k, v in here.items())
-    return same and not pid_alive(int(holder.get("pid", 0)))
-
-
-def describe(holder: dict) -> str:
-    age = time.time() - float(holder.get("heartbeat", 0.0))
-    job = f", job {holder['job']}" if holder.get("job") else ""
-    return f"host {holder.get('host')}, pid {holder.get('pid')}{job}, heartbeat {age:.0f} s ago"
 
 
 class RunLease:
@@ -174,10 +135,10 @@ class RunLease:
             try:
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)  # exactly one creator wins
             except FileExistsError:
-                holder = _read_local(path)
+                holder = read_local(path)
                 if holder is None:
                     continue  # released between our create and our read
-                self._check_stale(holder, lambda: _read_bytes(path))
+                self._check_stale(holder, lambda: read_bytes(path))
                 self._move_aside(path, holder)
                 continue
             with os.fdopen(fd, "wb") as out:
@@ -198,7 +159,7 @@ class RunLease:
         self.sleep(self.timeout_s / 4 + WATCH_MARGIN_S)
         after = read()
         if after is not None and after != before:
-            self._refuse(_read_json(after) or holder)
+            self._refuse(read_json(after) or holder)
 
     def _move_aside(self, path: Path, holder: dict) -> None:
         """Rename the stale lease to a unique name (of several takers one wins the rename); if what was
@@ -208,7 +169,7 @@ class RunLease:
             os.rename(path, aside)
         except FileNotFoundError:
             return
-        moved = _read_json(aside.read_bytes()) or {}
+        moved = read_json(aside.read_bytes()) or {}
         if moved.get("run_id") != holder.get("run_id"):
             try:
                 os.link(aside, path)  # back in place unless yet another run got in meanwhile
@@ -229,7 +190,7 @@ class RunLease:
             found = store.read(LEASE_FILE)
             if found is None:
                 continue
-            holder = _read_json(found.data) or {}
+            holder = read_json(found.data) or {}
             self._check_stale(holder, lambda: getattr(store.read(LEASE_FILE), "data", None))
             if (etag := store.replace(LEASE_FILE, self._record(), found.etag)) is not None:
                 self._etag, self._replaced = etag, holder
@@ -242,13 +203,13 @@ class RunLease:
         store = open_storage(self.root)
         if store.fs.type_name == "local":  # file:// needs the folder; on an object store a create_dir could make a bucket
             store.fs.create_dir(store.base, recursive=True)
-        holder = _read_json(store.read_file(LEASE_FILE))
+        holder = read_json(store.read_file(LEASE_FILE))
         if holder is not None:
             self._check_stale(holder, lambda: store.read_file(LEASE_FILE))
         self.taken_over = holder
         store.write_file(LEASE_FILE, self._record())
         time.sleep(1.0)  # last writer wins: a run that wrote just after us is read back here
-        now = _read_json(store.read_file(LEASE_FILE))
+        now = read_json(store.read_file(LEASE_FILE))
         if now is None or now.get("run_id") != self.me["run_id"]:
             self._refuse(now or {})
 
@@ -280,7 +241,7 @@ class RunLease:
             os.rename(path, aside)
         except FileNotFoundError:
             return
-        moved = _read_json(_read_bytes(aside)) or {}
+        moved = read_json(read_bytes(aside)) or {}
         if moved.get("run_id") != self.me["run_id"]:  # another run's lease: back in place unless a third took it
             try:
                 os.link(aside, path)
@@ -292,7 +253,7 @@ class RunLease:
 
     def held(self) -> bool:
         """True while the lease on the folder is still this run's."""
-        holder = _read_json(open_storage(self.root).read_file(LEASE_FILE))
+        holder = read_json(open_storage(self.root).read_file(LEASE_FILE))
         return holder is not None and holder.get("run_id") == self.me["run_id"] and not holder.get("released")
 
     def beat(self) -> bool:
@@ -320,7 +281,7 @@ class RunLease:
         except FileNotFoundError:
             return False
         try:
-            holder = _read_json(os.pread(fd, 1 << 16, 0)) or {}
+            holder = read_json(os.pread(fd, 1 << 16, 0)) or {}
             if holder.get("run_id") != self.me["run_id"] or holder.get("released"):
                 return False
             record = self._record()
@@ -353,34 +314,3 @@ class RunLease:
 
         self._thread = threading.Thread(target=loop, name="run-lease", daemon=True)
         self._thread.start()
-
-
-def _read_local(path: Path, settle_s: float = 2.0) -> dict | None:
-    """The lease file's holder; None when there is none. An empty file is a lease being written
-    (created, content not yet in): read again for `settle_s`, then judge it by its age."""
-    deadline = time.monotonic() + settle_s
-    while True:
-        try:
-            data, mtime = path.read_bytes(), path.stat().st_mtime
-        except FileNotFoundError:
-            return None
-        if data or time.monotonic() > deadline:
-            return _read_json(data) if data else {"heartbeat": mtime}
-        time.sleep(0.1)
-
-
-def _read_bytes(path: Path) -> bytes | None:
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        return None
-
-
-def _read_json(data: bytes | None) -> dict | None:
-    if not data:
-        return None
-    try:
-        out = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
-        return {}  # unreadable: treated as a lease with no heartbeat, i.e. stale
-    return out if isinstance(out, dict) else {}
