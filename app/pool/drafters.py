@@ -40,7 +40,8 @@ class Drafters:
 
     def __init__(self, book: JobBook, production: Production, policy: PullPolicy, rounds: RoundTracker,
                  min_ready: int, seed: int) -> None:
-        self.rounds, self.eos = rounds, set()  # eos: drafters that got end-of-stream
+        self.rounds = rounds
+        self.eos: set[int] = set()  # drafters that got end-of-stream
         self.leases = book.leases  # generations and fences
         self._book, self._production, self._policy = book, production, policy
         self._min_ready, self._rng = min_ready, random.Random(seed)
