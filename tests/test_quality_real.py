@@ -134,11 +134,19 @@ def test_references_are_replayed_on_the_training_sample_and_the_held_out_prompts
     train = [([1, 2], [3, 4, 5, 6, 7])]
     seqs = [(np.array(p + r), np.array([0] * len(p) + [1] * len(r))) for p, r in train]
     plan = SimpleNamespace(dataset=type("D", (), {"sequence": lambda self, i: seqs[i], "__len__": lambda self: 1})())
-    work = {"block_size": 4, "max_new_tokens": 8,
+    work = {"block_size": 4, "ref_block": 4, "max_new_tokens": 8,
             "eval": {"prompts": [[9, 3]], "refs": [[4, 9, 3, 4]], "feats": [None]},
             "fit": {"prompts": [train[0][0]], "refs": [train[0][1]], "feats": [None]}}
     got = references(work, plan)
     assert got["bigram"]["tau_train"] == 4.0  # 3 from the prefill, then 4 5 6 drafted right + 7: one forward
     assert got["bigram"]["pos1_train"] == 1.0
+    # The references draft at their own block, not the drafter's: on a 9-token answer the table needs
+    # three forwards at block 4 (4 5 6 +7, 8 9 10 +11, 12) and one at block 16.
+    long = [(np.array([1, 2, *range(3, 13)]), np.array([0, 0] + [1] * 10))]
+    plan = SimpleNamespace(dataset=type("D", (), {"sequence": lambda self, i: long[i], "__len__": lambda self: 1})())
+    fit = {"prompts": [[1, 2]], "refs": [list(range(3, 13))], "feats": [None]}
+    narrow, wide = (references(work | {"ref_block": R, "max_new_tokens": 16, "fit": fit}, plan) for R in (4, 16))
+    assert narrow["bigram"]["tau_train"] == 3.0 and wide["bigram"]["tau_train"] == 9.0
+    assert narrow["bigram"]["block"] == 4 and wide["prompt_lookup"]["block"] == 16
     blind = both_sets(lambda feats: (lambda i: (lambda pre, n: [])), work)
     assert blind["tau"] == blind["tau_train"] == 1.0 and blind["pos1"] == blind["pos1_train"] == 0.0

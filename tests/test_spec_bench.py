@@ -145,7 +145,7 @@ def test_bench_replay_drafts_every_block_in_one_forward_as_the_proposer_does(tar
     refs = [sd.greedy_reference(model, p, 12) for p in PROMPTS]
     feats = [target_features(model, torch.tensor([p + r]), None, LAYERS)[0] for p, r in zip(PROMPTS, refs)]
     one = replay(lambda i: sb.drafter_proposer(drafter, head, feats[i], B), PROMPTS, refs, B, 12)
-    batched = replay(drafter_on(drafter, head, B)({"prompts": PROMPTS, "refs": refs, "feats": feats}),
+    batched = replay(drafter_on(drafter, head)({"prompts": PROMPTS, "refs": refs, "feats": feats}),
                      PROMPTS, refs, B, 12)
     assert batched == one and one["pos1"] > 0  # drafts the replay accepted, read from the batched forward too
 

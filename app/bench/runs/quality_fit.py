@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 FIT_PROMPTS = 32  # training prompts replayed for tau_train (spread over the training set)
+REF_BLOCK = 16  # the training-free references' block: what lookup may propose does not shrink with the drafter's
 
 
 def fit_set(plan, feats, max_new_tokens: int, count: int = FIT_PROMPTS) -> dict:
@@ -53,17 +54,18 @@ def replay(proposer_for, prompts, refs, block_size: int, max_new_tokens: int) ->
     return {"tau": sum(per) / max(len(per), 1), "tau_pos": pos, "pos1": pos[0]}
 
 
-def both_sets(proposer_on, work: dict) -> dict:
+def both_sets(proposer_on, work: dict, block_size: int = 0) -> dict:
     """`replay` on the held-out prompts and on the training sample; `proposer_on(prompt_set)` gives the
-    per-prompt proposer factory for a set (`work["eval"]` or `work["fit"]`; a feature-free proposer ignores it)."""
-    B, mx = work["block_size"], work["max_new_tokens"]
+    per-prompt proposer factory for a set (`work["eval"]` or `work["fit"]`; a feature-free proposer ignores it).
+    Blocks of `block_size` (default the drafter's, `work["block_size"]`)."""
+    B, mx = block_size or work["block_size"], work["max_new_tokens"]
     ev, fit = work["eval"], work["fit"]
     held = replay(proposer_on(ev), ev["prompts"], ev["refs"], B, mx)
     train = replay(proposer_on(fit), fit["prompts"], fit["refs"], B, mx)
     return held | {"tau_train": train["tau"], "pos1_train": train["pos1"]}
 
 
-def drafter_on(drafter, head, block_size: int):
+def drafter_on(drafter, head):
     """A proposer factory of the drafter for a prompt set: per prompt, every block the replay can visit is
     drafted in one batched forward first (`app.model.health.block_hidden`: block j sees the features of the
     positions before its anchor, as speculative decoding's block does); a proposal reads its block's rows."""
@@ -85,11 +87,12 @@ def drafter_on(drafter, head, block_size: int):
     return on
 
 
-def hybrid_on(drafter, head, block_size: int):
-    """Prompt lookup where the context has a match, the drafter's block otherwise."""
+def hybrid_on(drafter, head):
+    """Prompt lookup where the context has a match, the drafter's block otherwise (replayed at the references'
+    block: a lookup match may run past the drafter's block, the drafter proposes its own block's rows)."""
     from app.model.references import prompt_lookup
 
-    drafted = drafter_on(drafter, head, block_size)
+    drafted = drafter_on(drafter, head)
 
     def on(prompt_set):
         def for_prompt(i):
@@ -106,9 +109,8 @@ def probe_drafter(drafter, head, work: dict, anchors: bool = True) -> dict:
     from app.model.health import anchor_sensitivity, collapse, first_guesses, spread
 
     drafter.eval()
-    B = work["block_size"]
     with torch.no_grad():
-        out = both_sets(drafter_on(drafter, head, B), work)
+        out = both_sets(drafter_on(drafter, head), work)
         if anchors:
             ev = work["eval"]
             texts = [list(p) + list(r) for p, r in zip(ev["prompts"], ev["refs"])]
@@ -121,15 +123,17 @@ def probe_drafter(drafter, head, work: dict, anchors: bool = True) -> dict:
 
 
 def references(work: dict, plan, drafter=None, head=None) -> dict:
-    """The training-free references on both prompt sets; with a drafter, also the hybrid."""
+    """The training-free references on both prompt sets, at `work["ref_block"]` (at least 16: a smaller drafter
+    block must not shorten what lookup and the tables may propose); with a drafter, also the hybrid."""
     from app.model.references import NgramDrafter, prompt_lookup_proposer
 
     seqs = [plan.dataset.sequence(i) for i in range(len(plan.dataset))]
     tables = {"bigram": NgramDrafter(seqs, n=1), "ngram": NgramDrafter(seqs, n=3)}
-    out = {name: both_sets(lambda _f, t=t: (lambda i: t), work) for name, t in tables.items()}
+    R = work["ref_block"]
+    out = {name: both_sets(lambda _f, t=t: (lambda i: t), work, R) for name, t in tables.items()}
     lookup = prompt_lookup_proposer(max_n=4, min_n=1)
-    out["prompt_lookup"] = both_sets(lambda _f: (lambda i: lookup), work)
+    out["prompt_lookup"] = both_sets(lambda _f: (lambda i: lookup), work, R)
     if drafter is not None:
         with torch.no_grad():
-            out["hybrid"] = both_sets(hybrid_on(drafter.eval(), head, work["block_size"]), work)
-    return out
+            out["hybrid"] = both_sets(hybrid_on(drafter.eval(), head), work, R)
+    return {name: r | {"block": R} for name, r in out.items()}

@@ -8,7 +8,9 @@ the training responses and the held-out references are the target's greedy outpu
 Per seed, in process, the run's own plan, schedule and trainer (as `python -m app.bench quality` does on
 the tiny corpora) train the DFlash drafter on the cached features, once as configured and once with the
 features zeroed (`DFlashDrafter.zero_features`: what the target's features buy). Every tau here replays
-the proposer against greedy references with the same block size (`app.model.references.tau_on_greedy`;
+the proposer against greedy references (`app.model.references.tau_on_greedy`: the drafters at their block,
+the training-free references and the hybrid at `--ref-block`, at least 16, so a small drafter block never
+shortens what prompt lookup may propose;
 the drafter reads the features of the greedy sequence: `app.model.spec_bench.drafter_proposer`), on the
 held-out prompts and on a fixed sample of the training prompts (`app.bench.runs.quality_fit`), for:
 - dflash: the trained drafter (tau, tau_train, pos1, pos1_train, anchor_sensitivity, first_top_share, its
@@ -34,6 +36,7 @@ from pathlib import Path
 import torch
 
 from app.bench.common import add_overrides, bench_config, map_in_processes, print_result
+from app.bench.runs.quality_fit import REF_BLOCK
 from app.bench.runs.quality_report import report
 
 # conf/smol.yaml's drafter, target layers, buckets and optimiser (what `make smol` trains), fed from the
@@ -100,7 +103,7 @@ def train_and_measure(work: dict, seed: int, zero_features: bool, snapshots: int
                                                 cpu, torch.float32, seed)
     out = {}
     if not zero_features:
-        out["untrained"] = probe_drafter(drafter, head, work)
+        out["untrained"] = probe_drafter(drafter, head, work) | {"block": arch.block_size}
         log(f"quality: seed {seed} untrained: tau {out['untrained']['tau']:.3f}")
     drafter.zero_features = zero_features
     trainer = DrafterTrainer(drafter, head, cfg.drafter, cfg.train, plan.total_steps, cpu, total_jobs=len(plan.jobs))
@@ -118,7 +121,7 @@ def train_and_measure(work: dict, seed: int, zero_features: bool, snapshots: int
         cpu_s += time.process_time() - t0
         if any(start < m <= start + per_step for m in marks) and start + per_step < len(jobs):
             with torch.no_grad():
-                snap = both_sets(drafter_on(drafter.eval(), head, arch.block_size), work)
+                snap = both_sets(drafter_on(drafter.eval(), head), work)
             curve.append({"steps": len(losses), "cpu_min": cpu_s / 60, "tokens": tokens, "tau": snap["tau"],
                           "tau_train": snap["tau_train"]})
             log(f"quality: seed {seed} {name}: step {len(losses)}, {cpu_s / 60:.1f} CPU min, loss {losses[-1]:.3f}, "
@@ -129,10 +132,10 @@ def train_and_measure(work: dict, seed: int, zero_features: bool, snapshots: int
     log(f"quality: seed {seed} {name}: step {len(losses)}, {cpu_s / 60:.1f} CPU min, loss {losses[-1]:.3f}, "
         f"tau {final['tau']:.3f}, tau_train {final['tau_train']:.3f}, pos1 {final['pos1']:.3f}/"
         f"{final['pos1_train']:.3f}, anchor {final['anchor_sensitivity']:.2f}")
-    out[name] = final | {"curve": curve, "loss": losses[-1], "steps": len(losses), "cpu_min": cpu_s / 60}
+    out[name] = final | {"block": arch.block_size, "curve": curve, "loss": losses[-1], "steps": len(losses), "cpu_min": cpu_s / 60}
     if not zero_features:
         with torch.no_grad():
-            out["hybrid"] = both_sets(hybrid_on(drafter.eval(), head, arch.block_size), work)
+            out["hybrid"] = both_sets(hybrid_on(drafter.eval(), head), work, work["ref_block"]) | {"block": work["ref_block"]}
         if seed == work["race_seed"]:
             torch.save(drafter.state_dict(), Path(work["tmp"]) / f"drafter-{seed}.pt")
     return out
@@ -172,6 +175,7 @@ def prepare(args, clock: Clock, tmp: str, log=say) -> tuple[dict, object, object
     work = {"overrides": overrides, "tmp": tmp, "train_feats": train_feats, "eval_feats": eval_feats,
             "eval_prompts": eval_prompts, "eval_refs": eval_refs, "max_new_tokens": args.max_new_tokens,
             "race_seed": args.seeds[0], "block_size": cfg.drafter.block_size,
+            "ref_block": max(cfg.drafter.block_size, args.ref_block),
             "eval": {"prompts": eval_prompts, "refs": eval_refs,
                      "feats": [eval_feats.of(i) for i in range(len(eval_prompts))]},
             "fit": fit_set(plan, train_feats, args.max_new_tokens)}
@@ -249,6 +253,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--eval-prompts", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--epochs", type=int, default=3, help="passes over the training responses (train.epochs)")
+    ap.add_argument("--ref-block", type=int, default=REF_BLOCK,
+                    help="block of the training-free references and the hybrid (at least the drafter's)")
     ap.add_argument("--data-seed", type=int, default=0, help="seed of the instruction draw (train/held-out split)")
     ap.add_argument("--snapshots", type=int, default=4, help="points of seed 0's training where tau is measured")
     ap.add_argument("--race-prompts", type=int, default=8, help="held-out prompts in the speed race (0 = no race)")

@@ -32,7 +32,8 @@ def proposer_line(name: str, runs: list[dict], seeds: list[int]) -> float:
     mean, std = _stats(taus)
     pos = [statistics.fmean(r["tau_pos"][k] for r in runs) for k in range(len(runs[0]["tau_pos"]))]
     extra = [(k, statistics.fmean(r[k] for r in runs)) for k in FIGURES if all(k in r for r in runs)]
-    print_result([("bench", "quality_smol"), ("drafter", name), ("seeds", "/".join(map(str, seeds))),
+    block = [("block", runs[0]["block"])] if "block" in runs[0] else []  # the block it drafted in
+    print_result([("bench", "quality_smol"), ("drafter", name), ("seeds", "/".join(map(str, seeds))), *block,
                   ("tau_seeds", _joined(taus)), ("tau_mean", mean), ("tau_std", std), *extra,
                   ("tau_pos", _joined(pos, 2))])
     return mean
