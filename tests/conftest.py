@@ -77,6 +77,23 @@ def s3():
     server.stop()
 
 
+@pytest.fixture
+def atomic_puts(monkeypatch):
+    """moto checks `If-None-Match` / `If-Match` and then stores the object in two steps of a threaded server; S3
+    does both at once. This gives moto that atomicity, so the lease tests race the lease, not moto."""
+    import threading
+
+    from moto.s3.responses import S3Response
+
+    lock, real = threading.Lock(), S3Response.put_object
+
+    def put_object(self, *args, **kwargs):
+        with lock:
+            return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(S3Response, "put_object", put_object)
+
+
 def _free_port() -> int:
     import socket
 

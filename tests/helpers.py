@@ -74,7 +74,7 @@ def race(make: Callable[[], T], take: Callable[[T], object], refused: type[Excep
 
 def storage_root(kind: str, tmp_path: Path, request, name: str) -> str:
     """A fresh run root: a local folder (`kind="local"`), or a prefix on the loopback S3 server (`"s3"`) with
-    the `atomic_puts` fixture on (the test module must see it: tests/test_trust_lease.py defines it)."""
+    the `atomic_puts` fixture on (tests/conftest.py)."""
     if kind == "s3":
         s3 = request.getfixturevalue("s3")
         request.getfixturevalue("atomic_puts")

@@ -24,7 +24,6 @@ from app.storage.roots import open_storage
 from app.storage.uri_storage import UriStorage
 from app.training.checkpoint import TrainState, latest_checkpoint, list_checkpoints, save_checkpoint
 from tests.helpers import storage_root
-from tests.test_trust_lease import atomic_puts  # noqa: F401  (a fixture)
 
 
 def _save(root: str, step: int, keep: int = 1) -> None:

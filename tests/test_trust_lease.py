@@ -2,7 +2,8 @@
 and pyarrow clients against the moto server of tests/s3_server.py; no Ray.
 
 moto checks `If-None-Match` / `If-Match` and then stores the object in two steps of a threaded server;
-S3 does both at once. `atomic_puts` gives moto that atomicity, so the tests race the lease, not moto.
+S3 does both at once. `atomic_puts` (tests/conftest.py) gives moto that atomicity, so the tests race the lease,
+not moto.
 """
 from __future__ import annotations
 
@@ -18,19 +19,6 @@ from app.storage.roots import open_storage
 from tests.helpers import race, storage_root
 
 TAKERS = 8
-
-
-@pytest.fixture
-def atomic_puts(monkeypatch):
-    from moto.s3.responses import S3Response
-
-    lock, real = threading.Lock(), S3Response.put_object
-
-    def put_object(self, *args, **kwargs):
-        with lock:
-            return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(S3Response, "put_object", put_object)
 
 
 class WorstOrder:

@@ -22,7 +22,6 @@ import pytest
 from app.run import lease as lease_module
 from app.run.lease import LEASE_FILE, LeaseHeld, RunLease
 from app.storage import fence
-from tests.test_trust_lease import atomic_puts  # noqa: F401  (a fixture)
 
 
 def namespace() -> dict:
