@@ -22,6 +22,7 @@ class DrafterConfig:
     ce_chunk_rows: int = 1024  # rows of the LM head computed at once in the loss
     max_rows: int = 65536  # query rows (blocks x block_size) per drafter sub-batch; 0 = a whole job at once
     loss_negatives: int = 0  # 0 = the loss's softmax over the whole vocabulary; N = sampled softmax (labels + N ids)
+    init: str = "random"  # a fresh drafter: random (z-lab's init) | target (its layers start as the target's last ones)
 
     def __post_init__(self) -> None:
         at_least("drafter.num_layers", self.num_layers, 1, "the drafter needs a layer")
@@ -35,6 +36,10 @@ class DrafterConfig:
         at_least("drafter.max_rows", self.max_rows, 0, "0 = no bound; else rows per sub-batch")
         at_least("drafter.loss_negatives", self.loss_negatives, 0,
                  "0 = the full vocabulary; else uniform negatives per micro-batch (e.g. 4096)")
+        one_of("drafter.init", self.init, ("random", "target"))
+        if self.init == "target" and self.intermediate_size:
+            fail("drafter.intermediate_size", self.intermediate_size, "must be 0 (the target's width) with "
+                 "drafter.init=target, whose layers start as the target's; or set drafter.init=random")
 
     @property
     def gamma(self) -> float:

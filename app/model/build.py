@@ -32,6 +32,10 @@ def build_or_load_drafter(model_dir: str, drafter_dir: str | None, drafter_cfg: 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # every replica builds the same initial weights
             drafter = DFlashDrafter(arch)
+        if drafter_cfg.init == "target":
+            from app.model.target_init import init_from_target
+
+            init_from_target(drafter, model_dir, arch.num_target_layers)
     return drafter.to(device=device, dtype=param_dtype or dtype), head, arch
 
 
