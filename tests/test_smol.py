@@ -89,4 +89,4 @@ def test_smol_conf_passes_the_target_checks() -> None:
     check_target(cfg, info)
     mask = resolved_mask_token_id(cfg, info)
     assert AutoTokenizer.from_pretrained(smol_dir()).convert_ids_to_tokens(mask) == "<empty_output>"
-    assert cfg.drafter.block_size == 16 and cfg.drafter.num_layers == 1
+    assert (cfg.drafter.block_size, cfg.drafter.num_anchors, cfg.drafter.num_layers, cfg.drafter.init) == (4, 64, 1, "target")
