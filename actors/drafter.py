@@ -4,9 +4,9 @@ The rank's step protocol (accumulate `train.grad_accum` micro-batches with one p
 step's single all-reduce, acks after the optimizer step, the all-gather of job ids into the ledger rank 0
 checkpoints, drains and end-of-stream, checkpoint and eval cadence) is `app/training/loop.py`; its
 operations (Ray calls, the trainer, the process group, the step log, the drafter faults, the phases the
-supervisor's watchdog reads) are `RankOps` in `actors/drafter_ops.py`, handed the parts it uses and the
-rank's `RankState`. This module holds the rank: the process group's setup, the trainer
-(`app/training/trainer.py`), checkpoints and the export.
+supervisor's watchdog reads, rank 0's checkpoints) are `RankOps` in `actors/drafter_ops.py`, handed the
+parts it uses and the rank's `RankState`. This module holds the rank: the process group's setup, the
+trainer (`app/training/trainer.py`), the restore from a checkpoint and the export.
 What a rank is given and returns is `app/training/drafter_io.py`.
 """
 from __future__ import annotations
@@ -20,8 +20,7 @@ from actors.drafter_ops import RankOps, RankState
 from app.devices import compute_dtype, limit_threads, pick_device
 from app.messages import DrafterPhase, DrafterProgress
 from app.storage import fence
-from app.training.checkpoint import TrainState, load_checkpoint, restore_rng, rng_state, save_checkpoint, state_checksum
-from app.training.checkpoint import GENERATION_KEY
+from app.training.checkpoint import load_checkpoint, restore_rng, state_checksum
 from app.training.drafter_io import DrafterResult, DrafterSetup
 from app.training.effects import LoopConfig
 from app.training.loop import RankLoop, drive
@@ -111,7 +110,7 @@ class DrafterActor:
             torch.cuda.set_device(self.device)
         # This incarnation's generation: pulls a dead predecessor sent are refused, not served.
         ops = RankOps(self.pool, ray.get(self.pool.generation.remote(self.rank)), self.cfg, self.trainer, self.stager,
-                      self.device, self.dtype, self.state, self.step_log, self.save)
+                      self.device, self.dtype, self.state, self.step_log)
         c = self.cfg
         loop = RankLoop(LoopConfig(self.rank, c.world_size, c.train.grad_accum, c.checkpoint.every_steps,
                                    c.eval_every_steps, start_step=self.trainer.step))
@@ -124,17 +123,6 @@ class DrafterActor:
                                outcome.nonfinite, ops.skipped)
         self.state.enter(DrafterPhase.DONE)
         return result
-
-    def save(self) -> str:
-        """Rank 0: write the checkpoint (weights, optimizer, scheduler, RNG, step, epoch, ledger)."""
-        t = self.trainer
-        state = TrainState(step=t.step, epoch=self.state.epoch, ledger=sorted(self.state.ledger),
-                           drafter=t.drafter.state_dict(), optimizer=t.optimizer.state_dict(),
-                           scheduler=t.scheduler.state_dict(), rng=rng_state(),
-                           extra={"data_fingerprint": self.cfg.data_fingerprint,
-                                  GENERATION_KEY: self.cfg.group_generation})
-        with fence.stop_when_fenced():  # another run holds the folder now: one line, and this rank ends
-            return str(save_checkpoint(self.cfg.checkpoint.dir, state, self.cfg.checkpoint.keep))
 
     def export(self) -> str:
         """Rank 0: the drafter as an HF folder at `<checkpoint.dir>/drafter` (uploaded when a URI)."""

@@ -4,14 +4,14 @@
 and its payload fetch in flight in a worker thread while the rank computes), the trainer, the process
 group's all-gather, the step log, checkpoints, evaluation offers, the drafter faults and the phases the
 supervisor's watchdog reads. It is handed the parts it uses (the pool handle, the trainer, the stager, the
-rank's `RankState`, the step log, `save`), not the `DrafterActor` that holds them (actors/drafter.py).
+rank's `RankState`, the step log), not the `DrafterActor` that holds them (actors/drafter.py); rank 0's
+checkpoint is `save_rank` of those parts.
 `fetch_next` is that worker thread's pull, which the transport benches time as it is.
 """
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,13 +48,13 @@ class RankState:
 class RankOps:
     """The step protocol's operations (app/training/loop.py) for one rank: Ray calls to the pool (one pull
     and its payload fetch in flight in a worker thread while the rank computes), the trainer, the process
-    group, the step log, checkpoints (`save`), the drafter faults and the watchdog's phases."""
+    group, the step log, checkpoints (`save_rank`), the drafter faults and the watchdog's phases."""
 
     def __init__(self, pool: Any, generation: int, setup: DrafterSetup, trainer: Any, stager: Any, device: Any,
-                 dtype: Any, state: RankState, step_log: Any, save: Callable[[], str]) -> None:
+                 dtype: Any, state: RankState, step_log: Any) -> None:
         self.pool, self.generation, self.cfg, self.state = pool, generation, setup, state
         self.trainer, self.stager, self.device, self.dtype = trainer, stager, device, dtype
-        self.rank, self.step_log, self.save = state.rank, step_log, save
+        self.rank, self.step_log = state.rank, step_log
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
         self.pending: Future | None = None
         self.t_step = time.perf_counter()
@@ -161,7 +161,7 @@ class RankOps:
 
     def checkpoint(self, _: Checkpoint) -> None:
         self.state.enter(DrafterPhase.COMPUTE)
-        self.last_ckpt = self.save()
+        self.last_ckpt = save_rank(self.cfg, self.trainer, self.state)
 
     def offer_eval(self, eff: OfferEval) -> None:
         """Rank 0: put the current weights in the object store for an evaluation on a target; the pool
@@ -190,6 +190,19 @@ class RankOps:
         if self.rank == 0 and step == self.cfg.faults.kill_drafter_at_step and fire_once(
                 self.cfg.checkpoint.dir, "kill_drafter"):
             os._exit(1)
+
+
+def save_rank(setup: DrafterSetup, trainer: Any, state: RankState) -> str:
+    """Rank 0: write the checkpoint (weights, optimizer, scheduler, RNG, step, epoch, ledger); returns its path."""
+    from app.storage import fence
+    from app.training.checkpoint import GENERATION_KEY, TrainState, rng_state, save_checkpoint
+
+    t = trainer
+    ckpt = TrainState(step=t.step, epoch=state.epoch, ledger=sorted(state.ledger), drafter=t.drafter.state_dict(),
+                      optimizer=t.optimizer.state_dict(), scheduler=t.scheduler.state_dict(), rng=rng_state(),
+                      extra={"data_fingerprint": setup.data_fingerprint, GENERATION_KEY: setup.group_generation})
+    with fence.stop_when_fenced():  # another run holds the folder now: one line, and this rank ends
+        return str(save_checkpoint(setup.checkpoint.dir, ckpt, setup.checkpoint.keep))
 
 
 def fetch_next(pool, rank: int, generation: int, acks: list[int], stage, on_pulled=None, receive=None):
