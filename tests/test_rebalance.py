@@ -233,18 +233,18 @@ def _drafter_rate_after_a_shift(half_life_s: float | None) -> float:
 
 
 def test_the_live_advisor_weighs_its_rates_by_recency_when_given_a_half_life(tmp_path) -> None:
-    """topology.rebalance_half_life_s: the live path's advisor (RunOutputs) gets the simulation's recency
-    weights; 0 keeps the rates since the start (or the last re-split)."""
+    """topology.rebalance_half_life_s: the live path's advisor (the one a run's monitor is built with and feeds)
+    gets the simulation's recency weights; 0 keeps the rates since the start (or the last re-split)."""
+    from types import SimpleNamespace
+
     from app.config.load import load_config
-    from app.run.outputs.monitor import RunMonitor
-    from app.run.outputs.run_outputs import RunOutputs
+    from app.run.elastic.planners import Planners
+    from app.run.sweep import run_monitor
 
     for value, expected in (("0", None), ("5", 5.0)):
         cfg = load_config("conf/tiny.yaml", [f"checkpoint.dir={tmp_path / value}", f"topology.rebalance_half_life_s={value}"])
-        monitor = RunMonitor()
-        outputs = RunOutputs(cfg, "run", monitor, resumed_step=0, log=lambda _: None)
-        outputs.timeline.close()
-        assert monitor.advisor.half_life_s == expected
+        monitor = run_monitor(SimpleNamespace(cfg=cfg, eval_prompts=[]), Planners.for_run(cfg))
+        assert monitor.advisor.half_life_s == expected and monitor.listeners == [monitor.advisor]
     since_start, recent = _drafter_rate_after_a_shift(None), _drafter_rate_after_a_shift(5.0)
     assert since_start == pytest.approx(250, rel=0.05)  # (19 x 100 + 20 x 400) / 39 s: the past weighs half
     assert recent > 370  # 4 half-lives after the shift: the old rate hardly weighs (383 here)

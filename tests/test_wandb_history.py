@@ -69,9 +69,8 @@ def test_offline_file_has_one_row_per_step_with_tau_and_the_pool(tmp_path: Path,
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = replace(Config(model=ModelConfig(target="tiny")), checkpoint=CheckpointConfig(dir=str(tmp_path)),
                   logging=LoggingConfig(wandb_mode="offline"))
-    monitor = RunMonitor()
+    monitor = RunMonitor(eval_every=2)  # what a run's monitor is built with: rank 0 offers steps 2, 4, 6
     logger = WandbLogger(cfg.logging, "history-run", cfg, monitor)
-    monitor.eval_every = 2  # what the evaluation runner sets: rank 0 offers steps 2, 4, 6
     for i, batch in enumerate(_stream()):
         monitor.add_records(batch)
         monitor.add_pool(_pool(i))
@@ -79,7 +78,7 @@ def test_offline_file_has_one_row_per_step_with_tau_and_the_pool(tmp_path: Path,
         if i == 2:  # step 2's row is complete (step 3's first record came): its evaluation reports
             monitor.add_tau(2, 2.25)
             monitor.note("target 1 died -> job re-queued")
-            logger.resplit("resplit", old=[5, 3], new=[2, 6], gain=0.4)  # what RunMonitor.resplit_event relays
+            monitor.resplit_event("resplit", old=[5, 3], new=[2, 6], gain=0.4)  # as the re-split shell sends it
         if i == 4:
             monitor.give_up_tau(4)  # timed out: step 4's row goes out without tau
     monitor.add_tau(STEPS, 2.0)  # the end-of-run evaluation, before the driver's finish()

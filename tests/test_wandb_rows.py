@@ -73,7 +73,7 @@ def test_the_runner_names_the_offers_that_will_not_report(tmp_path):
     from types import SimpleNamespace
 
     from app.config.load import load_config
-    from app.run.evaluate.runner import EvalRunner
+    from app.run.evaluate.runner import EvalRunner, offered_every
     from app.run.outputs.monitor import RunMonitor
 
     cfg = load_config("conf/tiny.yaml", [f"checkpoint.dir={tmp_path}", "eval.every_steps=2"])
@@ -86,5 +86,6 @@ def test_the_runner_names_the_offers_that_will_not_report(tmp_path):
     stats = SimpleNamespace(in_flight_by_target={})
     for _ in range(3):
         runner.add_pool(stats)
-    assert mon.eval_every == 2
+    # The offered steps the run's monitor is built with (wandb holds their rows): none without held-out prompts.
+    assert offered_every(sup.plan) == 2 and offered_every(SimpleNamespace(cfg=cfg, eval_prompts=[])) == 0
     assert mon.tau_given_up == [2, 4, 6, 8]  # 2 and 8 replaced while waiting, 4 and 6 in the pool; 10 waits

@@ -18,9 +18,12 @@ restored from the checkpoint the drafter group rebuilds from, the live targets h
 restarted), the group rebuilt. Stop (SIGTERM): the pool tells rank 0, the group checkpoints at the next step boundary and returns;
 the driver exits 0 and the next submission resumes. At the end, `evaluate` measures tau with the
 code of the evaluations during the run (app/run/evaluate/final_tau.py).
+A single run also changes its group while it trains (app/run/elastic/: re-split, growth, extra GPUs): its
+`Planners` decide, and the shells built in `start` carry out, each handed the parts it uses.
 """
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,6 +35,7 @@ from app.run.evaluate.schedule import eval_spec
 from app.run.evaluate.final_tau import FinalTau, TauResult
 from app.run.elastic.extra_shell import ExtraGpus
 from app.run.elastic.grow_shell import Grower
+from app.run.elastic.planners import Planners
 from app.run.outputs.monitor import RunMonitor
 from app.run.plan import RunPlan
 from app.run.supervise.pool_client import PoolClient, PoolDied
@@ -60,10 +64,11 @@ class Supervisor:
     """Owns the actors of one run through its helpers; observes them and carries out the policy's actions."""
 
     def __init__(self, plan: RunPlan, topo: Topology, monitor: RunMonitor, stop: threading.Event,
-                 log=print, clock=time.monotonic) -> None:
+                 log=print, clock=time.monotonic, planners: Planners | None = None) -> None:
+        """`planners`: the deciders of the elastic changes, the same the monitor was built with; None for the
+        runs of a sweep and its stream, which change no group while they train."""
         self.plan, self.topo, self.monitor, self.stop_event, self.log = plan, topo, monitor, stop, log
-        self.cfg = plan.cfg
-        self.clock = clock
+        self.planners, self.cfg, self.clock = planners, plan.cfg, clock
         self.policy = SupervisionPolicy(self.cfg.supervision, self.cfg.topology.num_targets, now=clock())
         self.outcome = Outcome()
         self.watch = PoolWatch(self.cfg.pool.min_ready)  # what each pool snapshot says, reported once
@@ -77,15 +82,12 @@ class Supervisor:
         self.pool: PoolClient | None = None
         self.fleet: Targets | None = None
         self.group: DrafterGroup | None = None
-        self.resplit = Resplitter(self, log)  # topology.rebalance=auto: re-splits at a step boundary
-        self.grow = Grower(self, log)  # bundles lost with a node placed again: the group grows back
-        self.extra = ExtraGpus(self, log)  # topology.max_extra_gpus: free cluster room to the short side
+        self.changes: tuple = ()  # the elastic shells, in the order they are asked (built in `start`)
 
     def changing_group(self) -> bool:
         """Whether the drafter group is being stopped: a SIGTERM's stop, or a re-split, a growth or an extra
         drafter waiting for its checkpoint. One change at a time: each of them starts only when this is False."""
-        return self.policy.stop_deadline is not None or any(
-            change.stopping is not None for change in (self.resplit, self.grow, self.extra))
+        return self.policy.stop_deadline is not None or any(change.stopping is not None for change in self.changes)
 
     @property
     def targets(self) -> dict[int, Any]:
@@ -116,8 +118,19 @@ class Supervisor:
                              self.clock)
         self.group = DrafterGroup(self.plan, self.topo, self.pool, self.monitor, self.bundles, self._drain_records,
                                   self.log, self.clock)
+        if self.planners is not None:
+            self.changes = self._elastic(self.planners)
         self._feed_all(self.fleet.start_all())
         self._feed(self.group.start(self.plan.resume_from))
+
+    def _elastic(self, p: Planners) -> tuple:
+        """The elastic shells, each handed the started parts it uses: a re-split (topology.rebalance=auto), a growth
+        (bundles lost with a node placed again), an extra bundle (topology.max_extra_gpus: free cluster room)."""
+        parts = dict(topo=self.topo, group=self.group, pool=self.pool, fleet=self.fleet, policy=self.policy,
+                     monitor=self.monitor, clock=self.clock, log=self.log)
+        target_ids = itertools.count(self.cfg.topology.num_targets)  # new target slots: ids count on
+        return (Resplitter(p.rebalancer, p.advisor, target_ids, **parts), Grower(p.growth, **parts),
+                ExtraGpus(p.extra, p.advisor, p.rebalancer, target_ids, self.cfg.topology, **parts))
 
     def _fill_pool(self, ledger: list[int]) -> None:
         """Restore the ledger into the (new) pool, then queue every epoch: acked jobs are skipped."""
@@ -150,15 +163,10 @@ class Supervisor:
         self.monitor.add_pool(stats)
         if results is not None:
             self._drain_records()  # the last step's reports may land after the results
-            if self.resplit.wants(results):  # the group stopped for a re-split, not for the end
-                self._feed(self.resplit.carry_out())
-                return False
-            if self.grow.wants(results):  # the group stopped to grow back onto re-placed bundles
-                self._feed(self.grow.carry_out())
-                return False
-            if self.extra.wants(results):  # the group stopped to take an extra drafter rank
-                self._feed(self.extra.carry_out())
-                return False
+            for change in self.changes:  # the group stopped for a re-split, a growth or an extra rank, not the end
+                if change.wants(results):
+                    self._feed(change.carry_out())
+                    return False
             self._finish(results)
             return True
         self._feed(failed)
@@ -168,9 +176,8 @@ class Supervisor:
             self._feed(failure)
         self._feed_all(self.fleet.watch_idle(stats.oldest_in_flight_age_s))
         self._feed(self.watch.tick(stats, self.monitor.step, self.group.progress()))
-        self.resplit.observe()
-        self.grow.observe()
-        self.extra.observe()
+        for change in self.changes:
+            change.observe(busy=self.changing_group())  # one change at a time: asked again after each
         self._status()
         return False
 

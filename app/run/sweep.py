@@ -21,6 +21,7 @@ import dataclasses
 import time
 from typing import Any
 
+from app.run.elastic.planners import Planners
 from app.run.plan import RunPlan
 from app.run.supervise.events import RebuildDrafters, RecreatePool, StopSignal, TargetFailed, Tick
 from app.run.supervise.policy import TargetState
@@ -114,10 +115,10 @@ class SweepSupervisor(Supervisor):
 
     def __init__(self, plan: RunPlan, runs: dict[str, RunPlan], topo, make_monitor, stop, log=print,
                  clock=time.monotonic) -> None:
-        super().__init__(plan, topo, make_monitor(""), stop, log=log, clock=clock)
+        super().__init__(plan, topo, make_monitor(plan), stop, log=log, clock=clock)
         self.runs: dict[str, RunSupervisor] = {}
         for name, run_plan in runs.items():
-            sup = RunSupervisor(run_plan, topo, make_monitor(name), stop, log=_prefixed(log, name), clock=clock)
+            sup = RunSupervisor(run_plan, topo, make_monitor(run_plan), stop, log=_prefixed(log, name), clock=clock)
             sup.run_label = name
             self.runs[name] = sup
 
@@ -234,12 +235,21 @@ class SweepSupervisor(Supervisor):
 def stream_supervisor(plan: RunPlan, runs: dict[str, RunPlan], topo, stop, log=print) -> Supervisor:
     """The supervisor of a stream's runs (`plan_runs`): a single run (`{"": plan}`) is its own stream, with
     the elastic changes (re-split, growth, extra GPUs) a sweep has not; several runs share the stream's
-    targets and pool. Either way `sup.runs` is every run's supervisor by name."""
+    targets and pool. Either way `sup.runs` is every run's supervisor by name, each with its own monitor."""
+    if list(runs) == [""]:
+        planners = Planners.for_run(plan.cfg)
+        return Supervisor(runs[""], topo, run_monitor(runs[""], planners), stop, log=log, planners=planners)
+    return SweepSupervisor(plan, runs, topo, lambda p: run_monitor(p, Planners.for_run(p.cfg)), stop, log=log)
+
+
+def run_monitor(plan: RunPlan, planners: Planners):
+    """A run's monitor, handed what it shows and summarises: its planners (a run of a sweep changes no group,
+    and its summary says so as a single run's with no change does) and the steps rank 0 offers for evaluation."""
+    from app.run.evaluate.runner import offered_every
     from app.run.outputs.monitor import RunMonitor
 
-    if list(runs) == [""]:
-        return Supervisor(runs[""], topo, RunMonitor(), stop, log=log)
-    return SweepSupervisor(plan, runs, topo, lambda _: RunMonitor(), stop, log=log)
+    return RunMonitor(advisor=planners.advisor, rebalancer=planners.rebalancer, grower=planners.growth,
+                      extra=planners.extra, eval_every=offered_every(plan))
 
 
 def _prefixed(log, name: str):

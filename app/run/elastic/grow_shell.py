@@ -25,34 +25,37 @@ UNPLACED_AFTER_S = 5.0  # a probe unanswered this long: its bundle has no node
 class Grower:
     """The probes in flight, the planner, and the growth in progress."""
 
-    def __init__(self, sup, log: Callable[[str], None]) -> None:
-        self.sup, self.log = sup, log
-        self.planner = GrowthPlanner()
-        sup.monitor.grower = self.planner  # summary.json: growths, growth_history
+    def __init__(self, planner: GrowthPlanner, *, topo, group, pool, fleet, policy, monitor,
+                 clock: Callable[[], float], log: Callable[[str], None]) -> None:
+        """`planner`: the run's GrowthPlanner (its growths go in summary.json through the monitor)."""
+        self.planner = planner
+        self.topo, self.group, self.pool, self.fleet, self.policy = topo, group, pool, fleet, policy
+        self.monitor, self.clock, self.log = monitor, clock, log
         self.stopping: Grow | None = None
         self.probes: dict[int, tuple[Any, float]] = {}  # bundle -> (probe ref in flight, sent at)
         self.placed: set[int] = set()  # bundles whose latest answered probe ran on a live node
 
     # ---- each loop turn --------------------------------------------------------------------
 
-    def observe(self) -> None:
-        sup, topo, group = self.sup, self.sup.topo, self.sup.group
+    def observe(self, busy: bool) -> None:
+        """`busy`: the group is already stopping (a SIGTERM, another change): no growth begins."""
+        topo, group, targets = self.topo, self.group, self.policy.targets
         lost = [b for b in topo.drafter_bundles if b not in group.in_use]
         given_up = {tid: b for tid, b in topo.target_bundles.items()
-                    if tid in sup.policy.targets and sup.policy.targets[tid].state is TargetState.GIVEN_UP}
+                    if tid in targets and targets[tid].state is TargetState.GIVEN_UP}
         if not lost and not given_up and self.stopping is None:
             self.probes, self.placed = {}, set()
             return
         placed, unplaced = self._probe([*lost, *given_up.values()])
-        blocked = sup.changing_group() or not group.run_refs
-        for grow in self.planner.observe(sup.clock(), group.in_use, topo.drafter_bundles, placed, blocked):
+        blocked = busy or not group.run_refs
+        for grow in self.planner.observe(self.clock(), group.in_use, topo.drafter_bundles, placed, blocked):
             self._begin(grow)
         for back in self.planner.targets(given_up, placed, unplaced):
             self._return_target(back)
 
     def wants(self, results) -> bool:
         """True when the group's return is this growth's stop."""
-        if self.stopping is not None and not stopped_for_change(self.sup, results):
+        if self.stopping is not None and not stopped_for_change(self.policy, results):
             self.planner.failed("the run stopped first")
             self.stopping = None
         return self.stopping is not None
@@ -61,23 +64,23 @@ class Grower:
 
     def _begin(self, grow: Grow) -> None:
         self.stopping = grow
-        self.sup.monitor.resplit_event("grow", **grow.to_dict())
+        self.monitor.resplit_event("grow", **grow.to_dict())
         self.log(f"growing the drafter group {grow.old} -> {grow.new} ranks (configured {grow.configured}): "
                  f"{grow.why}; checkpointing at the next step boundary")
-        self.sup.pool.request_stop()
+        self.pool.request_stop()
 
     def carry_out(self):
         """The group stopped for the growth: resume a group on every placed drafter bundle.
         Returns the group's start event (DrafterGroupStarted, or DrafterGroupFailed) for the policy."""
-        sup, grow = self.sup, self.stopping
-        ckpt, ledger = stop_at_checkpoint(sup)
-        requeued = resume_pool(sup, ledger, "grow")  # dflash_restarts_total{kind="grow"}
-        bundles = [b for b in sup.topo.drafter_bundles if b in grow.bundles]
-        started = sup.group.start(str(ckpt) if ckpt else None, rebuilding=True, bundles=bundles)
-        size = len(sup.group.ranks) if sup.group.run_refs else 0
-        sup.monitor.resplit_event("grow_done", number=grow.number, old=grow.old, new=size,
-                                  configured=grow.configured, bundles=bundles, why=grow.why,
-                                  checkpoint=ckpt.name if ckpt else None, requeued=requeued)
+        grow, group = self.stopping, self.group
+        ckpt, ledger = stop_at_checkpoint(group)
+        requeued = resume_pool(self.pool, ledger, "grow")  # dflash_restarts_total{kind="grow"}
+        bundles = [b for b in self.topo.drafter_bundles if b in grow.bundles]
+        started = group.start(str(ckpt) if ckpt else None, rebuilding=True, bundles=bundles)
+        size = len(group.ranks) if group.run_refs else 0
+        self.monitor.resplit_event("grow_done", number=grow.number, old=grow.old, new=size,
+                                   configured=grow.configured, bundles=bundles, why=grow.why,
+                                   checkpoint=ckpt.name if ckpt else None, requeued=requeued)
         if size:
             # The split advisor keeps its rates: a rank's compute rate barely depends on the group's size
             # (its documented assumption), and the split it advises on is the topology's, unchanged.
@@ -90,10 +93,9 @@ class Grower:
         return started
 
     def _return_target(self, back: ReturnTarget) -> None:
-        sup = self.sup
-        sup.policy.add_target(back.target_id)  # STARTING, with a fresh restart budget
-        sup.fleet.add(back.target_id)
-        sup.monitor.resplit_event("target_back", target_id=back.target_id, bundle=back.bundle, why=back.why)
+        self.policy.add_target(back.target_id)  # STARTING, with a fresh restart budget
+        self.fleet.add(back.target_id)
+        self.monitor.resplit_event("target_back", target_id=back.target_id, bundle=back.bundle, why=back.why)
         self.log(f"target {back.target_id} starting again: {back.why}")
 
     # ---- probes ----------------------------------------------------------------------------
@@ -105,7 +107,7 @@ class Grower:
         from ray.exceptions import RayError
         from app.run.topology import bundle_probe
 
-        now = self.sup.clock()
+        now = self.clock()
         for b in list(self.probes):
             if b not in bundles:
                 del self.probes[b]
@@ -122,7 +124,7 @@ class Grower:
                 ref = None
             if ref is None and now - sent >= PROBE_EVERY_S:
                 probe = ray.remote(num_cpus=0, max_retries=-1)(bundle_probe)
-                strategy = self.sup.topo.strategy(b)  # an extra bundle sits in its own placement group
+                strategy = self.topo.strategy(b)  # an extra bundle sits in its own placement group
                 self.probes[b] = (probe.options(scheduling_strategy=strategy).remote(), now)
         unplaced = {b for b, (ref, sent) in self.probes.items() if ref is not None and now - sent >= UNPLACED_AFTER_S}
         return set(self.placed) - unplaced, unplaced

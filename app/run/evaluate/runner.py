@@ -20,6 +20,12 @@ from app.run.evaluate.final_tau import ask_tau
 BEST_DIR_NAME = "drafter-best"
 
 
+def offered_every(plan) -> int:
+    """The steps rank 0 offers its weights for evaluation at (`eval.every_steps`); 0 without held-out prompts.
+    The run's monitor is built with it: wandb holds each offered step's row until its tau comes."""
+    return plan.cfg.eval.every_steps if plan.eval_prompts else 0
+
+
 class EvalRunner:
     """Owns the evaluation in flight (one at most) and the book of results."""
 
@@ -36,8 +42,6 @@ class EvalRunner:
         self.best_dir = None if is_uri(self.cfg.checkpoint.dir) else str(Path(self.cfg.checkpoint.dir) / BEST_DIR_NAME)
         self._ref: Any = None
         self._resume(list(earlier))
-        if self.enabled:  # wandb puts each tau in the row of its step: it holds the offered steps' rows
-            monitor.eval_every = sup.cfg.eval.every_steps
         self._last_offer = getattr(self.plan, "resume_step", 0) or 0  # the newest offered step seen
 
     def _resume(self, earlier: list[dict]) -> None:
@@ -52,11 +56,11 @@ class EvalRunner:
         meta = read_best_meta(self.best_dir) if self.best_dir else None
         if meta is not None and meta["tau"] >= self.book.best_tau:
             self.book.best = {"step": meta["step"], "tau": meta["tau"], "exported_to": self.best_dir}
-            self.monitor.tau_best = (meta["step"], meta["tau"])
+            self.monitor.known_best(meta["step"], meta["tau"])
 
     @property
     def enabled(self) -> bool:
-        return self.cfg.eval.every_steps > 0 and bool(self.plan.eval_prompts)
+        return offered_every(self.plan) > 0
 
     # ---- RunMonitor listener --------------------------------------------------------------
 

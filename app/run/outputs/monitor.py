@@ -55,10 +55,20 @@ class _Window:
 
 
 class RunMonitor:
-    """Accumulates what the driver reports; one instance per driver process."""
+    """Accumulates what the driver reports; one instance per run.
 
-    def __init__(self, clock=time.monotonic) -> None:
+    Handed at its construction the run's deciders it shows and summarises (app/run/elastic/planners.py):
+    `advisor` (a SplitAdvisor, fed the same records and snapshots; its advice goes on the line),
+    `rebalancer` (a Rebalancer: its word on the line; `off` hides the advice), `grower` (a GrowthPlanner:
+    its growths in summary.json), `extra` (an ExtraPlanner: its word on the line, its bundles in
+    summary.json), and `eval_every`, the steps rank 0 offers for evaluation (0: none), by which wandb
+    holds each offered step's row for its tau. Other listeners join with `listen`."""
+
+    def __init__(self, clock=time.monotonic, *, advisor=None, rebalancer=None, grower=None, extra=None,
+                 eval_every: int = 0) -> None:
         self.clock = clock
+        self.advisor, self.rebalancer, self.grower, self.extra = advisor, rebalancer, grower, extra
+        self.eval_every = eval_every
         self.started = clock()
         self.step = 0
         self.epoch = 0
@@ -78,21 +88,19 @@ class RunMonitor:
         self.first_record_t: float | None = None  # when the first and latest step reports arrived
         self.last_record_t = 0.0
         self.last_pool: PoolStats | None = None
-        # Fed the same records, snapshots and events (the timeline file, the split advisor): objects
-        # with add_records, add_pool and note. `advisor` (a SplitAdvisor) also puts its advice on the line.
-        self.listeners: list = []
-        self.advisor = None
-        self.rebalancer = None  # a Rebalancer (app/run/elastic/resplit.py): its word goes on the line; `off` hides the advice
-        self.grower = None  # a GrowthPlanner (app/run/elastic/grow.py): its growths go in summary.json
-        self.extra = None  # an ExtraPlanner (app/run/elastic/extra.py): its word on the line, its bundles in summary.json
+        # Fed the same records, snapshots and events after the advisor (`listen`: the timeline file, wandb,
+        # the evaluations during the run).
+        self.listeners: list = [advisor] if advisor is not None else []
         self.tau_history: list[tuple[int, float]] = []  # (step, tau) of the evaluations during the run
         self.tau_best: tuple[int, float] | None = None
-        # Set by the evaluation runner: the steps rank 0 offers for evaluation (0: none), and the offered
-        # steps whose tau will not come (timed out, failed, replaced); wandb holds rows for the rest.
-        self.eval_every = 0
-        self.tau_given_up: list[int] = []
+        self.tau_given_up: list[int] = []  # offered steps whose tau will not come (timed out, failed, replaced)
         # The learning checks of each evaluation (LiveEval.health: figures, verdicts, status), by step.
         self.health_by_step: dict[int, dict] = {}
+
+    def listen(self, listener) -> None:
+        """`listener` is fed every step record, pool snapshot and fault from now on (`add_records`, `add_pool`,
+        `note`; `resplit_row` too if it has one), after those that joined before it."""
+        self.listeners.append(listener)
 
     def add_records(self, records: list[StepRecord]) -> None:
         if records:
@@ -160,6 +168,11 @@ class RunMonitor:
         for listener in self.listeners:
             if hasattr(listener, "resplit_row"):
                 listener.resplit_row(kind, **row)
+
+    def known_best(self, step: int, tau: float) -> None:
+        """A resumed run's best drafter (drafter-best/) before any evaluation of this start: on the line and
+        in the summary until a better tau comes."""
+        self.tau_best = (step, tau)
 
     def add_tau(self, step: int, tau: float) -> bool:
         """An acceptance length measured during the run; True when it beats every earlier one."""

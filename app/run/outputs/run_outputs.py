@@ -1,7 +1,7 @@
 """What a run leaves beside its checkpoints, wired into the driver in one place.
 
 - `timeline.jsonl`: step records, pool snapshots, faults, evaluations (app/run/outputs/timeline.py);
-- the split advice on the status line and in summary.json (app/run/elastic/advisor.py);
+- the split advice and the elastic changes in summary.json (the monitor's planners: app/run/elastic/planners.py);
 - evaluations during the run every `eval.every_steps`, `tau_history`, `drafter-best/` (app/run/evaluate/runner.py);
 - `report.html` at the end of every run, finished or stopped (app/run/outputs/report_page.py).
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from app.run.elastic.advisor import SplitAdvisor
 from app.run.outputs.timeline import FILE_NAME as TIMELINE, Timeline, adopt_remote, iter_timeline
 
 
@@ -33,8 +32,7 @@ class RunOutputs:
         self.earlier_evals = list(iter_timeline(self.run_dir, kinds=("eval",)))
         self.timeline = Timeline(self.run_dir, pool_every_s=min(2.0, cfg.logging.status_every_s))
         self.timeline.start(cfg.topology, run_name, resumed_step)
-        monitor.advisor = SplitAdvisor.for_run(cfg)
-        monitor.listeners += [monitor.advisor, self.timeline]
+        monitor.listen(self.timeline)
         self.evals = None
 
     def attach(self, sup) -> None:
@@ -45,7 +43,7 @@ class RunOutputs:
         info = read_target_info(sup.plan.model_dir)
         self.evals = EvalRunner(sup, self.monitor, self.timeline, self.log,
                                 info.eos_token_ids[0] if info.eos_token_ids else None, self.earlier_evals)
-        self.monitor.listeners.append(self.evals)
+        self.monitor.listen(self.evals)
 
     def finish(self, final_step: int, export_dir: str | None) -> dict:
         """The last evaluation (of the exported drafter/), then the summary fields: tau_history,
@@ -53,10 +51,9 @@ class RunOutputs:
         if self.evals is not None:
             self.evals.finish(final_step, export_dir)
         out = self.evals.summary() if self.evals is not None else {}
-        rebalance = self.monitor.rebalancer.summary() if self.monitor.rebalancer is not None else {}
-        growth = self.monitor.grower.summary() if getattr(self.monitor, "grower", None) is not None else {}
-        extra = self.monitor.extra.summary() if getattr(self.monitor, "extra", None) is not None else {}
-        return {**out, "split_advice": self.monitor.split_advice(), **rebalance, **growth, **extra}
+        planners = (self.monitor.rebalancer, self.monitor.grower, self.monitor.extra)
+        changes = {k: v for p in planners if p is not None for k, v in p.summary().items()}
+        return {**out, "split_advice": self.monitor.split_advice(), **changes}
 
     def close(self) -> None:
         """Close the timeline and write report.html (a report that cannot be drawn is a warning, not a failure)."""

@@ -80,7 +80,7 @@ class WandbLogger:
     """A no-op when disabled; otherwise one wandb run per drafter run (a sweep's runs live side by side in the
     driver process), resumed by run name (unique per checkpoint.dir, app/run/plan.py run_name). A failing wandb.init is a ConfigError: one line, exit 2.
 
-    A RunMonitor listener (`add_records`, `add_pool`, `note`, `resplit`); `log` takes the status-line
+    A RunMonitor listener (`add_records`, `add_pool`, `note`, `resplit_row`); `log` takes the status-line
     values, which ride on the next step row."""
 
     def __init__(self, cfg: LoggingConfig, run_name: str, full: Config, monitor=None, resumed_step: int = 0,
@@ -90,7 +90,8 @@ class WandbLogger:
         self.monitor, self.resumed_step = monitor, resumed_step
         self.rows = StepRows()
         self.status: dict[str, float] = {}
-        self.tau_rows = TauRows()
+        # The steps rank 0 offers for evaluation: their rows wait for their tau.
+        self.tau_rows = TauRows(every=monitor.eval_every if monitor is not None else 0)
         self._taus_seen, self._given_up_seen, self._best = 0, 0, float("-inf")
         self.faults = 0
         self.finished = False
@@ -111,7 +112,7 @@ class WandbLogger:
                               f"({type(exc).__name__}: {_first_line(exc)}); log in (wandb login, or WANDB_API_KEY), "
                               "or set logging.wandb_mode=offline or disabled") from None
         if monitor is not None:
-            monitor.listeners.append(self)
+            monitor.listen(self)
 
     # ---- RunMonitor listener ---------------------------------------------------------------
 
@@ -127,7 +128,7 @@ class WandbLogger:
         self.faults += 1
         self._emit({"event": "fault", "event_text": redact(event), "faults_total": self.faults})
 
-    def resplit(self, kind: str, **row) -> None:
+    def resplit_row(self, kind: str, **row) -> None:
         """A re-split asked for, refused, done or measured (app/run/elastic/resplit_shell.py): its numbers, as an event."""
         flat = {f"{kind}/{k}": v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         text = {k: v for k, v in row.items() if not isinstance(v, (int, float)) or isinstance(v, bool)}
@@ -140,7 +141,7 @@ class WandbLogger:
         `status/` and `pool/`."""
         self.status = {f"status/{k}": values[k] for k in STATUS_KEYS
                        if isinstance(values.get(k), (int, float)) and not isinstance(values.get(k), bool)}
-        self.status.update(pool_keys(getattr(self.monitor, "last_pool", None)))
+        self.status.update(pool_keys(self.monitor.last_pool if self.monitor is not None else None))
         self._taus()
 
     def finish(self, summary: dict[str, Any], exit_code: int = 0) -> None:
@@ -169,17 +170,16 @@ class WandbLogger:
                 break  # its step's row is still open: it goes in once that row is complete
             self._best = max(self._best, tau)  # the best up to this evaluation, earlier starts included
             if step > self.resumed_step or self.resumed_step == 0:
-                health = getattr(self.monitor, "health_by_step", {}).get(step)
+                health = self.monitor.health_by_step.get(step)
                 self._write_all(self.tau_rows.add_tau(step, tau, self._best, health_keys(health)))
             self._taus_seen += 1
-        given_up = getattr(self.monitor, "tau_given_up", [])
+        given_up = self.monitor.tau_given_up
         for step in given_up[self._given_up_seen:]:
             self._write_all(self.tau_rows.give_up(step))
         self._given_up_seen = len(given_up)
 
     def _emit(self, row: dict[str, Any]) -> None:
         """A row, in order behind the step rows still waiting for their tau."""
-        self.tau_rows.every = getattr(self.monitor, "eval_every", 0)  # set once evaluations are attached
         self._write_all(self.tau_rows.add_row(row))
 
     def _write_all(self, rows: list[dict[str, Any]]) -> None:
