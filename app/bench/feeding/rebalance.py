@@ -18,7 +18,10 @@ the split. With the virtual clock the advisor charges each side the delays the m
 asks for 4/4 (+33%, twice `topology.rebalance_min_gain`) at any load; what the load still moves is how
 many jobs train before the re-split lands (its hold and rebuild run on the wall clock), and the landing
 falls well before the window. That the advisor reads measured rates right is tested apart
-(tests/test_rebalance_ray.py, tests/test_advice.py).
+(tests/test_rebalance_ray.py, tests/test_advice.py). The stall watchdog waits 900 s here, not tiny's 60:
+beside the loops at load 35-50 a starved 4-rank group made no step for 64 s, the watchdog rebuilt it and
+the rebuild's bundle wait stalled the run (its re-split had been asked for at +33%, as alone); what the
+watchdog does under load is the chaos bench's and the fault tests' subject, not this one's.
 
 The measure is in units the load cannot move: jobs per virtual second over the last 40% of the jobs
 trained (the re-split lands after 20-40 jobs; its rebuild and the refilled buffer fall before the
@@ -49,7 +52,7 @@ WINDOW = 0.4  # the share of the jobs, the last ones, the measure covers
 GOAL = 1.3  # auto over off on the injected imbalance: 4/3 when the re-split lands before the window
 COMMON = ["train.epochs=4", "eval.num_prompts=2", "eval.max_new_tokens=16", "eval.every_steps=0",
           "logging.status_every_s=5", "logging.step_log=true", "checkpoint.every_steps=20",
-          "topology.rebalance_hold_s=3", "faults.virtual_clock=true"]
+          "topology.rebalance_hold_s=3", "faults.virtual_clock=true", "supervision.stall_timeout_s=900"]
 
 
 @dataclass(frozen=True)
