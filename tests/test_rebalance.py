@@ -360,6 +360,23 @@ def test_the_virtual_clock_charges_the_injected_delays_so_a_busy_boxs_starved_dr
         load_config("conf/tiny.yaml", ["faults.virtual_clock=true", "faults.target_delay_s=3.7"])
 
 
+def test_the_rebalance_benchs_busy_loops_run_from_the_drafters_start_to_the_runs_end(tmp_path):
+    import time
+
+    from app.bench.feeding.rebalance import busy_loops
+
+    started = tmp_path / "steps.jsonl"
+    with busy_loops(2, started, poll_s=0.05) as procs:
+        time.sleep(0.2)
+        assert procs == []  # none before the drafter group is up
+        started.touch()
+        time.sleep(0.3)
+        assert len(procs) == 2 and all(p.poll() is None for p in procs)
+    assert all(p.poll() is not None for p in procs)  # gone with the run
+    with busy_loops(0, started) as procs:
+        assert procs == []
+
+
 def test_the_rebalance_bench_says_where_the_resplit_landed_in_jobs():
     from app.bench.feeding.rebalance import first_new_split_job
 

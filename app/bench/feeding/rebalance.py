@@ -1,4 +1,4 @@
-"""`python -m app.bench rebalance [--side drafters|targets] [--repeats R] [key=value ...]`: re-splitting on
+"""`python -m app.bench rebalance [--side drafters|targets] [--repeats R] [--busy-loops N] [key=value ...]`: re-splitting on
 vs off (`--sim`: the simulated shifting-balance run instead, auto against every fixed split).
 
 Runs the real driver on conf/tiny.yaml (8 actors, 4 epochs: 136 jobs) twice in one process, once with
@@ -40,8 +40,12 @@ runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import subprocess
+import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,6 +157,34 @@ def one_run(mode: str, side: str, extra: list[str], run_dir: Path) -> dict:
             "trained_twice": counts["trained_twice"], "never_trained": counts["never_trained"]}
 
 
+@contextlib.contextmanager
+def busy_loops(n: int, started: Path, poll_s: float = 1.0):
+    """`--busy-loops N`: N `python -c 'while 1: pass'` processes beside the run from the moment `started` exists (the
+    step log's first row: the drafter group is up) to the end of the block. Started earlier, under a load of 40+
+    the run's actors did not start at all (docs/benchmarks.md)."""
+    procs: list[subprocess.Popen] = []
+    done = threading.Event()
+
+    def start() -> None:
+        while not done.wait(poll_s):
+            if started.exists():
+                procs.extend(subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(n))
+                return
+
+    waiter = threading.Thread(target=start, daemon=True)
+    if n > 0:
+        waiter.start()
+    try:
+        yield procs
+    finally:
+        done.set()
+        if n > 0:
+            waiter.join()
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 def simulated(jobs: int = 1200) -> int:
     """`--sim`: the shifting-balance run of app/bench/feeding/resplit_sim.py, auto vs every fixed split."""
     from app.bench.feeding.resplit_sim import compare, shifting_setup
@@ -174,15 +206,19 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--side", choices=tuple(SIDES), default="drafters", help="the side made the short one")
     ap.add_argument("--repeats", type=int, default=1, help="off/auto pairs, the order alternating")
     ap.add_argument("--sim", action="store_true", help="the simulated shifting-balance run instead")
+    ap.add_argument("--busy-loops", type=int, default=0, metavar="N",
+                    help="N CPU busy loops beside each run once its drafters are up (a verdict the load must not move)")
     add_overrides(ap)
     args = ap.parse_args(argv)
     if args.sim:
         return simulated()
+    from app.training.step_log import FILE_NAME as STEP_LOG  # its first row: the drafter group's start
+
     own_cluster()  # never another cluster on the machine; both runs share it
     results: dict[str, list[dict]] = {"off": [], "auto": []}
     for r in range(args.repeats):
         for mode in (("off", "auto") if r % 2 == 0 else ("auto", "off")):
-            with tempfile.TemporaryDirectory() as tmp:
+            with tempfile.TemporaryDirectory() as tmp, busy_loops(args.busy_loops, Path(tmp) / "run" / STEP_LOG):
                 res = one_run(mode, args.side, args.overrides, Path(tmp) / "run")
             results[mode].append(res)
             decided = ("" if res["rate_ratio"] is None else
