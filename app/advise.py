@@ -7,11 +7,47 @@ computing); see `app/run/elastic/advisor.py` for the model behind it.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
+from collections.abc import Iterable
+
+from app.run.elastic.advisor import SplitAdvice, SplitAdvisor
+
+
+def advise_from_timeline(rows: Iterable[dict], header: dict | None = None) -> SplitAdvice | None:
+    """The advice for a finished run from its timeline rows (see app/run/outputs/timeline.py).
+
+    A run that was resumed has one `run` header per start; each start has a fresh pool, so target
+    counters add up over starts (the last pool snapshot of each), step records over all of them.
+    `rows` may be a stream read once (a long run's file) when `header`, the last `run` row, is given;
+    without it `rows` must be a list, searched backwards for that header.
+    """
+    if header is None:
+        rows = list(rows)
+        header = next((r for r in reversed(rows) if r.get("k") == "run"), None)
+    if header is None:
+        return None
+    advisor = SplitAdvisor(header["num_targets"], header["num_drafters"], header.get("gpus_per_target", 1.0),
+                           header.get("gpus_per_drafter", 1.0))
+    totals: dict[str, dict[int, float]] = {"tokens_by_target": {}, "forward_s_by_target": {}, "done_by_target": {}}
+    last_pool: dict | None = None
+    for row in itertools.chain(rows, [{"k": "run"}]):  # a sentinel header flushes the last start's pool counters
+        if row.get("k") == "run" and last_pool is not None:
+            for key, acc in totals.items():
+                for tid, v in last_pool[key].items():
+                    acc[int(tid)] = acc.get(int(tid), 0) + v
+            last_pool = None
+        elif row.get("k") == "pool":
+            last_pool = row
+        elif row.get("k") == "step":
+            advisor.add_records([row])
+        elif row.get("k") == "resplit_done":  # the run changed its split: the drafter ranks count afresh
+            advisor.resplit(*row["new"])
+    advisor.add_pool(totals)
+    return advisor.estimate(stable=advisor.enough_samples())
 
 
 def main(argv: list[str] | None = None) -> int:
-    from app.run.elastic.advisor import advise_from_timeline
     from app.run.outputs.timeline import FILE_NAME, iter_timeline
 
     p = argparse.ArgumentParser(prog="python -m app.advise", description=__doc__.splitlines()[0])

@@ -5,9 +5,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.advise import main as advise_main
+from app.advise import advise_from_timeline, main as advise_main
 from app.messages import StepRecord
-from app.run.elastic.advisor import MIN_STEPS_PER_RANK, WARMUP_STEPS, SplitAdvisor, advise_from_timeline, best_split
+from app.run.elastic.advisor import MIN_STEPS_PER_RANK, WARMUP_STEPS, SplitAdvisor, best_split
 from app.run.outputs.timeline import Timeline, read_timeline
 
 

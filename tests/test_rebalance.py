@@ -199,7 +199,7 @@ def test_report_marks_each_resplit_on_the_time_axis_and_in_the_events_table():
 
 
 def test_advice_of_a_finished_run_starts_from_its_last_split():
-    from app.run.elastic.advisor import advise_from_timeline
+    from app.advise import advise_from_timeline
 
     rows = [{"k": "run", "num_targets": 5, "num_drafters": 3}]
     rows += [{"k": "step", "rank": r, "tokens": 100, "compute_s": 1.0} for _ in range(8) for r in range(3)]
