@@ -122,9 +122,10 @@ def probe_drafter(drafter, head, work: dict, anchors: bool = True) -> dict:
     return out
 
 
-def references(work: dict, plan, drafter=None, head=None) -> dict:
+def references(work: dict, plan) -> dict:
     """The training-free references on both prompt sets, at `work["ref_block"]` (at least 16: a smaller drafter
-    block must not shorten what lookup and the tables may propose); with a drafter, also the hybrid."""
+    block must not shorten what lookup and the tables may propose). The hybrid needs a trained drafter: each
+    seed's is replayed where it is trained (`quality_real.train_and_measure`)."""
     from app.model.references import NgramDrafter, prompt_lookup_proposer
 
     seqs = [plan.dataset.sequence(i) for i in range(len(plan.dataset))]
@@ -133,7 +134,4 @@ def references(work: dict, plan, drafter=None, head=None) -> dict:
     out = {name: both_sets(lambda _f, t=t: (lambda i: t), work, R) for name, t in tables.items()}
     lookup = prompt_lookup_proposer(max_n=4, min_n=1)
     out["prompt_lookup"] = both_sets(lambda _f: (lambda i: lookup), work, R)
-    if drafter is not None:
-        with torch.no_grad():
-            out["hybrid"] = both_sets(hybrid_on(drafter.eval(), head), work, R)
     return {name: r | {"block": R} for name, r in out.items()}
