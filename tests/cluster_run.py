@@ -28,10 +28,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """n distinct ports the OS reports free. All n sockets stay bound until every port is read: a port
+    released and asked for again may come back, and two Ray components given one port refuse to start."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def start_cluster(nodes: list[dict], temp_dir: str):
@@ -39,14 +46,16 @@ def start_cluster(nodes: list[dict], temp_dir: str):
     from ray.cluster_utils import Cluster
 
     ray._private.utils.write_ray_address = lambda *a, **k: None  # keep other ray.init() calls off this cluster
-    ports, common = _node_ports, NODE_ARGS
+    common = NODE_ARGS
     head, *workers = nodes
+    free = iter(_free_ports(2 + 3 * len(nodes)))  # every port of the cluster in one draw, so none repeats
     cluster = Cluster(initialize_head=True, head_node_args=dict(
-        num_cpus=head["cpus"], num_gpus=head.get("gpus", 0), gcs_server_port=_free_port(), temp_dir=temp_dir,
-        ray_client_server_port=_free_port(), **ports(), **common))
+        num_cpus=head["cpus"], num_gpus=head.get("gpus", 0), gcs_server_port=next(free), temp_dir=temp_dir,
+        ray_client_server_port=next(free), **_node_ports(free), **common))
     handles = [cluster.head_node]
     for w in workers:
-        handles.append(cluster.add_node(num_cpus=w["cpus"], num_gpus=w.get("gpus", 0), **ports(), **common))
+        handles.append(cluster.add_node(num_cpus=w["cpus"], num_gpus=w.get("gpus", 0), **_node_ports(free),
+                                        **common))
     cluster.wait_for_nodes()
     return cluster, handles
 
@@ -54,10 +63,10 @@ def start_cluster(nodes: list[dict], temp_dir: str):
 NODE_ARGS = dict(object_store_memory=150 * 1024 * 1024, include_dashboard=False)
 
 
-def _node_ports() -> dict:
+def _node_ports(free) -> dict:
     """No fixed default port: another Ray on this machine may hold it."""
-    return dict(dashboard_agent_listen_port=_free_port(), metrics_export_port=_free_port(),
-                runtime_env_agent_port=_free_port())
+    return dict(dashboard_agent_listen_port=next(free), metrics_export_port=next(free),
+                runtime_env_agent_port=next(free))
 
 
 def bundle_nodes(node_ids: list[str]) -> list[int]:
@@ -107,7 +116,7 @@ def main(spec: dict) -> dict:
                 removal = None
             if addition and removal is None and addition["after_log"] in log_path.read_text():
                 nodes.append(cluster.add_node(num_cpus=addition["cpus"], num_gpus=addition.get("gpus", 0),
-                                              **_node_ports(), **NODE_ARGS))
+                                              **_node_ports(iter(_free_ports(3))), **NODE_ARGS))
                 node_ids.append(nodes[-1].node_id)
                 events.append(f"{time.monotonic() - t0:.1f}s add node {len(nodes) - 1} ({node_ids[-1][:8]})")
                 addition = None
