@@ -17,9 +17,9 @@ from app.config.load import load_config
 from app.model.build import build_or_load_drafter
 from app.model.export import export_drafter
 from app.model.live_eval import evaluate_drafter, weights_to_numpy
-from app.run.evaluate.runner import EvalRunner
 from app.run.evaluate.schedule import EvalOffer
 from app.run.outputs.monitor import RunMonitor
+from app.run.outputs.run_outputs import RunOutputs
 from app.run.supervisor import Supervisor
 from tests.toy import LAYERS, PROMPTS, save_tiny_target
 
@@ -44,6 +44,15 @@ def _plan(model_dir, tmp_path):
                            eval_prompts=PROMPTS, mask_token_id=3)
 
 
+def _wired(plan):
+    """The supervisor and the evaluation runner as the driver wires them (RunOutputs.attach), before start."""
+    sup = Supervisor(plan, topo=None, monitor=RunMonitor(), stop=threading.Event(), log=lambda _: None)
+    outputs = RunOutputs(plan.cfg, "run", sup.monitor, resumed_step=0, log=lambda _: None)
+    outputs.attach(sup)
+    outputs.timeline.close()
+    return sup, outputs.evals
+
+
 @pytest.mark.slow
 def test_end_of_run_tau_equals_the_last_live_tau_on_a_target_that_emits_eos(tmp_path):
     model_dir = tmp_path / "target"
@@ -52,11 +61,10 @@ def test_end_of_run_tau_equals_the_last_live_tau_on_a_target_that_emits_eos(tmp_
     assert hits[-1][-1] == eos and len(hits[-1]) == 8 < BUDGET  # EOS really ends decoding inside the budget
     plan = _plan(model_dir, tmp_path)
 
-    # The specs as the run builds them: the supervisor's for the end of the run, the eval runner's (with
-    # the EOS app/run/outputs/run_outputs.py reads from the target folder) for the evaluations during it.
-    sup = Supervisor(plan, topo=None, monitor=RunMonitor(), stop=threading.Event(), log=lambda _: None)
-    runner = EvalRunner(sup, RunMonitor(), None, print, read_target_info(model_dir).eos_token_ids[0])
-    assert sup.eval_spec == runner.spec and sup.eval_spec.eos_token_id == eos
+    # The specs as the run wires them: the supervisor's for the end of the run, the one it hands the eval
+    # runner (app/run/outputs/run_outputs.py) for the evaluations during it, with the target folder's EOS.
+    sup, runner = _wired(plan)
+    assert runner.spec is sup.eval_spec and sup.eval_spec.eos_token_id == eos
 
     # The final weights: rank 0's state dict (the last offer, live) and the exported drafter/ (end of run).
     drafter, head, arch = build_or_load_drafter(str(model_dir), None, plan.cfg.drafter, LAYERS, 3, CPU,
@@ -92,8 +100,8 @@ def test_one_eval_timeout_governs_the_live_schedule(tmp_path):
     save_tiny_target(tmp_path / "target")
     plan = _plan(tmp_path / "target", tmp_path)
     plan.cfg = replace(plan.cfg, eval=replace(plan.cfg.eval, timeout_s=42.0))
-    runner = EvalRunner(SimpleNamespace(cfg=plan.cfg, plan=plan), RunMonitor(), None, print, None)
-    assert runner.schedule.timeout_s == 42.0 and runner.spec.eos_token_id is None
+    _, runner = _wired(plan)
+    assert runner.schedule.timeout_s == 42.0 and runner.spec.eos_token_id is None  # the tiny target has no EOS
     runner.schedule.offer(EvalOffer(20, "weights"))
     runner.schedule.start({}, [0], now=100.0)
     assert not runner.schedule.overdue(142.0) and runner.schedule.overdue(142.5)

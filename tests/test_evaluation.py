@@ -62,7 +62,7 @@ def test_a_resumed_run_keeps_its_earlier_taus_and_best(tmp_path):
                for s, t in ((20, 2.0), (40, 3.0), (60, 2.5))]
     mon = RunMonitor()
     plan = SimpleNamespace(cfg=cfg, eval_prompts=[[1, 2]], mask_token_id=3)
-    runner = EvalRunner(SimpleNamespace(cfg=cfg, plan=plan), mon, None, print, None, earlier)
+    runner = EvalRunner(plan, None, None, lambda: [], mon, None, print, earlier)
     assert runner.book.best_tau == 3.0 and runner.book.best["exported_to"] == str(tmp_path / "drafter-best")
     assert mon.tau_best == (40, 3.0) and mon.tau_history[-1] == (60, 2.5)
     assert runner.summary()["tau_history"] == [[20, 2.0], [40, 3.0], [60, 2.5]]

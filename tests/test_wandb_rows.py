@@ -79,13 +79,12 @@ def test_the_runner_names_the_offers_that_will_not_report(tmp_path):
     cfg = load_config("conf/tiny.yaml", [f"checkpoint.dir={tmp_path}", "eval.every_steps=2"])
     offers = [(2, ["w2"]), (8, ["w8"]), (10, ["w10"])]  # rank 0 offered 4 and 6 too: the pool replaced them
     pool = SimpleNamespace(take_eval=lambda: offers.pop(0) if offers else None, pause_target=lambda t: None)
-    sup = SimpleNamespace(cfg=cfg, plan=SimpleNamespace(cfg=cfg, eval_prompts=[[1, 2]], mask_token_id=3, resume_step=0),
-                          pool=pool, alive_targets=lambda: {})  # no target alive: step 2 is taken, never started
+    plan = SimpleNamespace(cfg=cfg, eval_prompts=[[1, 2]], mask_token_id=3, resume_step=0)
     mon = RunMonitor()
-    runner = EvalRunner(sup, mon, None, print, None)
+    runner = EvalRunner(plan, None, pool, lambda: {}, mon, None, print)  # no target alive: step 2 is taken, never started
     stats = SimpleNamespace(in_flight_by_target={})
     for _ in range(3):
         runner.add_pool(stats)
     # The offered steps the run's monitor is built with (wandb holds their rows): none without held-out prompts.
-    assert offered_every(sup.plan) == 2 and offered_every(SimpleNamespace(cfg=cfg, eval_prompts=[])) == 0
+    assert offered_every(plan) == 2 and offered_every(SimpleNamespace(cfg=cfg, eval_prompts=[])) == 0
     assert mon.tau_given_up == [2, 4, 6, 8]  # 2 and 8 replaced while waiting, 4 and 6 in the pool; 10 waits

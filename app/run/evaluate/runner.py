@@ -4,17 +4,18 @@ target, and sends tau to the status line, the timeline, the `dflash_tau` gauge a
 A listener of the RunMonitor: every pool snapshot the supervisor folds in (each loop turn) is a tick.
 Everything here is non-blocking (`ray.wait(timeout=0)`), so the supervision loop, and training, never
 wait for an evaluation; only `finish` at the end of the run waits, for the last one. Each evaluation has
-`eval.timeout_s`; one past it is skipped and its target goes back to training. The pool is reached
-through the supervisor's `PoolClient`; targets are asked with `ask_tau` and the run's one `EvalSpec`, as
-the end-of-run tau is (app/run/evaluate/final_tau.py).
+`eval.timeout_s`; one past it is skipped and its target goes back to training. The runner is handed the
+parts it uses, not the supervisor: the run's plan, its one `EvalSpec` (the one the end-of-run tau decodes
+with, app/run/evaluate/final_tau.py; targets are asked with `ask_tau`), its `PoolClient` and the query for
+the live targets.
 """
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from app.run.evaluate.schedule import EvalOffer, EvalSchedule, TauBook, eval_spec, health_gauges, health_line
+from app.run.evaluate.schedule import EvalOffer, EvalSchedule, TauBook, health_gauges, health_line
 from app.run.evaluate.final_tau import ask_tau
 
 BEST_DIR_NAME = "drafter-best"
@@ -29,12 +30,15 @@ def offered_every(plan) -> int:
 class EvalRunner:
     """Owns the evaluation in flight (one at most) and the book of results."""
 
-    def __init__(self, sup, monitor, timeline, log, eos_token_id: int | None, earlier: list[dict] = (),
-                 clock=time.monotonic) -> None:
-        self.sup, self.monitor, self.timeline, self.log, self.clock = sup, monitor, timeline, log, clock
-        self.cfg, self.plan = sup.cfg, sup.plan
-        self.spec = eval_spec(self.plan, eos_token_id)
-        self.schedule = EvalSchedule(timeout_s=sup.cfg.eval.timeout_s)
+    def __init__(self, plan, spec, pool, alive_targets: Callable[[], list[tuple[int, Any]]], monitor, timeline, log,
+                 earlier: list[dict] = (), clock=time.monotonic) -> None:
+        """`spec`: the run's one EvalSpec (`Supervisor.eval_spec`); `pool`: its PoolClient (take_eval,
+        pause_target, resume_target, report_tau); `alive_targets`: (id, handle) of the live targets, asked each
+        time one is picked; `earlier`: the timeline's `eval` rows of the run's earlier starts."""
+        self.plan, self.cfg, self.spec = plan, plan.cfg, spec
+        self.pool, self.alive_targets = pool, alive_targets
+        self.monitor, self.timeline, self.log, self.clock = monitor, timeline, log, clock
+        self.schedule = EvalSchedule(timeout_s=self.cfg.eval.timeout_s)
         self.book = TauBook()
         from app.storage.roots import is_uri
 
@@ -74,7 +78,7 @@ class EvalRunner:
         if not self.enabled:
             return
         self._poll()
-        offer = self.sup.pool.take_eval()
+        offer = self.pool.take_eval()
         if offer is not None:
             step, weights = offer
             self._skipped_before(step)
@@ -100,11 +104,11 @@ class EvalRunner:
         self._last_offer = max(self._last_offer, step)
 
     def _alive(self) -> dict[int, Any]:
-        """Live targets by id, as the supervisor's own end-of-run evaluation picks them."""
-        return dict(self.sup.alive_targets())
+        """Live targets by id, as the end-of-run evaluation picks them."""
+        return dict(self.alive_targets())
 
     def _launch(self, offer: EvalOffer, tid: int, handle: Any) -> None:
-        self.sup.pool.pause_target(tid)
+        self.pool.pause_target(tid)
         self._ref = ask_tau(handle, offer.step, offer.weights, self.spec, self.best_dir, self.book.best_tau)
 
     def _poll(self, timeout: float = 0.0) -> None:
@@ -118,7 +122,7 @@ class EvalRunner:
             return
         run = self.schedule.finished()
         ref, self._ref = self._ref, None
-        self.sup.pool.resume_target(run.target_id)
+        self.pool.resume_target(run.target_id)
         if not ready:
             self.monitor.give_up_tau(run.offer.step)
             self.log(f"evaluation of step {run.offer.step} on target {run.target_id} took over "
@@ -141,7 +145,7 @@ class EvalRunner:
         self.timeline.evaluation(result["step"], result["tau"], result["per_pos_accept"],
                                  matches_greedy=result["matches_greedy"], best=best, seconds=result["seconds"],
                                  **({"health": health} if health else {}))
-        self.sup.pool.report_tau(result["step"], result["tau"], health_gauges(health))
+        self.pool.report_tau(result["step"], result["tau"], health_gauges(health))
         if not result["lossless"]:  # a kept token that is not its verify forward's argmax: an acceptance bug
             self.log(f"WARNING: speculative decoding at step {result['step']} kept tokens the target would not "
                      f"have chosen ({result['mismatch_rate']:.1%} of prompts differ from plain greedy)")

@@ -36,13 +36,12 @@ class RunOutputs:
         self.evals = None
 
     def attach(self, sup) -> None:
-        """Once the supervisor has started the pool and the targets: evaluations during the run."""
-        from app.config.checks import read_target_info
+        """Once the supervisor has started the pool and the targets: evaluations during the run, handed the
+        run's plan, its one EvalSpec (the end-of-run tau's too), its pool client and its live-target query."""
         from app.run.evaluate.runner import EvalRunner
 
-        info = read_target_info(sup.plan.model_dir)
-        self.evals = EvalRunner(sup, self.monitor, self.timeline, self.log,
-                                info.eos_token_ids[0] if info.eos_token_ids else None, self.earlier_evals)
+        self.evals = EvalRunner(sup.plan, sup.eval_spec, sup.pool, sup.alive_targets, self.monitor, self.timeline,
+                                self.log, self.earlier_evals)
         self.monitor.listen(self.evals)
 
     def finish(self, final_step: int, export_dir: str | None) -> dict:
