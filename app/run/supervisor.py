@@ -116,8 +116,7 @@ class Supervisor:
         self._fill_pool(self.plan.resume_ledger)
         self.fleet = Targets(self.plan, self.topo, self.pool, ray.put(self.plan.dataset), self.bundles.wait,
                              self.clock)
-        self.group = DrafterGroup(self.plan, self.topo, self.pool, self.monitor, self.bundles, self._drain_records,
-                                  self.log, self.clock)
+        self.group = DrafterGroup(self.plan, self.topo, self.pool, self.monitor, self.bundles, self.log, self.clock)
         if self.planners is not None:
             self.changes = self._elastic(self.planners)
         self._feed_all(self.fleet.start_all())
@@ -221,7 +220,7 @@ class Supervisor:
         return events
 
     def _drain_records(self) -> None:
-        self.monitor.add_records(self.pool.drain_step_records())
+        self.group.drain_records()
 
     def _note_quarantined(self, stats) -> None:
         """A poison job (its forward failed twice) is set aside by the pool; say so once, with its error."""

@@ -71,8 +71,7 @@ class RunSupervisor(Supervisor):
         self.pool = PoolClient(RunScoped(stream.pool.handle, name), self.cfg.checkpoint.dir)
         self.stream, self.fleet = stream, stream.fleet  # targets: the stream's (evaluations use them)
         self.policy.targets.clear()  # this run's policy judges its drafters only
-        self.group = DrafterGroup(self.plan, self.topo, self.pool, self.monitor, stream.bundles, self._drain_records,
-                                  self.log, self.clock)
+        self.group = DrafterGroup(self.plan, self.topo, self.pool, self.monitor, stream.bundles, self.log, self.clock)
         self.done = False
         self.started = False  # its group's first start ran (SweepSupervisor.run)
 
@@ -144,8 +143,8 @@ class SweepSupervisor(Supervisor):
                              self.clock)
         for sup in self.runs.values():
             sup.fleet = self.fleet
-        self.group = DrafterGroup(self.plan, self.topo, self.pool, self.monitor, self.bundles, lambda: None,
-                                  self.log, self.clock)  # unused: the runs hold the groups
+        self.group = DrafterGroup(self.plan, self.topo, self.pool, self.monitor, self.bundles, self.log,
+                                  self.clock)  # unused: the runs hold the groups
         self._feed_all(self.fleet.start_all())  # the groups start in `run`, where a pool dying meanwhile is recreated
 
     def _schedule_refs(self, ray) -> list:

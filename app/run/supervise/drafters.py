@@ -96,10 +96,12 @@ class BundleWaits:
 class DrafterGroup:
     """The ranks of the current group, their `run()` references and their latest progress answers."""
 
-    def __init__(self, plan, topo, pool, monitor, bundles: BundleWaits, drain_records: Callable[[], None],
-                 log: Callable[[str], None], clock: Callable[[], float]) -> None:
+    def __init__(self, plan, topo, pool, monitor, bundles: BundleWaits, log: Callable[[str], None],
+                 clock: Callable[[], float]) -> None:
+        """`pool`: the run's PoolClient, which the ranks pull from and report their steps to; `monitor`: the
+        run's RunMonitor, which those step records go to (`drain_records`)."""
         self.plan, self.cfg, self.topo, self.pool, self.monitor = plan, plan.cfg, topo, pool, monitor
-        self.bundles, self.drain_records, self.log, self.clock = bundles, drain_records, log, clock
+        self.bundles, self.log, self.clock = bundles, log, clock
         self.ranks: list[Any] = []
         self.run_refs: list[Any] = []
         self.progress_query: dict[int, tuple[Any, float]] = {}  # rank -> (pending progress() ref, sent at)
@@ -146,6 +148,11 @@ class DrafterGroup:
         self.pool.set_ranks(len(self.ranks))
         self.run_refs = [d.run.remote() for d in self.ranks]
         return DrafterGroupStarted(step)
+
+    def drain_records(self) -> None:
+        """The step records the ranks reported to the pool, into the run's monitor: each loop turn, and
+        before a new group starts (a stopped group's last reports belong before the new group's first)."""
+        self.monitor.add_records(self.pool.drain_step_records())
 
     def stop_for_rebuild(self):
         """Kill the group and wait for its ranks to be gone; returns the checkpoint a new group resumes
