@@ -17,10 +17,11 @@ most a couple: its pull and its prefetch) plus room for acks, stats, step report
 `pool_max_concurrency` sizes it with a wide margin. A pull still waiting when its drafter dies is
 not cancelled by Ray; `release(drafter)` fences it (it raises LeaseRevoked and takes nothing).
 
-Several drafter runs on one stream (`runs=`): the targets feed a `SharedStream` (app/pool/stream.py)
-with one HSPool and one PoolControl (stop flag, eval offers, step records) per run; every drafter-side
-call names its run (`run=`, which the `RunScoped` handle of app/run/supervise/run_scoped.py adds). With no runs the
-actor is the single run's pool as before, and `run` is "".
+One road for one run and for a sweep: the targets always feed a `SharedStream` (app/pool/stream.py)
+with one HSPool and one PoolControl (stop flag, eval offers, step records) per run; the stream's own
+PoolControl holds the targets. A single run is a stream of one run, named "" (every call's default
+`run`); the runs of a sweep (`runs=`) are named, and every drafter-side call of theirs names its run
+(`run=`, which the `RunScoped` handle of app/run/supervise/run_scoped.py adds).
 """
 from __future__ import annotations
 
@@ -64,22 +65,15 @@ class HSPoolActor:
         broken_after: int = 3,
         runs: dict[str, RunShape] | None = None,
     ) -> None:
-        """`pull_policy` None = pool_cfg.pull_policy; `ranks` x `accum` (drafters x train.grad_accum)
-        is one global step, which the stratified policy mixes; `broken_after` =
-        supervision.broken_target_raises (see app/pool/production.py). `runs`: several drafter runs on one
-        stream, each run's ranks and grad_accum by name; None = one run."""
+        """`pull_policy` None = pool_cfg.pull_policy; `broken_after` = supervision.broken_target_raises (see
+        app/pool/production.py). `runs`: each run's ranks and grad_accum by name (a sweep); None = one run,
+        named "", whose `ranks` x `accum` (drafters x train.grad_accum) is one global step, which the
+        stratified policy mixes."""
         self._cfg = pool_cfg
-        self._runs: dict[str, PoolControl] = {}
-        self._stream: SharedStream | None = None
-        if runs:
-            self._stream = SharedStream(pool_cfg, num_buckets, runs, pull_policy=pull_policy,
-                                        broken_after=broken_after)
-            self._pool = self._stream  # the producing side: the dispatch loop and the target controls
-            self._runs = {name: PoolControl(pool) for name, pool in self._stream.pools.items()}
-        else:
-            self._pool = HSPool(pool_cfg, num_buckets, pull_policy=pull_policy, ranks=ranks, accum=accum,
-                                broken_after=broken_after)
-        self._control = PoolControl(self._pool)
+        shapes = runs or {"": RunShape(ranks, accum)}
+        self._stream = SharedStream(pool_cfg, num_buckets, shapes, pull_policy=pull_policy, broken_after=broken_after)
+        self._runs = {name: PoolControl(pool) for name, pool in self._stream.pools.items()}
+        self._control = PoolControl(self._stream)  # the targets: registered, paused, failed
         self._run_name = run_name
         self._tasks: set[asyncio.Task] = set()
         self._started = False
@@ -129,7 +123,7 @@ class HSPoolActor:
             for tid, handle in self._control.targets():
                 while (job := self._control.next_job(tid, handle)) is not None:
                     self._launch(tid, handle, job)
-            await self._pool.wait_changed()
+            await self._stream.wait_changed()
 
     def _launch(self, tid: int, handle: Any, job: JobSpec) -> None:
         try:
@@ -147,7 +141,7 @@ class HSPoolActor:
         except RayError as e:  # the actor died (RayActorError) or forward raised (RayTaskError)
             self._on_target_error(tid, handle, job, e)
             return
-        self._pool.job_done(tid, meta, payload_ref)
+        self._stream.job_done(tid, meta, payload_ref)
 
     def _on_target_error(self, tid: int, handle: Any, job: JobSpec, err: Exception) -> None:
         from ray.exceptions import RayActorError, RayTaskError
@@ -162,16 +156,16 @@ class HSPoolActor:
     async def add_jobs(self, jobs: list[JobSpec]) -> int:
         """Queue these JobSpecs as given (tests, benches); a run adds whole epochs (`add_epoch`)."""
         self._ensure_started()
-        return self._pool.add_jobs(jobs)
+        return self._stream.add_jobs(jobs)
 
     async def add_epoch(self, jobs: EpochJobs, bytes_per_token: int = 0) -> int:
         """Queue one epoch's schedule (see HSPool.add_epoch). Send it as a `ray.put` ref: Ray resolves
         it here with its arrays zero-copy in the object store, so they add nothing to the pool's heap."""
         self._ensure_started()
-        return self._pool.add_epoch(jobs, bytes_per_token)
+        return self._stream.add_epoch(jobs, bytes_per_token)
 
     async def finish_adding(self) -> None:
-        self._pool.finish_adding()
+        self._stream.finish_adding()
 
     async def restore_ledger(self, job_ids: list[int], run: str = "") -> None:
         self._hs(run).restore_ledger(job_ids)
@@ -210,17 +204,15 @@ class HSPoolActor:
         return self._hs(run).ledger()
 
     async def stream_counts(self) -> dict:
-        """Several runs on one stream: target forwards issued, and how many runs each fed ({} for one run)."""
-        if self._stream is None:
-            return {}
+        """Target forwards issued, and how many runs each fed (a single run's all fed one)."""
         return {"forwards": self._stream.forwards, "forwards_by_runs": dict(self._stream.forwards_by_runs)}
 
-    def _hs(self, run: str) -> Any:
-        """The HSPool a drafter-side call is about: its run's, or the one pool of a single run."""
-        return self._runs[run].pool if run else self._pool
+    def _hs(self, run: str) -> HSPool:
+        """The HSPool a drafter-side call is about: its run's."""
+        return self._runs[run].pool
 
     def _ctl(self, run: str) -> PoolControl:
-        return self._runs[run] if run else self._control
+        return self._runs[run]
 
     # ---- the driver's controls ------------------------------------------------------------
 
@@ -263,18 +255,16 @@ class HSPoolActor:
         return self._ctl(run).drain_step_records()
 
     async def stats(self, run: str = "") -> PoolStats:
-        """The pool's snapshot; one run's of several on one stream, with the shared targets' fields."""
-        return self._runs[run].stats(targets=self._control) if run else self._control.stats()
+        """The run's snapshot, with the stream's target fields."""
+        return self._runs[run].stats(targets=self._control)
 
     async def _metrics_loop(self) -> None:
         from actors.pool_metrics import PoolMetrics
 
-        runs = {name: (PoolMetrics(self._run_name, name), name) for name in self._runs} or \
-            {"": (PoolMetrics(self._run_name), "")}
+        runs = {name: PoolMetrics(self._run_name, name) for name in self._runs}  # "": no drafter_run label
         while True:
-            for metrics, run in runs.values():
-                control = self._ctl(run)
-                for rec in control.take_unexported():
+            for run, metrics in runs.items():
+                for rec in self._ctl(run).take_unexported():
                     metrics.step(rec)
                 metrics.tick(await self.stats(run), self._hs(run).drain_pull_waits())
             await asyncio.sleep(self._cfg.metrics_every_s)

@@ -56,13 +56,14 @@ class HSPool:
         accum: int = 1,
         queue: Callable[[JobCatalog], JobQueue] = JobQueue,
         broken_after: int = 3,
-        on_change: Callable[[], None] | None = None,
+        on_change: Callable[[HSPool], None] | None = None,
     ) -> None:
         """`pull_policy`: None = `cfg.pull_policy`. `ranks` (drafters in the group; None = as many
         as pull) and `accum` (train.grad_accum) size a global step for the policy. `queue` builds
         the job queue over the catalog (a test passes a reference queue). `broken_after`: raises in a
         row that make a target broken (supervision.broken_target_raises; see `production.py`). `on_change`:
-        called on every state change (the shared stream of several runs wakes its dispatch with it)."""
+        called with the pool on every state change (the stream over the runs' pools wakes its dispatch and
+        the other runs with it)."""
         assert num_buckets >= 1, num_buckets
         self.cfg = cfg
         self.num_buckets = num_buckets
@@ -295,4 +296,4 @@ class HSPool:
         ev, self._event = self._event, asyncio.Event()
         ev.set()
         if self._on_change is not None:
-            self._on_change()
+            self._on_change(self)

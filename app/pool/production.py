@@ -83,6 +83,7 @@ class Production:
         """The job `next_job` would consider for this target, issuing nothing and checking no budget."""
         if target_id in self.strikes.broken or self.in_flight.count(target_id) >= self.jobs_per_target:
             return None
+        self.strikes.saw(target_id)  # it asked for a job: alive (as in `next_job`)
         return self._choose(target_id)
 
     def reservation(self, job: JobSpec) -> int:
@@ -99,6 +100,8 @@ class Production:
         assert self._states.get(job.job_id) is JobState.PENDING, f"job {job.job_id} is not pending"
         if job.job_id in self.retries:
             self.retries.remove(job.job_id)
+        elif (head := self._queue.peek()) is not None and head.job_id == job.job_id:
+            self._queue.pop()  # the head, in O(1) (always, in a stream of one run)
         else:
             self._queue.remove({job.job_id})
         self.strikes.saw(target_id)

@@ -1,7 +1,8 @@
-"""Several drafter runs on one capture stream: a plain class, no Ray.
+"""Drafter runs on one capture stream: a plain class, no Ray.
 
-A sweep (`runs:` in the config, `app/config/sweep_section.py`) trains several drafters on the same
-data, schedule and targets. `SharedStream` keeps one `HSPool` per run (its own queue, buffer, leases,
+The pool actor always holds a `SharedStream`: a single run is a stream of one run (named ""), a sweep
+(`runs:` in the config, `app/config/sweep_section.py`) trains several drafters on the same data, schedule
+and targets. `SharedStream` keeps one `HSPool` per run (its own queue, buffer, leases,
 ledger, rollbacks, end-of-stream: everything a run's drafter group sees is what a single run sees) and
 is the producing side for all of them: a target forward runs once for every run that still needs the
 job, and its payload ref goes to each of those runs' buffers. The ref lives while any run holds it
@@ -17,7 +18,10 @@ A slower or dead run: the fast runs wait, bounded by the budget. While one run's
 budget, no new job is issued, so the others starve (a dead run's drafters are rebuilt by the supervisor
 as in a single run, and it drains its buffer). Nothing is recomputed for the slow run's sake, and no
 run trains ahead of the budget. A run whose own leases are part of what holds the shared budget drains
-its step (`Production.stalled`), as a single run does when its leases hold its own budget.
+its step (`Production.stalled`), as a single run does when its leases hold its own budget. A stream of
+one run has no shared budget to check: its run's own budget counts exactly what the stream's would (the
+same jobs, one reservation each), so the gate and its per-job tally are left out, and its pool issues and
+drains as a pool of its own.
 """
 from __future__ import annotations
 
@@ -39,10 +43,11 @@ _COUNTED = (JobState.IN_FLIGHT, JobState.BUFFERED)  # and counts it against pool
 
 @dataclass(frozen=True)
 class RunShape:
-    """What one run's pool needs to size a global step: its drafter ranks and train.grad_accum."""
+    """What one run's pool needs to size a global step: its drafter ranks (None: as many as pull) and
+    train.grad_accum."""
 
-    ranks: int
-    accum: int
+    ranks: int | None
+    accum: int = 1
 
 
 @dataclass
@@ -63,9 +68,12 @@ class SharedStream:
         self.pools = {name: HSPool(cfg, num_buckets, pull_policy=pull_policy, clock=clock, ranks=shape.ranks,
                                    accum=shape.accum, broken_after=broken_after, on_change=self._wake)
                       for name, shape in runs.items()}
-        for pool in self.pools.values():
-            pool.stream_side().gate = self._fits_shared
+        self._shared = len(runs) > 1  # one run's own budget is the stream's: no gate, no shared tally
+        if self._shared:
+            for pool in self.pools.values():
+                pool.stream_side().gate = self._fits_shared
         self._in_flight: dict[int, list[_Issue]] = {}  # job id -> its forwards in flight
+        self._per_target: dict[int, int] = {}  # target id -> its forwards in flight (asked on every issue)
         self._held: dict[int, int] = {}  # job id -> bytes (reservation, then payload) while any run holds it
         self.forwards = 0  # target forwards issued (one per job and production, whatever the runs)
         self.forwards_by_runs: dict[int, int] = {}  # how many runs each forward fed -> forwards
@@ -102,11 +110,13 @@ class SharedStream:
             needers = [name for name, p in self.pools.items() if p.job_state(job.job_id) is JobState.PENDING]
             if not all(self.pools[name].stream_side().fits(job) for name in needers):
                 continue  # a run that needs it is full: wait for it (another run's own job may still fit)
-            reserve = max(self.pools[name].stream_side().reservation(job) for name in needers)
             for name in needers:
                 self.pools[name].stream_side().issue(job, target_id)
             self._in_flight.setdefault(job.job_id, []).append(_Issue(target_id, needers))
-            self._held[job.job_id] = max(self._held.get(job.job_id, 0), reserve)
+            self._per_target[target_id] = self._per_target.get(target_id, 0) + 1
+            if self._shared:  # the shared tally holds the largest reservation of the runs it feeds
+                reserve = max(self.pools[name].stream_side().reservation(job) for name in needers)
+                self._held[job.job_id] = max(self._held.get(job.job_id, 0), reserve)
             self.forwards += 1
             self.forwards_by_runs[len(needers)] = self.forwards_by_runs.get(len(needers), 0) + 1
             return job
@@ -117,7 +127,8 @@ class SharedStream:
         issue = self._pop(target_id, meta.job_id)
         if issue is None:
             return False
-        self._held[meta.job_id] = meta.nbytes
+        if self._shared:
+            self._held[meta.job_id] = meta.nbytes
         landed = [self.pools[name].job_done(target_id, meta, payload) for name in issue.runs]
         return any(landed)
 
@@ -151,7 +162,7 @@ class SharedStream:
 
     def in_flight_count(self, target_id: int) -> int:
         """Forwards on this target (one per job, whatever the runs it feeds)."""
-        return sum(1 for issues in self._in_flight.values() for i in issues if i.target_id == target_id)
+        return self._per_target.get(target_id, 0)
 
     # ---- the shared budget ------------------------------------------------------------------------
 
@@ -185,9 +196,10 @@ class SharedStream:
     def notify(self) -> None:
         self._wake()
 
-    def _wake(self) -> None:
-        # Any run's change may free the shared budget for another, so every run's waiting pulls look again
-        # (a run that holds leases then drains; see Production.stalled). Re-entered from the pools' wakes.
+    def _wake(self, source: HSPool | None = None) -> None:
+        # The dispatch loop looks again; any run's change may free the shared budget for another, so the
+        # other runs' waiting pulls look again too (a run that holds leases then drains; see
+        # Production.stalled). `source` (the pool that changed) woke its own. Re-entered from their wakes.
         if self._waking:
             return
         self._waking = True
@@ -195,7 +207,8 @@ class SharedStream:
             ev, self._event = self._event, asyncio.Event()
             ev.set()
             for pool in self.pools.values():
-                pool.notify()
+                if pool is not source:
+                    pool.notify()
         finally:
             self._waking = False
 
@@ -204,6 +217,7 @@ class SharedStream:
         issue = next((i for i in issues if i.target_id == target_id), None)
         if issue is not None:
             issues.remove(issue)
+            self._per_target[target_id] -= 1
             if not issues:
                 del self._in_flight[job_id]
         return issue

@@ -80,7 +80,7 @@ def stop_runs(ends: dict[str, RunEnd]) -> bool:
 def stream_counts(cfg, sup) -> tuple[dict, dict]:
     """What the stream did, read before any tau is measured on its targets: the fields every run's summary
     gets (the live targets' own forward counters, the replay store's counts), and the pool's forwards
-    issued by how many runs each fed ({} for a single run)."""
+    issued by how many runs each fed (a single run's all fed one)."""
     import ray
 
     from app.replay.target_side import replay_summary

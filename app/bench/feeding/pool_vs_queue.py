@@ -65,7 +65,7 @@ class BatchPullPool(HSPoolActor):
         """Acks, then up to n pulls in one call: waits for the first, then takes what is ready now."""
         out = [await self.pull(drafter_id, generation, acks)]
         while len(out) < n and isinstance(out[-1], PulledItem):
-            got = self._pool.try_pull(drafter_id)
+            got = self._hs("").try_pull(drafter_id)  # the single run's pool
             if not isinstance(got, PulledItem):
                 break
             out.append(got)
