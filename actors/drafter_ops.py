@@ -168,7 +168,7 @@ class RankOps:
         keeps the newest offer. Fire and forget: training goes on at once (app/run/evaluate/runner.py)."""
         import ray
 
-        from app.model.live_eval import weights_to_numpy
+        from app.model.drafter_tau import weights_to_numpy
         from app.training.retry import transient_object_errors, with_retries
 
         weights = weights_to_numpy(self.trainer.drafter)

@@ -28,7 +28,7 @@ from app.devices import compute_dtype, limit_threads, load_target, pick_device
 from app.faults import fire_once, injected_delay, sticky_target
 from app.messages import HiddenBatch, ItemMeta, JobSpec
 from app.model.health import FeatureCache
-from app.model.live_eval import EvalSpec
+from app.model.drafter_tau import EvalSpec
 from app.payload.transport import HeldPayloads, put_payload, warm_up_nixl
 from app.replay.key import payload_dtype
 from app.replay.target_side import TargetCounts, TargetReplay, save_counts
@@ -136,11 +136,11 @@ class TargetActor:
         """tau and per-position acceptance of drafter weights at `step`, checked against plain greedy
         decoding: rank 0's numpy state dict during the run (`eval.every_steps`), an exported folder, or
         None for a fresh drafter (the end of the run uses this same method). Exported to `best_dir` when
-        tau > `beat_tau`. See app/model/live_eval.py."""
+        tau > `beat_tau`. See app/model/drafter_tau.py."""
         from dataclasses import replace
 
         from app.model.export import export_dtype
-        from app.model.live_eval import background_priority, evaluate_drafter, export_best
+        from app.model.drafter_tau import background_priority, evaluate_drafter, export_best
 
         if isinstance(weights, list):  # rank 0's weights as a ref (app/run/evaluate/final_tau.py ask_tau): fetched here,
             import ray  # so a full store or a timed-out fetch is tried again instead of failing the evaluation
@@ -164,9 +164,9 @@ class TargetActor:
 
     def race_weights(self, folder: str, spec: EvalSpec) -> dict:
         """Speculative decoding with the drafter exported to `folder` against this target alone, batch 1, timed
-        side by side on the spec's first eval.race_prompts prompts (`app.model.live_eval.race_exported`). Asked
+        side by side on the spec's first eval.race_prompts prompts (`app.model.drafter_tau.race_exported`). Asked
         at the end of the run, when no job competes for the cores, so it runs at normal priority."""
-        from app.model.live_eval import race_exported
+        from app.model.drafter_tau import race_exported
 
         with self.compute_lock:
             return race_exported(self.model, self.model_dir, spec.layer_ids or self.layer_ids, folder, spec, self.device,

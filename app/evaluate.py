@@ -11,7 +11,7 @@ With `--drafter` it also prints the vLLM and SGLang lines that serve that drafte
 
 Three places, one measurement: this command evaluates a drafter folder on its own, `app/run/evaluate/` is
 a training run's evaluation (when, on which target, the best drafter, the final tau), and both decode with
-`app/model/live_eval.py` (`measure_spec`), the math the target actor runs.
+`app/model/drafter_tau.py` (`measure_spec`), the math the target actor runs.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def run(cfg, drafter_dir: str | None = None, prompts_file: str | None = None):
     from app.config.checks import read_target_info, resolved_layer_ids, resolved_mask_token_id
     from app.data.dataset import load_eval_prompts
     from app.devices import compute_dtype, pick_device, target_load_kwargs
-    from app.model.live_eval import EvalSpec, drafter_for, measure_spec, stop_token
+    from app.model.drafter_tau import EvalSpec, drafter_for, measure_spec, stop_token
     from app.tiny.build import resolve_target
 
     target = resolve_target(cfg)

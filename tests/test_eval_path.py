@@ -16,7 +16,7 @@ from app.config.checks import read_target_info
 from app.config.load import load_config
 from app.model.build import build_or_load_drafter
 from app.model.export import export_drafter
-from app.model.live_eval import evaluate_drafter, weights_to_numpy
+from app.model.drafter_tau import evaluate_drafter, weights_to_numpy
 from app.run.evaluate.schedule import EvalOffer
 from app.run.outputs.monitor import RunMonitor
 from app.run.outputs.run_outputs import RunOutputs

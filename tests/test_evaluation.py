@@ -51,7 +51,7 @@ def test_a_resumed_run_keeps_its_earlier_taus_and_best(tmp_path):
     from types import SimpleNamespace
 
     from app.config.load import load_config
-    from app.model.live_eval import META_KEY
+    from app.model.drafter_tau import META_KEY
     from app.run.evaluate.runner import EvalRunner
     from app.run.outputs.monitor import RunMonitor
 

@@ -147,7 +147,7 @@ def _train(work, overrides):
         run = train_in_process(cfg)
     finally:
         torch.set_num_threads(threads)
-    from app.model.live_eval import stop_token
+    from app.model.drafter_tau import stop_token
     from app.run.evaluate.schedule import eval_spec
 
     return run, eval_spec(run.plan, stop_token(run.plan.info.eos_token_ids))  # the run's own spec, training sample too
@@ -156,7 +156,7 @@ def _train(work, overrides):
 def _check(run, spec, drafter, head, cfg: HealthConfig = CFG) -> dict:
     """The run's own evaluation (`check_health` after `measure_spec`, as evaluate_drafter runs them) at the
     run's last step; prints the status word, the figures and each verdict line."""
-    from app.model.live_eval import check_health, measure_spec
+    from app.model.drafter_tau import check_health, measure_spec
 
     spec = replace(spec, health=cfg)
     references: dict = {}

@@ -17,7 +17,7 @@ STUCK = Health(step=200, tau=1.02, tau_fit=1.03, tau_replay=1.02, tau_no_feature
 
 
 def _health(h: Health) -> dict:
-    """What evaluate_drafter puts in LiveEval.health (app/model/live_eval.py check_health)."""
+    """What evaluate_drafter puts in LiveEval.health (app/model/drafter_tau.py check_health)."""
     found = verdicts(h, HealthConfig())
     return {**h.to_dict(), "verdicts": [v.line for v in found], "names": [v.name for v in found],
             "status": status_word(found)}

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from app.model.live_eval import read_best_meta
+from app.model.drafter_tau import read_best_meta
 from app.run.outputs.report_page import PLOTS
 from tests.e2e_helpers import assert_finished, run_drivers_together, summary
 

@@ -11,7 +11,7 @@ from app.config.drafter_sections import DrafterConfig
 from app.config.run_sections import EvalConfig
 from app.model.build import build_or_load_drafter
 from app.model.export import export_drafter
-from app.model.live_eval import EvalSpec, race_exported
+from app.model.drafter_tau import EvalSpec, race_exported
 from app.run.evaluate.final_tau import FinalTau
 from app.run.outputs.report_page import render
 from tests.test_trust_runtime import _Clock, _fake_get, _Target

@@ -289,7 +289,7 @@ def test_the_eval_offer_size_is_the_drafter_s_float32_state_dict(tmp_path: Path)
     from app.model.arch import DrafterArch
     from app.model.build import drafter_state_bytes
     from app.model.drafter import DFlashDrafter
-    from app.model.live_eval import weights_to_numpy
+    from app.model.drafter_tau import weights_to_numpy
     from app.pool.holdings import EVAL_COPIES
     from app.run.plan import object_store_extras
     from tests.toy import tiny_qwen3_config

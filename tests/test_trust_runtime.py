@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from app.model.live_eval import EvalSpec
+from app.model.drafter_tau import EvalSpec
 from app.run.evaluate.final_tau import FinalTau
 
 from app.config.run_sections import EvalConfig  # noqa: E402

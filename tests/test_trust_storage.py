@@ -276,7 +276,7 @@ def test_exports_are_readable_by_other_users(tmp_path: Path) -> None:
 def test_an_overdue_evaluation_never_replaces_a_better_best(tmp_path: Path) -> None:
     """Item 5: the best tau is read again at swap time: an evaluation dispatched before a better one
     landed no longer overwrites it (export_best returns None, nothing written)."""
-    from app.model.live_eval import export_best, read_best_meta
+    from app.model.drafter_tau import export_best, read_best_meta
 
     drafter, arch = _toy()
     out = tmp_path / "drafter-best"

@@ -41,7 +41,7 @@ def build_or_load_drafter(model_dir: str, drafter_dir: str | None, drafter_cfg: 
 
 def drafter_state_bytes(model_dir: str, drafter_cfg: DrafterConfig, layer_ids: list[int], mask_token_id: int) -> int:
     """Bytes of the drafter's float32 state dict (what rank 0 puts in the object store for each live
-    evaluation, app/model/live_eval.py `weights_to_numpy`), counted on the meta device: no memory used."""
+    evaluation, app/model/drafter_tau.py `weights_to_numpy`), counted on the meta device: no memory used."""
     from transformers import AutoConfig
 
     from app.model.arch import DrafterArch

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from app.model.live_eval import stop_token
+from app.model.drafter_tau import stop_token
 from app.run.supervise.drafters import BundleWaits, DrafterGroup
 from app.run.evaluate.schedule import eval_spec
 from app.run.evaluate.final_tau import FinalTau, TauResult

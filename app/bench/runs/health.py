@@ -1,7 +1,7 @@
 """`python -m app.bench health [--rounds N] [key=value ...]`: what the learning checks add to an evaluation.
 
 Trains the markov demo's drafter in this process (conf/tiny.yaml, seed 0: `app.bench.runs.quality.train_in_process`,
-about 30 s of one CPU), then times the run's own evaluation (`app.model.live_eval.evaluate_drafter`: the drafter
+about 30 s of one CPU), then times the run's own evaluation (`app.model.drafter_tau.evaluate_drafter`: the drafter
 built from rank 0's weights, tau decoded on the held-out prompts) with and without the checks
 (app/model/health.py), alternately, `--rounds` times each, side by side in this one process. The greedy outputs and
 the checks' target features are cached first, as a target keeps them after a run's first evaluation (every later one
@@ -25,7 +25,7 @@ from app.bench.common import add_overrides, print_result
 def main(argv: list[str]) -> int:
     from app.bench.runs.quality import corpus_config, train_in_process
     from app.model.health import FeatureCache
-    from app.model.live_eval import evaluate_drafter, stop_token, weights_to_numpy
+    from app.model.drafter_tau import evaluate_drafter, stop_token, weights_to_numpy
     from app.run.evaluate.schedule import eval_spec
 
     ap = argparse.ArgumentParser(prog="python -m app.bench health", description=__doc__.splitlines()[0])

@@ -7,7 +7,7 @@ trains the DFlash drafter at one fixed budget per corpus (markov: the demo's, co
 python: `PYTHON_BUDGET`) once per seed, each seed in one process (`--workers` of them at once): the
 same plan, schedule, trainer and step size (num_drafters x grad_accum jobs per optimizer step, summed
 as the all-reduce sums them) as the Ray run, without the pool's timing-dependent dealing, so a seed
-gives one tau. Every tau comes from `app.model.live_eval.measure_spec` (the run's own tau
+gives one tau. Every tau comes from `app.model.drafter_tau.measure_spec` (the run's own tau
 path) on the held-out prompts, except the n-gram reference's, which replays its guesses against the
 target's greedy output (`app.model.references.tau_on_greedy`, the same count for a lossless decoder).
 
@@ -94,7 +94,7 @@ def train_in_process(cfg, log=lambda s: None) -> Trained:
 
 
 def spec_for(plan, cfg):
-    from app.model.live_eval import EvalSpec, stop_token
+    from app.model.drafter_tau import EvalSpec, stop_token
 
     return EvalSpec(prompts=plan.eval_prompts, drafter=cfg.drafter, eval=cfg.eval, mask_token_id=plan.mask_token_id,
                     seed=cfg.train.seed, eos_token_id=stop_token(plan.info.eos_token_ids))
@@ -102,7 +102,7 @@ def spec_for(plan, cfg):
 
 def drafter_tau(plan, cfg, target, drafter, head, arch) -> tuple[float, list[float]]:
     """(tau, per-position acceptance) of a drafter on the held-out prompts, by the run's tau path."""
-    from app.model.live_eval import measure_spec, per_position_acceptance
+    from app.model.drafter_tau import measure_spec, per_position_acceptance
 
     res = measure_spec(target, drafter, head, arch, spec_for(plan, cfg))
     if not res.lossless:

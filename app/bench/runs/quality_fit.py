@@ -44,7 +44,7 @@ def fit_set(plan, feats, max_new_tokens: int, count: int = FIT_PROMPTS) -> dict:
 
 def replay(proposer_for, prompts, refs, block_size: int, max_new_tokens: int) -> dict:
     """tau, tau per draft position and pos1 of `proposer_for(i)` replayed on each prompt's reference."""
-    from app.model.live_eval import per_position_acceptance
+    from app.model.drafter_tau import per_position_acceptance
     from app.model.references import tau_on_greedy
 
     per: list[int] = []

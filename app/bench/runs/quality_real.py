@@ -201,7 +201,7 @@ def race_line(work: dict, plan, model, prompts: int, log=say) -> dict:
     """Seed 0's drafter against the target alone, batch 1 (`app.model.spec_bench.race`)."""
     from app.model.build import build_or_load_drafter
     from app.model.spec_bench import race
-    from app.model.live_eval import stop_token
+    from app.model.drafter_tau import stop_token
 
     cfg = plan.cfg
     drafter, head, arch = build_or_load_drafter(plan.model_dir, None, cfg.drafter, plan.layer_ids, plan.mask_token_id,

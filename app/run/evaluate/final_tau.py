@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from app.model.live_eval import EvalSpec
+from app.model.drafter_tau import EvalSpec
 from app.run.supervise.events import last_line
 
 
@@ -24,7 +24,7 @@ class TauResult:
     untrained: float | None
     trained: float | None
     reason: str | None = None
-    race: dict | None = None  # the exported drafter's speed race (app.model.live_eval.RaceLine), when measured
+    race: dict | None = None  # the exported drafter's speed race (app.model.drafter_tau.RaceLine), when measured
     health: dict | None = None  # the exported drafter's learning checks (LiveEval.health), when measured
 
 

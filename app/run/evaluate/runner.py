@@ -51,7 +51,7 @@ class EvalRunner:
     def _resume(self, earlier: list[dict]) -> None:
         """A resumed run goes on with the evaluations of its earlier starts (timeline `eval` rows) and
         the best drafter already exported, so a lower tau never replaces drafter-best/."""
-        from app.model.live_eval import read_best_meta
+        from app.model.drafter_tau import read_best_meta
 
         for row in earlier:
             self.book.record({k: row.get(k) for k in ("step", "tau", "per_pos_accept", "matches_greedy")}

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.model.health import fit_sample
-from app.model.live_eval import EvalSpec
+from app.model.drafter_tau import EvalSpec
 
 
 def eval_spec(plan, eos_token_id: int | None) -> EvalSpec:

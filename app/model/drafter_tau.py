@@ -1,4 +1,4 @@
-"""Acceptance length during the run: rank 0's weights in, tau and per-position acceptance out.
+"""A drafter's tau (acceptance length): its weights in, tau and per-position acceptance out.
 
 The math the target actor runs for every tau measurement of a run (`TargetActor.evaluate_weights`),
 during it and at its end alike: build the drafter (fresh, from a state dict - numpy, what rank 0 put

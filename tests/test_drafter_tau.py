@@ -10,8 +10,8 @@ import app.model.spec_decode as sd
 from app.config.drafter_sections import DrafterConfig
 from app.config.run_sections import EvalConfig
 from app.model.build import build_or_load_drafter
-from app.model.live_eval import (META_KEY, EvalSpec, copy_as_best, evaluate_drafter, export_best,
-                                 per_position_acceptance, read_best_meta, weights_to_numpy)
+from app.model.drafter_tau import (META_KEY, EvalSpec, copy_as_best, evaluate_drafter, export_best,
+                                   per_position_acceptance, read_best_meta, weights_to_numpy)
 from tests.toy import LAYERS, PROMPTS
 
 DCFG = DrafterConfig(num_layers=1, block_size=4)
@@ -74,7 +74,7 @@ def test_cpu_evaluation_runs_in_the_idle_class_and_restores_it():
     import os
     import threading
 
-    from app.model.live_eval import background_priority
+    from app.model.drafter_tau import background_priority
 
     tid = threading.get_native_id()
     before = (os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid))
