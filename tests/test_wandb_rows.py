@@ -81,7 +81,7 @@ def test_the_runner_names_the_offers_that_will_not_report(tmp_path):
     pool = SimpleNamespace(take_eval=lambda: offers.pop(0) if offers else None, pause_target=lambda t: None)
     plan = SimpleNamespace(cfg=cfg, eval_prompts=[[1, 2]], mask_token_id=3, resume_step=0)
     mon = RunMonitor()
-    runner = EvalRunner(plan, None, pool, lambda: {}, mon, None, print)  # no target alive: step 2 is taken, never started
+    runner = EvalRunner(plan, None, pool, lambda: {}, mon, None, print)  # no target alive: 2 is taken, never started
     stats = SimpleNamespace(in_flight_by_target={})
     for _ in range(3):
         runner.add_pool(stats)
