@@ -66,7 +66,7 @@ class HSPoolActor:
         runs: dict[str, RunShape] | None = None,
     ) -> None:
         """`pull_policy` None = pool_cfg.pull_policy; `broken_after` = supervision.broken_target_raises (see
-        app/pool/production.py). `runs`: each run's ranks and grad_accum by name (a sweep); None = one run,
+        app/pool/sides.py). `runs`: each run's ranks and grad_accum by name (a sweep); None = one run,
         named "", whose `ranks` x `accum` (drafters x train.grad_accum) is one global step, which the
         stratified policy mixes."""
         self._cfg = pool_cfg

@@ -1,5 +1,5 @@
 """The pool's book (`JobBook`): every job it was given and where each one is; the one state its producing
-side (`production.py`) and its drafters' side (`drafters.py`) share, so each is handed the book, not a dozen
+side (`sides.py`) and its drafters' side (`drafters.py`) share, so each is handed the book, not a dozen
 parts. Jobs enter as whole epochs (`add_epoch`, the run's path) or JobSpec lists (`add_jobs`, tests and
 benches), checked, with the ids of a restored ledger skipped. The errors name the bad job and the fix:
 jobs come from the driver's schedule, so they mean a caller built them wrong.

@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from app.messages import Drained, EndOfStream, PulledItem
 from app.pool.book import JobBook
 from app.pool.holdings import Item
-from app.pool.production import Production
+from app.pool.sides import Production
 from app.pool.pull_policy import PullContext, PullPolicy
 from app.pool.records import JobState
 

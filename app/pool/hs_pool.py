@@ -3,7 +3,7 @@
 `HSPool` is the facade the actor (`actors/hs_pool.py`) wraps, one method per pool call, over three
 parts: the book of every job and where it is (`book.py`: job states, catalog, queue, jobs in flight,
 buffer, leases, ledger, byte budget and counters), which both sides share; the producing side
-(`production.py`: which job a target gets, what becomes of it, the strikes of raised forwards); and
+(`sides.py`: which job a target gets, what becomes of it, the strikes of raised forwards); and
 the drafters' side (`drafters.py`: what a pull gets, acks, releases and rollbacks, the rounds of the
 global step). Below them: the per-job records (`records.py`), what the pool holds and its byte budget
 (`holdings.py`), the bucket choice of a pull (`pull_policy.py`), the counters, meters and snapshot
@@ -35,7 +35,7 @@ from app.messages import Drained, EndOfStream, ItemMeta, JobSpec, PulledItem
 from app.pool.book import JobBook, JobQueue
 from app.pool.drafters import Drafters, RoundTracker
 from app.pool.holdings import LeaseRevoked
-from app.pool.production import Production
+from app.pool.sides import Production
 from app.pool.pull_policy import PullPolicy, make_pull_policy
 from app.pool.records import JobCatalog, JobState
 from app.pool.telemetry import PoolStats
@@ -61,7 +61,7 @@ class HSPool:
         """`pull_policy`: None = `cfg.pull_policy`. `ranks` (drafters in the group; None = as many
         as pull) and `accum` (train.grad_accum) size a global step for the policy. `queue` builds
         the job queue over the catalog (a test passes a reference queue). `broken_after`: raises in a
-        row that make a target broken (supervision.broken_target_raises; see `production.py`). `on_change`:
+        row that make a target broken (supervision.broken_target_raises; see `sides.py`). `on_change`:
         called with the pool on every state change (the stream over the runs' pools wakes its dispatch and
         the other runs with it)."""
         assert num_buckets >= 1, num_buckets

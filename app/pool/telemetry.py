@@ -78,7 +78,7 @@ class PoolStats:
     backlog_integral: float = 0.0  # that share x seconds, and the seconds averaged over (for windows)
     backlog_seconds: float = 0.0
     quarantined: dict[int, str] = field(default_factory=dict)  # poison job id -> its last forward error
-    broken_targets: list[int] = field(default_factory=list)  # raised on every job lately (app/pool/production.py)
+    broken_targets: list[int] = field(default_factory=list)  # raised on every job lately (app/pool/sides.py)
     # Filled in by the actor's control state (app/pool/control.py; HSPool leaves them empty):
     target_failures: list = field(default_factory=list)  # app.messages.TargetFailure, oldest first
     targets: list[int] = field(default_factory=list)  # registered targets
