@@ -1,6 +1,7 @@
-"""HSPoolActor: the async Ray actor around the pure pool (app/pool/hs_pool.py) and its control state
-(app/pool/control.py: targets, pauses, eval offers, the stop flag, step records). What remains here
-is Ray: the calls in, the dispatch loop that launches target forwards, the metrics loop.
+"""HSPoolActor: the async Ray actor around the pure pool (app/pool/stream.py: the stream over the runs'
+HSPools of app/pool/hs_pool.py, and the control state: targets, pauses, eval offers, the stop flag, step
+records). What remains here is Ray: the calls in, the dispatch loop that launches target forwards, the
+metrics loop.
 
 Launch it with `ray.remote(HSPoolActor).options(max_concurrency=pool_max_concurrency(...))`.
 
@@ -32,11 +33,10 @@ from typing import Any
 from app.config.schema import PoolConfig
 from app.data.schedule import EpochJobs
 from app.messages import EndOfStream, ItemMeta, JobSpec, PulledItem, StepRecord
-from app.pool.control import PoolControl
 from app.pool.hs_pool import Drained, HSPool
 from app.pool.pull_policy import PullPolicy
+from app.pool.stream import PoolControl, RunShape, SharedStream
 from app.pool.telemetry import PoolStats
-from app.pool.stream import RunShape, SharedStream
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from app import metric_names as mn
 from app.messages import StepRecord
-from app.pool.records import JobState
+from app.pool.book import JobState
 from app.pool.telemetry import PoolStats
 
 JOB_STATES = tuple(s.value for s in JobState)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app.messages import make_job_id
-from app.pool.records import Ledger, ids_from_state
+from app.pool.book import Ledger, ids_from_state
 from app.training.checkpoint import TrainState, latest_checkpoint, load_checkpoint, read_ledger, save_checkpoint
 
 job_ids = st.builds(make_job_id, st.integers(0, 7), st.integers(0, 5000))

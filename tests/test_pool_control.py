@@ -1,4 +1,4 @@
-"""The pool actor's control state without Ray (app/pool/control.py): targets and pauses, failures,
+"""The pool actor's control state without Ray (app/pool/stream.py PoolControl): targets and pauses, failures,
 eval offers, the stop flag, step records, reports; and the pull wait, measured once by the pool."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 from app.config.schema import PoolConfig
 from app.messages import PulledItem, StepRecord, TargetFailure
-from app.pool.control import PoolControl
+from app.pool.stream import PoolControl
 from app.pool.hs_pool import HSPool
 from tests.pool_helpers import job, meta_for
 

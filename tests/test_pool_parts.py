@@ -6,10 +6,9 @@ import random
 import pytest
 
 from app.messages import ItemMeta
-from app.pool.book import InFlight, JobQueue
+from app.pool.book import InFlight, JobQueue, JobState, JobStates, Ledger
 from app.pool.holdings import BucketBuffer, Budget, Item, LeaseTable
 from app.pool.pull_policy import PullContext, RoundRobin, make_pull_policy
-from app.pool.records import JobState, JobStates, Ledger
 from tests.pool_helpers import job
 
 

@@ -15,7 +15,7 @@ from app.bench.feeding.pull_policies import RandomPulls
 from app.bench.feeding.simulate import SimSetup, schedule_of, simulate
 from app.config.schema import PoolConfig
 from app.messages import Drained, ItemMeta, JobSpec, PulledItem
-from app.pool.drafters import RoundTracker
+from app.pool.sides import RoundTracker
 from app.pool.hs_pool import HSPool, LeaseRevoked
 from app.pool.pull_policy import PullContext, Stratified, apportion
 from app.pool.telemetry import (BacklogMeter, StepMix, bucket_counts, shares_of, step_tv, step_tv_floor,

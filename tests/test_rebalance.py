@@ -153,7 +153,7 @@ def test_advisor_measures_afresh_after_a_resplit():
 def test_pool_removes_a_retired_target_requeues_its_jobs_and_ignores_its_late_answers():
     from app.config.schema import PoolConfig
     from app.messages import ItemMeta, JobSpec
-    from app.pool.control import PoolControl
+    from app.pool.stream import PoolControl
     from app.pool.hs_pool import HSPool
 
     pool = HSPool(PoolConfig(capacity=20, min_ready=1, jobs_in_flight_per_target=2), 1)

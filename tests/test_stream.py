@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from app.config.schema import PoolConfig
 from app.messages import Drained, EndOfStream, PulledItem
 from app.pool.stream import RunShape, SharedStream
@@ -45,23 +47,26 @@ def train(s: SharedStream, run: str, steps: int | None = None) -> list[int]:
     return got
 
 
-def test_every_job_is_produced_once_and_trained_once_by_each_run():
-    s = stream()
+@pytest.mark.parametrize("runs", [("a", "b"), ("",)], ids=["two runs", "a single run"])
+def test_every_job_is_produced_once_and_trained_once_by_each_run(runs):
+    """A single run is a stream of one run, named "" (the pool actor's one mode): the same road."""
+    s = stream(runs)
     s.add_jobs(job(i, i % 2) for i in range(20))
     s.finish_adding()
     forwards: list[int] = []
-    trained = {"a": [], "b": []}
+    trained: dict[str, list[int]] = {run: [] for run in runs}
     while not s.done:
         forwards += produce(s)
         for run in trained:
             trained[run] += train(s, run)
     assert sorted(forwards) == list(range(20))  # one forward per job, not one per run
-    assert s.forwards == 20 and s.forwards_by_runs == {2: 20}
+    assert s.forwards == 20 and s.forwards_by_runs == {len(runs): 20}
     for run, ids in trained.items():
         assert sorted(ids) == list(range(20)), run
         assert s.pool(run).ledger() == list(range(20))
         assert s.pool(run).stats().acked_twice == 0
-    assert s.held() == (0, 0)  # every ref dropped once both runs acked it
+        assert s.pool(run).pool_bytes == 0  # its own budget: nothing buffered, leased or reserved
+    assert s.held() == (0, 0)  # every ref dropped once every run acked it
 
 
 def test_a_shared_ref_counts_once_against_the_item_budget():

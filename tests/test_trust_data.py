@@ -176,7 +176,7 @@ def test_json_true_or_a_float_is_no_loss_mask_value(mask) -> None:
 
 
 def test_json_true_is_no_job_id_in_a_checkpoint_ledger() -> None:
-    from app.pool.records import ids_from_state
+    from app.pool.book import ids_from_state
 
     assert ids_from_state({"ledger": [3, 5]}) == [3, 5]
     for bad in ([3, True], [3, 5.0], "35", [-1]):

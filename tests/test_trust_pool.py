@@ -10,7 +10,7 @@ import pytest
 
 from app.config.schema import PoolConfig
 from app.messages import ItemMeta, JobSpec, PulledItem
-from app.pool.control import PoolControl
+from app.pool.stream import PoolControl
 from app.pool.hs_pool import HSPool
 from app.pool.pull_policy import RoundRobin
 

@@ -1,3 +1,4 @@
-"""The hidden-state pool (pure, no Ray): `HSPool` (hs_pool.py) over its book, its producing and drafters' sides,
-the records, holdings, pull policy and telemetry beneath them; the pool actor's control state and the shared
-stream of several runs above it."""
+"""The hidden-state pool (pure, no Ray), seven modules: `HSPool` (hs_pool.py), one run's pool, over its book
+(book.py: every job's records and places) and its two sides (sides.py: producing, drafters'), with the
+holdings, pull policy and telemetry beside them; the stream of every run's pool and the actor's control
+state above it (stream.py)."""

@@ -1,15 +1,15 @@
 """The hidden-state pool: a plain class, no Ray.
 
-`HSPool` is the facade the actor (`actors/hs_pool.py`) wraps, one method per pool call, over three
-parts: the book of every job and where it is (`book.py`: job states, catalog, queue, jobs in flight,
-buffer, leases, ledger, byte budget and counters), which both sides share; the producing side
-(`sides.py`: which job a target gets, what becomes of it, the strikes of raised forwards); and
-the drafters' side (`drafters.py`: what a pull gets, acks, releases and rollbacks, the rounds of the
-global step). Below them: the per-job records (`records.py`), what the pool holds and its byte budget
-(`holdings.py`), the bucket choice of a pull (`pull_policy.py`), the counters, meters and snapshot
-(`telemetry.py`). The actor's own state (targets, pauses, eval offers, the stop flag, step records)
-is `control.py`; several drafter runs on one capture stream keep one HSPool each under `stream.py`
-(the producing side for all of them), which reaches in through `stream_side` and `job_state`.
+`HSPool` is one run's pool: the facade the actor (`actors/hs_pool.py`) wraps, one method per pool
+call, over three parts: the book of every job and where it is (`book.py`: job states, catalog, queue,
+jobs in flight, ledger, with the buffer, leases, byte budget and counters), which both sides share; and
+the two sides (`sides.py`): the producing side (which job a target gets, what becomes of it, the strikes
+of raised forwards) and the drafters' side (what a pull gets, acks, releases and rollbacks, the rounds
+of the global step). Beside them: what the pool holds and its byte budget (`holdings.py`), the bucket
+choice of a pull (`pull_policy.py`), the counters, meters and snapshot (`telemetry.py`). Above it,
+`stream.py`: the stream over every run's HSPool (one for a single run), the producing side for all of
+them, which reaches in through `stream_side` and `job_state`, and the actor's control state (targets,
+pauses, eval offers, the stop flag, step records).
 Everything here is synchronous except `pull` / `wait_changed`, which only await an asyncio.Event, so
 the class is usable (and tested) without Ray.
 
@@ -32,12 +32,10 @@ from typing import Any
 from app.config.schema import PoolConfig
 from app.data.schedule import EpochJobs
 from app.messages import Drained, EndOfStream, ItemMeta, JobSpec, PulledItem
-from app.pool.book import JobBook, JobQueue
-from app.pool.drafters import Drafters, RoundTracker
+from app.pool.book import JobBook, JobCatalog, JobQueue, JobState
 from app.pool.holdings import LeaseRevoked
-from app.pool.sides import Production
 from app.pool.pull_policy import PullPolicy, make_pull_policy
-from app.pool.records import JobCatalog, JobState
+from app.pool.sides import Drafters, Production, RoundTracker
 from app.pool.telemetry import PoolStats
 
 __all__ = ["Drained", "HSPool", "LeaseRevoked"]
@@ -130,7 +128,7 @@ class HSPool:
         return self._production.raised(target_id, job_id, error)
 
     def stream_side(self) -> Production:
-        """The production part, for the shared stream of several runs (`stream.py`): it picks a job with
+        """The production part, for the stream over the runs' pools (`stream.py`): it picks a job with
         `candidate`, checks `fits` and `issue`s it to every run that still needs it."""
         return self._production
 
@@ -156,7 +154,7 @@ class HSPool:
     # ---- consuming side -------------------------------------------------------------------
 
     def try_pull(self, drafter_id: int) -> PulledItem | EndOfStream | Drained | None:
-        """Lease one item to the drafter; None means wait (the reservoir is not ready). See `drafters.py`."""
+        """Lease one item to the drafter; None means wait (the reservoir is not ready). See `sides.py`."""
         return self._drafters.try_pull(drafter_id)
 
     async def pull(self, drafter_id: int, generation: int = 0,

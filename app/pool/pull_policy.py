@@ -3,7 +3,7 @@ a uniformly random item of the bucket, seeded).
 
 `stratified` (the default): each bucket is served at the rate the schedule produces it, and every
 global step (all ranks' micro-batches of one optimizer step) is as close to a stratified sample of
-the schedule's bucket shares as the items on hand allow. Per step ("round", see drafters.py) it owes
+the schedule's bucket shares as the items on hand allow. Per step ("round", see sides.py) it owes
 each bucket step_items x share items, carries what it could not serve into the next steps (a
 deficit, bounded by one step's worth), and apportions the round's items by what is owed (largest
 remainder); each pull takes, among the non-empty buckets this round still owes, the one with the
@@ -33,7 +33,7 @@ class PullContext:
     """What a policy sees for one pull."""
 
     drafter_id: int
-    round: int  # the drafter's step as the pool counts it (drafters.py)
+    round: int  # the drafter's step as the pool counts it (sides.py)
     counts: Sequence[int]  # buffered items per bucket; at least one is non-empty
     step_items: int  # items in one global step: ranks x grad_accum
     producing_finished: bool  # nothing more will land (until something is re-queued)

@@ -79,7 +79,7 @@ class PoolStats:
     backlog_seconds: float = 0.0
     quarantined: dict[int, str] = field(default_factory=dict)  # poison job id -> its last forward error
     broken_targets: list[int] = field(default_factory=list)  # raised on every job lately (app/pool/sides.py)
-    # Filled in by the actor's control state (app/pool/control.py; HSPool leaves them empty):
+    # Filled in by the actor's control state (app/pool/stream.py PoolControl; HSPool leaves them empty):
     target_failures: list = field(default_factory=list)  # app.messages.TargetFailure, oldest first
     targets: list[int] = field(default_factory=list)  # registered targets
     paused_targets: list[int] = field(default_factory=list)  # evaluating: no training jobs meanwhile

@@ -1,7 +1,7 @@
 """Atomic, rotating checkpoints of the drafter's training state and the ledger of trained jobs.
 
 Layout of `<dir>/ckpt-<step>/`: `drafter.safetensors` (weights), `trainer.pt` (optimizer, scheduler,
-RNG states), `state.json` (step, epoch, ledger of acked job ids as per-epoch bitmaps, `app/pool/records.py`;
+RNG states), `state.json` (step, epoch, ledger of acked job ids as per-epoch bitmaps, `app/pool/book.py`;
 older checkpoints hold a sorted id list, still read; extra counters). A checkpoint is
 written into a temp folder and renamed into place, so a crash mid-write never leaves a half
 checkpoint that resume would pick up. `<dir>` may also be a URI (`s3://...`): then the files go under
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from app.pool.records import ids_from_state as ledger_ids, to_json as ledger_json
+from app.pool.book import ids_from_state as ledger_ids, to_json as ledger_json
 from app.storage.fetch import fetch_dir, read_text, release
 from app.storage.orphans import clean_orphans as clean_local_orphans
 from app.storage.roots import is_uri, open_storage

@@ -154,7 +154,7 @@ def measure_pool(cfg, dataset, epochs: int, bytes_per_token: int = 1000) -> dict
     from app.data.costs import sequence_rows
     from app.data.schedule import epoch_jobs
     from app.messages import make_job_id
-    from app.pool.records import Ledger
+    from app.pool.book import Ledger
     from app.pool.hs_pool import HSPool
 
     rows = sequence_rows(dataset.loss_mask, dataset.offsets, cfg.drafter.block_size, cfg.drafter.num_anchors)
