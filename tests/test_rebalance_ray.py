@@ -1,6 +1,6 @@
-"""An automatic re-split on the tiny pipeline (topology.rebalance=auto), with an injected per-job delay
-that makes one side the short one: exactly one re-split, toward that side, and every job trained
-exactly once, counted from the step log (not from the ledger the same code writes)."""
+"""An automatic re-split on the tiny pipeline (topology.rebalance=auto), with injected per-job delays that make
+one side the short one: exactly one re-split, toward that side, and every job trained exactly once, counted from
+the step log (not from the ledger the same code writes)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,16 +13,21 @@ from tests.e2e_helpers import run_drivers_together, summary, trained_counts
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-# Tiny on 2 targets / 2 drafters, two epochs (68 jobs): the advice has its samples after ~15 jobs, the
-# new split a long second half. 3/1 and 1/3 are the ends: once there, nothing is left to move, whichever
-# way the rates drift. The delays dominate the tiny model's compute and make the short side's actor over
-# 2.3x slower than the other's (the gain of 3/1 over 2/2 then passes 0.15) at any load: on this CPU box
-# a drafter rank's own compute swings from 0.5 to 1.9 s a micro-batch with contention, a forward 0.2-1 s.
+# Tiny on 2 targets / 2 drafters, two epochs (68 jobs). faults.virtual_clock: the advisor charges each side its
+# injected delay, not its measured time, so the short side is short at any load (on this CPU box a drafter rank's
+# own compute swings from 0.5 to 1.9 s a micro-batch with contention, a forward 0.2-1 s, and measured rates are
+# what the box's scheduler made of them). At 10:1 the short side's 3 against the other's 1 gains +50% over 2/2,
+# past min_gain 0.15; 3/1 and 1/3 are the ends: once there, nothing is left to move. The delays also bound how
+# fast the run can go: the short side passes at most 4 jobs/s (beside the pool's 16 filled while the group
+# starts), so the re-split (its samples after 12 jobs, held 3 s, a pool snapshot every 2 s) lands by job ~50 at
+# the latest and the new split trains the rest (at load 50: jobs 34 and 20 of 68). That the advisor reads
+# measured rates right is tested apart (tests/test_advice.py; tests/test_run_outputs_ray.py on live runs).
 RUN = ["train.epochs=2", "eval.every_steps=0", "checkpoint.every_steps=20", "topology.rebalance=auto",
-       "topology.rebalance_hold_s=3", "topology.num_targets=2", "topology.num_drafters=2"]
+       "topology.rebalance_hold_s=3", "topology.num_targets=2", "topology.num_drafters=2", "faults.virtual_clock=true"]
 
 
-DELAYS = {"targets": ["faults.target_delay_s=5.0"], "drafters": ["faults.drafter_delay_s=2.5"]}
+DELAYS = {"targets": ["faults.target_delay_s=0.5", "faults.drafter_delay_s=0.05"],
+          "drafters": ["faults.drafter_delay_s=0.5", "faults.target_delay_s=0.05"]}
 
 
 @pytest.fixture(scope="module")

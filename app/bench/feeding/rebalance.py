@@ -18,7 +18,7 @@ the split. With the virtual clock the advisor charges each side the delays the m
 asks for 4/4 (+33%, twice `topology.rebalance_min_gain`) at any load; what the load still moves is how
 many jobs train before the re-split lands (its hold and rebuild run on the wall clock), and the landing
 falls well before the window. That the advisor reads measured rates right is tested apart
-(tests/test_rebalance_ray.py, tests/test_advice.py). The stall watchdog waits 900 s here, not tiny's 60:
+(tests/test_advice.py, tests/test_run_outputs_ray.py). The stall watchdog waits 900 s here, not tiny's 60:
 beside the loops at load 35-50 a starved 4-rank group made no step for 64 s, the watchdog rebuilt it and
 the rebuild's bundle wait stalled the run (its re-split had been asked for at +33%, as alone); what the
 watchdog does under load is the chaos bench's and the fault tests' subject, not this one's.
