@@ -57,7 +57,7 @@ smol: setup $(VENV)/.installed-smol
 # train.jsonl once every prompt has one.
 $(SMOL_DIR)/train.jsonl: $(SMOL_DIR)/prompts_train.jsonl
 	[ $(SMOL_DIR)/train.partial.jsonl -nt $< ] || rm -f $(SMOL_DIR)/train.partial.jsonl
-	$(BIN)/python -m app.regenerate --config conf/smol.yaml --in $< --out $(SMOL_DIR)/train.partial.jsonl --max-new-tokens $(SMOL_RESPONSE_TOKENS) --chunk-size 16 --batch-size 16 'data.train_files=[$<]'
+	$(BIN)/python -m app.regenerate --config conf/smol.yaml --in $< --out $(SMOL_DIR)/train.partial.jsonl --max-new-tokens $(SMOL_RESPONSE_TOKENS) --chunk-size 16 --batch-size 16 'data.train_files=[$<]' 'data.eval_prompts=$(SMOL_DIR)/eval_prompts.jsonl'
 	mv $(SMOL_DIR)/train.partial.jsonl $@
 
 # Two phases, both always run: the tests without Ray on two pytest-xdist workers (a whole file per worker),
