@@ -13,12 +13,13 @@ from pathlib import Path
 from tests.helpers import ROOT
 
 
-# The tiny config, shortened for tests: two epochs, tau on four prompts, no end-of-run speed race (no Ray test
-# asserts one; the reference run keeps it, so one real run goes through it). The tiny target's own settings stay
-# as in conf/tiny.yaml so the demo and the tests share one cached build.
+# The tiny config, shortened for tests: two epochs, tau on four prompts, no end-of-run speed race and no learning
+# checks beside each tau (no Ray test asserts either; the reference run keeps both, so one real run goes through
+# them; without the checks a 2/2 one-epoch run went from its last step to its tau in 21 s instead of 27 s, at load
+# 18). The tiny target's own settings stay as in conf/tiny.yaml so the demo and the tests share one cached build.
 FAST = ["train.epochs=2", "eval.num_prompts=4", "eval.max_new_tokens=32", "eval.race_prompts=0",
-        "logging.status_every_s=2", "checkpoint.every_steps=4", "supervision.stall_timeout_s=30",
-        "logging.step_log=true"]
+        "health.enabled=false", "logging.status_every_s=2", "checkpoint.every_steps=4",
+        "supervision.stall_timeout_s=30", "logging.step_log=true"]
 
 # A fault that fires in epoch 0 shows on one epoch at 2 targets / 2 drafters (34 jobs, 17 steps, five actor
 # processes) as well as on the tiny default's 5 / 3, at about half the actor starts and a quarter of the jobs.
@@ -56,14 +57,14 @@ def run_in_process(run_dir: Path, *extra: str) -> int:
 
 
 # The shared reference run (conftest.py's session fixture `reference_run`): the tiny default (5 targets / 3
-# drafters) for 6 epochs, wandb offline, an evaluation offered every 10 steps, and the node's Prometheus
-# endpoint scraped every second while it trains. test_e2e_ray (every job once, tau, exports, wandb rows),
-# test_run_outputs_ray (tau during the run, drafter-best/, the report) and test_metrics_ray (every metric,
-# no bucket piling up) all assert on this one run. The drafter delay is a floor under the training's length
-# whatever the machine's speed (~68 steps x 0.25 s): the scrapes see many export rounds (2 s) and the
-# timeline many pool rows (every 2 s), and the 10-step evaluations have time to land.
+# drafters) for 6 epochs, wandb offline, an evaluation (with the learning checks) offered every 10 steps, the
+# end-of-run speed race, and the node's Prometheus endpoint scraped every second while it trains. test_e2e_ray
+# (every job once, tau, exports, wandb rows), test_run_outputs_ray (tau during the run, drafter-best/, the report)
+# and test_metrics_ray (every metric, no bucket piling up) all assert on this one run. The drafter delay is a floor
+# under the training's length whatever the machine's speed (~68 steps x 0.25 s): the scrapes see many export
+# rounds (2 s) and the timeline many pool rows (every 2 s), and the 10-step evaluations have time to land.
 REFERENCE = ["train.epochs=6", "logging.wandb_mode=offline", "eval.every_steps=10", "faults.drafter_delay_s=0.25",
-             "eval.race_prompts=4"]
+             "eval.race_prompts=4", "health.enabled=true"]
 
 
 @dataclass
