@@ -65,6 +65,9 @@ class SupervisionConfig:
     max_restarts_pool: int = 3  # a dead pool is recreated from the latest checkpoint this often in one job
     stall_timeout_s: float = 600.0
     stop_timeout_s: float = 120.0
+    # After a node loss: how long a drafter group rebuild waits for Ray to place the lost node's bundles again (a
+    # spare node, an autoscaler) before it goes on with fewer ranks.
+    bundle_wait_s: float = 90.0
     broken_target_raises: int = 3  # a target whose forward raises this many times in a row is broken (restarted)
     max_quarantined_share: float = 0.01  # the run stops once more than this share of its jobs is quarantined
 
@@ -80,6 +83,7 @@ class SupervisionConfig:
                   "a budget cannot be negative")
         positive("supervision.stall_timeout_s", self.stall_timeout_s, " seconds")
         positive("supervision.stop_timeout_s", self.stop_timeout_s, " seconds")
+        positive("supervision.bundle_wait_s", self.bundle_wait_s, " seconds")
 
 
 @dataclass(frozen=True)

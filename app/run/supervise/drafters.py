@@ -24,7 +24,6 @@ from app.storage.roots import is_uri, open_storage, redact
 from app.training.step_log import FILE_NAME as STEP_LOG_FILE, StepLog
 
 PROGRESS_TIMEOUT_S = 30.0  # a drafter rank that does not answer a progress query this long is unresponsive
-BUNDLE_WAIT_S = 90.0  # after a node loss: how long a restart waits for its bundle to be re-placed on a live node
 OLD_GROUP_EXIT_S = 60.0  # how long a rebuild waits for the killed ranks to be gone
 
 
@@ -81,8 +80,9 @@ class BundleWaits:
         self.topo, self.log = topo, log
         self.lost: set[int] = set()  # bundles a node loss left without a node at the last wait
 
-    def wait(self, bundles: list[int], timeout_s: float = BUNDLE_WAIT_S) -> list[int]:
-        """The bundles still without a live node after waiting (at most `timeout_s` for newly lost ones)."""
+    def wait(self, bundles: list[int], timeout_s: float) -> list[int]:
+        """The bundles still without a live node after waiting (at most `timeout_s` for newly lost ones: a target
+        restart's, or supervision.bundle_wait_s for the drafters)."""
         missing = self.topo.wait_bundles(bundles, 5.0)  # placed ones answer at once
         if missing and not set(missing) <= self.lost:  # newly lost: give Ray time to re-place them
             missing = self.topo.wait_bundles(missing, timeout_s)
@@ -180,7 +180,7 @@ class DrafterGroup:
         self.log(f"{action.reason}; rebuilding the drafter group from {ckpt or 'scratch'}; {requeued} jobs "
                  f"re-issued ({action.attempt}/{action.budget})")
         bundles = list(self.topo.drafter_bundles)  # a re-split may have moved bundles between roles
-        missing = self.bundles.wait(bundles)
+        missing = self.bundles.wait(bundles, self.cfg.supervision.bundle_wait_s)
         placed = [b for b in bundles if b not in missing]
         if missing and placed:  # a lost node took GPUs nobody can replace: go on with fewer ranks
             self.log(f"rebuilding the drafter group with {len(placed)} of {len(bundles)} ranks: bundles {missing} "
