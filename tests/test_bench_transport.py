@@ -28,7 +28,9 @@ def test_bench_transport_quick_result_line():
         assert num[key] > 0, key
     for key in ("4mib_seal_ms", "4mib_fetch_ms", "4mib_staging_ms"):
         assert num[key] >= 0, key
-    assert num["4mib_p99_gbps"] <= num["4mib_median_gbps"]
+    # p99 prints to 4 decimals, the median to 2: a p99 within half a hundredth of the median (a quiet box, three
+    # even jobs) may print above it (0.8435 against 0.84 failed CI), so the bound allows the median's rounding.
+    assert num["4mib_p99_gbps"] <= num["4mib_median_gbps"] + 0.005
     # The ratio is the end-to-end median over the memcpy of the same bytes (both printed to 2 decimals).
     for k in ("4mib", "view_4mib"):
         assert num[f"{k}_ratio"] == pytest.approx(num[f"{k}_median_gbps"] / num[f"{k}_memcpy_gbps"], rel=0.05, abs=0.01)
