@@ -46,27 +46,28 @@ def start_cluster(nodes: list[dict], temp_dir: str):
     from ray.cluster_utils import Cluster
 
     ray._private.utils.write_ray_address = lambda *a, **k: None  # keep other ray.init() calls off this cluster
-    common = NODE_ARGS
     head, *workers = nodes
-    free = iter(_free_ports(2 + 3 * len(nodes)))  # every port of the cluster in one draw, so none repeats
+    free = iter(_free_ports(2 + len(NODE_PORTS) * len(nodes)))  # every port of the cluster in one draw: none repeats
     cluster = Cluster(initialize_head=True, head_node_args=dict(
         num_cpus=head["cpus"], num_gpus=head.get("gpus", 0), gcs_server_port=next(free), temp_dir=temp_dir,
-        ray_client_server_port=next(free), **_node_ports(free), **common))
+        ray_client_server_port=next(free), **_node_ports(free), **NODE_ARGS))
     handles = [cluster.head_node]
     for w in workers:
         handles.append(cluster.add_node(num_cpus=w["cpus"], num_gpus=w.get("gpus", 0), **_node_ports(free),
-                                        **common))
+                                        **NODE_ARGS))
     cluster.wait_for_nodes()
     return cluster, handles
 
 
 NODE_ARGS = dict(object_store_memory=150 * 1024 * 1024, include_dashboard=False)
+NODE_PORTS = ("dashboard_agent_listen_port", "metrics_export_port", "runtime_env_agent_port")
 
 
-def _node_ports(free) -> dict:
-    """No fixed default port: another Ray on this machine may hold it."""
-    return dict(dashboard_agent_listen_port=next(free), metrics_export_port=next(free),
-                runtime_env_agent_port=next(free))
+def _node_ports(free=None) -> dict:
+    """Each of a node's ports from `free` (default: a draw of its own). No fixed default port: another Ray on this
+    machine may hold it."""
+    free = free if free is not None else iter(_free_ports(len(NODE_PORTS)))
+    return {key: next(free) for key in NODE_PORTS}
 
 
 def bundle_nodes(node_ids: list[str]) -> list[int]:
@@ -116,7 +117,7 @@ def main(spec: dict) -> dict:
                 removal = None
             if addition and removal is None and addition["after_log"] in log_path.read_text():
                 nodes.append(cluster.add_node(num_cpus=addition["cpus"], num_gpus=addition.get("gpus", 0),
-                                              **_node_ports(iter(_free_ports(3))), **NODE_ARGS))
+                                              **_node_ports(), **NODE_ARGS))
                 node_ids.append(nodes[-1].node_id)
                 events.append(f"{time.monotonic() - t0:.1f}s add node {len(nodes) - 1} ({node_ids[-1][:8]})")
                 addition = None
