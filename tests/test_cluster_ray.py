@@ -104,9 +104,13 @@ def test_a_three_node_spread_run_shrinks_on_a_node_loss_and_grows_back_when_a_no
     nodes = [{"cpus": 1, "gpus": 0}, {"cpus": 2, "gpus": 4}, {"cpus": 2, "gpus": 4}]
     # No node has room for the lost bundle until the test adds one, and the test adds it only once the group has
     # shrunk: the rebuild's wait for the bundle (supervision.bundle_wait_s, 90 s by default) is always waited out
-    # here, so 10 s (CI waited the 90 s for nothing).
+    # here, so 10 s (CI waited the 90 s for nothing). The growth begins only once the placed-again bundle has held
+    # for GROW_SETTLE_S (10 s) and the group reaches a step boundary; a fast box once finished the shrunk group's
+    # ~42 steps in 13 s, before that. 1 s per drafter micro-batch keeps the shrunk group at work for 42 s or more
+    # on any machine, so the growth is certain to come first.
     r = run_cluster(run_dir, nodes, [*GPU_RUN, "train.epochs=3", "eval.every_steps=0", "checkpoint.every_steps=2",
-                                     "topology.strategy=SPREAD", "supervision.bundle_wait_s=10"],
+                                     "topology.strategy=SPREAD", "supervision.bundle_wait_s=10",
+                                     "faults.drafter_delay_s=1.0"],
                     remove_node={"drafter_bundle": 5, "split_drafters": True, "drafter_bundles": [5, 6, 7],
                                  "after_checkpoint": True},
                     add_node={"cpus": 2, "gpus": 4, "after_log": "rebuilding the drafter group with"})
