@@ -15,9 +15,10 @@ def _build(path, **kw):
     return build_or_load_drafter(str(path), None, cfg, [0, 2], 3, CPU, torch.float32, seed=0)
 
 
-def test_target_init_copies_the_last_layers_and_the_final_norm(tiny_target):
+def test_target_init_copies_the_last_layers_and_the_final_norm(tiny_target, tmp_path):
     """Draft layer i = target layer L-2+i, tensor for tensor; the final norm and hidden_norm come from the
-    target; fc (nothing in the target maps the features) is the random init's, as with init=random."""
+    target; fc (nothing in the target maps the features) is the random init's, as with init=random. A sharded
+    target (12 files, each read through one handle) gives the same drafter."""
     model, path = tiny_target
     target = model.model
     L = len(target.layers)
@@ -33,6 +34,9 @@ def test_target_init_copies_the_last_layers_and_the_final_norm(tiny_target):
     assert torch.equal(mine.hidden_norm.weight, target.layers[L - 2].input_layernorm.weight)
     assert torch.equal(mine.fc.weight, fresh.fc.weight)
     assert not torch.equal(fresh.layers[0].self_attn.q_proj.weight, mine.layers[0].self_attn.q_proj.weight)
+    model.save_pretrained(str(tmp_path), max_shard_size="20KB")
+    sharded = _build(tmp_path, init="target")[0].state_dict()
+    assert all(torch.equal(v, sharded[k]) for k, v in mine.state_dict().items())
 
 
 def test_target_init_changes_what_the_drafter_predicts(tiny_target):

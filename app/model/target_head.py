@@ -40,7 +40,7 @@ class TargetHead(nn.Module):
         model_dir = Path(model_dir)
         cfg = json.loads((model_dir / "config.json").read_text())
         tied = bool(cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", False)))
-        files = _tensor_files(model_dir)
+        files = tensor_files(model_dir)
         embed = _read_first(files, _EMBED_NAMES, model_dir)
         head = embed if tied else _read_first(files, _HEAD_NAMES, model_dir, fallback=embed)
         embed = embed.to(device=device, dtype=dtype)
@@ -49,7 +49,7 @@ class TargetHead(nn.Module):
         return cls(embed, head)
 
 
-def _tensor_files(model_dir: Path) -> dict[str, Path]:
+def tensor_files(model_dir: Path) -> dict[str, Path]:
     """Tensor name -> file, from the shard index, or the single model.safetensors."""
     index = model_dir / "model.safetensors.index.json"
     if index.exists():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from app.model.target_head import _tensor_files
+from app.model.target_head import tensor_files
 
 _PREFIXES = ("model.", "model.language_model.", "")  # plain causal LMs, multimodal wrappers, bare trunks
 _LAYER_PARTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -35,7 +35,7 @@ def init_from_target(drafter: torch.nn.Module, model_dir: str | Path, target_lay
     another width than the target's): that drafter cannot start as the target's layers."""
     from safetensors import safe_open
 
-    files = _tensor_files(Path(model_dir))
+    files = tensor_files(Path(model_dir))
     prefix = next((p for p in _PREFIXES if f"{p}norm.weight" in files), None)
     if prefix is None:
         raise ValueError(f"drafter.init=target: no final norm ('model.norm.weight') in {model_dir}; "
@@ -51,14 +51,22 @@ def init_from_target(drafter: torch.nn.Module, model_dir: str | Path, target_lay
                                  "layer); use drafter.init=random for this target")
         if mine == 0:
             plan["hidden_norm.weight"] = f"{prefix}layers.{theirs}.input_layernorm.weight"
+    by_file: dict[Path, list[tuple[str, str]]] = {}  # one handle per safetensors file, not one per tensor
+    for name, source in plan.items():
+        by_file.setdefault(files[source], []).append((name, source))
     state = drafter.state_dict()
     with torch.no_grad():
-        for name, source in plan.items():
-            with safe_open(str(files[source]), framework="pt") as f:
-                value = f.get_tensor(source)
-            if value.shape != state[name].shape:
-                raise ValueError(f"drafter.init=target: the drafter's {name} is {tuple(state[name].shape)} but the "
-                                 f"target's {source} is {tuple(value.shape)}; leave drafter.intermediate_size at 0 "
-                                 "(the target's width) or set drafter.init=random")
-            state[name].copy_(value.to(state[name].dtype))
+        for path, pairs in by_file.items():
+            with safe_open(str(path), framework="pt") as f:
+                for name, source in pairs:
+                    _copy(state[name], f.get_tensor(source), name, source)
     return sorted(plan)
+
+
+def _copy(mine: torch.Tensor, value: torch.Tensor, name: str, source: str) -> None:
+    """`value` (the target's `source`) into the drafter's `name`, refused when the shapes differ."""
+    if value.shape != mine.shape:
+        raise ValueError(f"drafter.init=target: the drafter's {name} is {tuple(mine.shape)} but the "
+                         f"target's {source} is {tuple(value.shape)}; leave drafter.intermediate_size at 0 "
+                         "(the target's width) or set drafter.init=random")
+    mine.copy_(value.to(mine.dtype))
