@@ -14,25 +14,32 @@ from __future__ import annotations
 import torch
 
 
+def _nll_chunks(hidden_RH, weight_VH, labels_R, chunk_rows: int, topk: int):
+    """(NLL [R] fp32, log-sum-exp [R] fp32, argmax [R], label-in-top-k [R]), the logits chunk by chunk: the
+    forward of `chunked_cross_entropy` and, without a graph, `full_nll_argmax`."""
+    R = hidden_RH.shape[0]
+    nll = torch.empty(R, dtype=torch.float32, device=hidden_RH.device)
+    lse = torch.empty_like(nll)
+    pred = torch.empty(R, dtype=torch.long, device=hidden_RH.device)
+    topk_hit = torch.zeros(R, dtype=torch.bool, device=hidden_RH.device)
+    for lo in range(0, R, chunk_rows):
+        hi = min(R, lo + chunk_rows)
+        logits = (hidden_RH[lo:hi] @ weight_VH.T).float()
+        lse[lo:hi] = torch.logsumexp(logits, dim=-1)
+        tgt = logits.gather(1, labels_R[lo:hi, None])[:, 0]
+        nll[lo:hi] = lse[lo:hi] - tgt
+        pred[lo:hi] = logits.argmax(dim=-1)
+        if topk > 0:
+            top = logits.topk(min(topk, logits.shape[1]), dim=-1).indices
+            topk_hit[lo:hi] = (top == labels_R[lo:hi, None]).any(dim=-1)
+        del logits
+    return nll, lse, pred, topk_hit
+
+
 class _ChunkedCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_RH, weight_VH, labels_R, chunk_rows: int, topk: int):
-        R = hidden_RH.shape[0]
-        nll = torch.empty(R, dtype=torch.float32, device=hidden_RH.device)
-        lse = torch.empty_like(nll)
-        pred = torch.empty(R, dtype=torch.long, device=hidden_RH.device)
-        topk_hit = torch.zeros(R, dtype=torch.bool, device=hidden_RH.device)
-        for lo in range(0, R, chunk_rows):
-            hi = min(R, lo + chunk_rows)
-            logits = (hidden_RH[lo:hi] @ weight_VH.T).float()
-            lse[lo:hi] = torch.logsumexp(logits, dim=-1)
-            tgt = logits.gather(1, labels_R[lo:hi, None])[:, 0]
-            nll[lo:hi] = lse[lo:hi] - tgt
-            pred[lo:hi] = logits.argmax(dim=-1)
-            if topk > 0:
-                top = logits.topk(min(topk, logits.shape[1]), dim=-1).indices
-                topk_hit[lo:hi] = (top == labels_R[lo:hi, None]).any(dim=-1)
-            del logits
+        nll, lse, pred, topk_hit = _nll_chunks(hidden_RH, weight_VH, labels_R, chunk_rows, topk)
         ctx.save_for_backward(hidden_RH, weight_VH, labels_R, lse)
         ctx.chunk_rows = chunk_rows
         ctx.mark_non_differentiable(pred, topk_hit)
@@ -121,17 +128,7 @@ def full_nll_argmax(hidden_RH: torch.Tensor, weight_VH: torch.Tensor, labels_R: 
                     chunk_rows: int = 1024, topk: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The full vocabulary's NLL [R], argmax [R] and label-in-top-k [R], no gradient (the exact figures a
     sampled step is checked against)."""
-    R = hidden_RH.shape[0]
-    nll = torch.empty(R, dtype=torch.float32, device=hidden_RH.device)
-    pred = torch.empty(R, dtype=torch.long, device=hidden_RH.device)
-    hit = torch.zeros(R, dtype=torch.bool, device=hidden_RH.device)
-    for lo in range(0, R, chunk_rows):
-        hi = min(R, lo + chunk_rows)
-        logits = (hidden_RH[lo:hi] @ weight_VH.T).float()
-        nll[lo:hi] = torch.logsumexp(logits, dim=-1) - logits.gather(1, labels_R[lo:hi, None])[:, 0]
-        pred[lo:hi] = logits.argmax(dim=-1)
-        if topk > 0:
-            hit[lo:hi] = (logits.topk(min(topk, logits.shape[1]), dim=-1).indices == labels_R[lo:hi, None]).any(-1)
+    nll, _, pred, hit = _nll_chunks(hidden_RH, weight_VH, labels_R, chunk_rows, topk)
     return nll, pred, hit
 
 
