@@ -1,5 +1,5 @@
 """The learning checks reach where a user looks (no Ray): the status line, the log lines, wandb's step row,
-summary.json, the gauges' payload and report.html, each from one evaluation's `LiveEval.health` dict."""
+summary.json, the gauges' payload and report.html, each from one evaluation's `TauMeasurement.health` dict."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -17,7 +17,7 @@ STUCK = Health(step=200, tau=1.02, tau_fit=1.03, tau_replay=1.02, tau_no_feature
 
 
 def _health(h: Health) -> dict:
-    """What evaluate_drafter puts in LiveEval.health (app/model/drafter_tau.py check_health)."""
+    """What evaluate_drafter puts in TauMeasurement.health (app/model/drafter_tau.py check_health)."""
     found = verdicts(h, HealthConfig())
     return {**h.to_dict(), "verdicts": [v.line for v in found], "names": [v.name for v in found],
             "status": status_word(found)}

@@ -58,8 +58,9 @@ def stop_token(eos_token_ids: tuple[int, ...]) -> int | None:
 
 
 @dataclass(frozen=True)
-class LiveEval:
-    """One evaluation: tau, per-position acceptance (positions 1..B-1), and whether it was exported."""
+class TauMeasurement:
+    """One measurement of a drafter's tau at a training step, on a live target (while the run trains, or at its
+    end): tau, per-position acceptance (positions 1..B-1), and whether it was exported."""
 
     step: int
     tau: float
@@ -128,7 +129,7 @@ def background_priority(device):
 
 def evaluate_drafter(target_model, model_dir: str, layer_ids: list[int], step: int, weights, spec: EvalSpec,
                      device, dtype, references: dict | None = None,
-                     health_cache=None) -> tuple[LiveEval, torch.nn.Module, object]:
+                     health_cache=None) -> tuple[TauMeasurement, torch.nn.Module, object]:
     """(result, drafter, arch) for `weights` at `step`. `references`: the target's greedy outputs kept
     across evaluations (`measure_tau`); `health_cache`: the target's features the checks read, kept likewise
     (`app.model.health.FeatureCache`)."""
@@ -139,11 +140,11 @@ def evaluate_drafter(target_model, model_dir: str, layer_ids: list[int], step: i
     references = {} if references is None else references  # the checks read the greedy outputs tau decoded
     res = measure_spec(target_model, drafter, head, arch, spec, references)
     health = check_health(target_model, drafter, head, spec, references, step, float(res.tau), health_cache)
-    result = LiveEval(step=step, tau=float(res.tau),
-                      per_pos_accept=per_position_acceptance(res.accepted_per_forward, arch.block_size),
-                      matches_greedy=bool(res.matches_greedy), lossless=bool(res.lossless),
-                      mismatch_rate=float(res.mismatch_rate), num_prompts=res.num_prompts,
-                      new_tokens=res.new_tokens, seconds=time.perf_counter() - t0, health=health)
+    result = TauMeasurement(step=step, tau=float(res.tau),
+                            per_pos_accept=per_position_acceptance(res.accepted_per_forward, arch.block_size),
+                            matches_greedy=bool(res.matches_greedy), lossless=bool(res.lossless),
+                            mismatch_rate=float(res.mismatch_rate), num_prompts=res.num_prompts,
+                            new_tokens=res.new_tokens, seconds=time.perf_counter() - t0, health=health)
     return result, drafter, arch
 
 

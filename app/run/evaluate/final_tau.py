@@ -25,7 +25,7 @@ class TauResult:
     trained: float | None
     reason: str | None = None
     race: dict | None = None  # the exported drafter's speed race (app.model.drafter_tau.RaceLine), when measured
-    health: dict | None = None  # the exported drafter's learning checks (LiveEval.health), when measured
+    health: dict | None = None  # the exported drafter's learning checks (TauMeasurement.health), when measured
 
 
 def ask_tau(handle: Any, step: int, weights: Any, spec: EvalSpec, best_dir: str | None = None,
@@ -100,7 +100,7 @@ class FinalTau:
 
     def _first_answer(self, candidates: list[tuple[int, Any]], step: int, weights: Any,
                       first: tuple[Any, float] | None) -> tuple[dict | None, str | None]:
-        """The evaluation (LiveEval dict) from the first candidate that answers in time; `first` (ref, started)
+        """The evaluation (TauMeasurement dict) from the first candidate that answers in time; `first` (ref, started)
         already runs on candidates[0]."""
         from ray.exceptions import GetTimeoutError, RayError
 

@@ -86,7 +86,7 @@ class EvalSchedule:
 class TauBook:
     """Every tau measured during the run and the best one (its step and where it was exported)."""
 
-    history: list[dict] = field(default_factory=list)  # LiveEval dicts, in order of step
+    history: list[dict] = field(default_factory=list)  # TauMeasurement dicts, in order of step
     best: dict | None = None
 
     @property

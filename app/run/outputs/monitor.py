@@ -94,7 +94,7 @@ class RunMonitor:
         self.tau_history: list[tuple[int, float]] = []  # (step, tau) of the evaluations during the run
         self.tau_best: tuple[int, float] | None = None
         self.tau_given_up: list[int] = []  # offered steps whose tau will not come (timed out, failed, replaced)
-        # The learning checks of each evaluation (LiveEval.health: figures, verdicts, status), by step.
+        # The learning checks of each evaluation (TauMeasurement.health: figures, verdicts, status), by step.
         self.health_by_step: dict[int, dict] = {}
 
     def listen(self, listener) -> None:
