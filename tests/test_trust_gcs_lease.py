@@ -65,9 +65,13 @@ class FakeGcs(BaseHTTPRequestHandler):
             return self._send(200, found[0])
         self._send(200, json.dumps({"generation": str(found[1])}).encode())
 
-    def do_DELETE(self) -> None:
+    def do_DELETE(self) -> None:  # with `ifGenerationMatch=<n>` only while generation n is live, else 412
+        want = {k: v[-1] for k, v in parse_qs(urlsplit(self.path).query).items()}.get("ifGenerationMatch")
         with self.lock:
-            found = self.objects.pop(self._object(), None)
+            found = self.objects.get(self._object())
+            if found is not None and want is not None and found[1] != int(want):
+                return self._send(412)
+            self.objects.pop(self._object(), None)
         self._send(204 if found else 404)
 
 
@@ -136,3 +140,20 @@ def test_a_paused_gs_release_leaves_the_new_holder_s_lease(gcs: str) -> None:
     a.release()
     store = GcsConditionalStore(_root(gcs, "paused"))
     assert json.loads(store.read(LEASE_FILE).data)["run_id"] == b.me["run_id"] and b.beat() is True
+
+
+def test_gs_writes_and_deletes_in_place_act_only_on_the_version_read(gcs: str, tmp_path) -> None:
+    """What a paused run's export and prune use on gs:// (app/storage/uri_storage.py): an upload or a
+    delete conditional on the generation read before its fence check. Once another writer replaced
+    the object, neither lands; a create lands only where nothing is. Before: no such calls (an
+    unconditional PUT or DELETE through pyarrow)."""
+    store, file = GcsConditionalStore(_root(gcs, "inplace")), tmp_path / "model.safetensors"
+    file.write_bytes(b"a" * 100)
+    assert store.version("model.safetensors") is None
+    first = store.put_file("model.safetensors", file, None)
+    assert first is not None and store.version("model.safetensors") == first
+    assert store.put_file("model.safetensors", file, None) is None  # a create: something is there now
+    newer = store.create("x", b"") and store.replace("model.safetensors", b"b", first)  # another writer's
+    assert newer is not None and store.put_file("model.safetensors", file, first) is None
+    assert store.remove("model.safetensors", first) is False and store.read("model.safetensors").data == b"b"
+    assert store.remove("model.safetensors", newer) is True and store.version("model.safetensors") is None

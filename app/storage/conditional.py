@@ -13,6 +13,10 @@ emulator, `endpoint_override=host:port`) goes unauthenticated, as pyarrow does t
 
 `conditional_store(root)` is None where the client is not installed (boto3; google-auth and requests) or
 the root is neither: the caller falls back to what pyarrow offers.
+
+Besides the lease, these guard what a run that may have lost its folder deletes or rewrites in place
+(app/storage/uri_storage.py): `version` reads which version of an object is there, and `put_file` and
+`remove` act only if that version is still the one read (none read: `put_file` only creates).
 """
 from __future__ import annotations
 
@@ -67,11 +71,41 @@ class ConditionalStore:
     def delete(self, rel: str) -> None:
         self.client.delete_object(Bucket=self.bucket, Key=self._key(rel))
 
-    def _put(self, rel: str, data: bytes, **condition) -> str | None:
+    def version(self, rel: str) -> str | None:
+        """The ETag of the object at `rel` now, or None when there is none."""
         from botocore.exceptions import ClientError
 
         try:
-            return self.client.put_object(Bucket=self.bucket, Key=self._key(rel), Body=data, **condition)["ETag"]
+            return self.client.head_object(Bucket=self.bucket, Key=self._key(rel))["ETag"]
+        except ClientError as e:
+            if str(e.response.get("Error", {}).get("Code")) in _LOST | {"NotFound"}:
+                return None
+            raise
+
+    def remove(self, rel: str, etag: str) -> bool:
+        """Delete `rel` only if it is still the version `etag` (S3's conditional DeleteObject); False when
+        it changed or is gone."""
+        return self._call(self.client.delete_object, rel, IfMatch=etag) is not None
+
+    def put_file(self, rel: str, local, etag: str | None) -> str | None:
+        """Upload the local file `local` to `rel` in one PUT (streamed from the file) only if `rel` is still
+        the version `etag` (None: only if there is no object); the new ETag, or None when the condition
+        failed."""
+        with open(local, "rb") as body:
+            condition = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
+            got = self._call(self.client.put_object, rel, Body=body, **condition)
+        return None if got is None else got["ETag"]
+
+    def _put(self, rel: str, data: bytes, **condition) -> str | None:
+        got = self._call(self.client.put_object, rel, Body=data, **condition)
+        return None if got is None else got["ETag"]
+
+    def _call(self, method, rel: str, **kwargs) -> dict | None:
+        """`method` on `rel`'s key; None when its condition failed (another writer got in first)."""
+        from botocore.exceptions import ClientError
+
+        try:
+            return method(Bucket=self.bucket, Key=self._key(rel), **kwargs)
         except ClientError as e:
             if str(e.response.get("Error", {}).get("Code")) in _LOST:
                 return None
@@ -133,7 +167,29 @@ class GcsConditionalStore:
         if gone.status_code != 404:
             gone.raise_for_status()
 
-    def _put(self, rel: str, data: bytes, generation: str) -> str | None:
+    def version(self, rel: str) -> str | None:
+        """The live generation of `rel`, or None when there is none."""
+        meta = self.session.get(self._object_url(rel), timeout=30)
+        if meta.status_code == 404:
+            return None
+        meta.raise_for_status()
+        return str(meta.json()["generation"])
+
+    def remove(self, rel: str, etag: str) -> bool:
+        """Delete `rel` only if it is still generation `etag`; False when it changed or is gone."""
+        gone = self.session.delete(self._object_url(rel), params={"ifGenerationMatch": etag}, timeout=30)
+        if gone.status_code in (404, 409, 412):
+            return False
+        gone.raise_for_status()
+        return True
+
+    def put_file(self, rel: str, local, etag: str | None) -> str | None:
+        """Upload the local file `local` (streamed) only if `rel` is still generation `etag` (None: only if
+        absent); the new generation, or None when the condition failed."""
+        with open(local, "rb") as body:
+            return self._put(rel, body, etag or "0")
+
+    def _put(self, rel: str, data, generation: str) -> str | None:
         url = f"{self.base}/upload/storage/v1/b/{self.bucket}/o"
         put = self.session.post(url, params={"uploadType": "media", "name": self._key(rel), "ifGenerationMatch": generation},
                                 data=data, headers={"Content-Type": "application/json"}, timeout=30)

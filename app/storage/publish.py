@@ -22,7 +22,9 @@ Fencing (fence.py): a publish checks the root's counter before it starts and aga
 commit (the rename, the marker), and writes its token with the entry (a local entry under a lease holds
 a hidden `.fence-token` file, which engines loading an export folder ignore); `delete` checks again and never
 removes an entry written under a newer token than the deleting process's. `upload_dir` (the export)
-checks before each file it writes or removes and before its last file.
+checks before each file it writes or removes and before its last file; on S3/GCS its writes and removals,
+and `delete`'s, are conditional on the version read before the check (uri_storage.py), so what a paused
+run does after a takeover never replaces or removes what the new holder wrote.
 """
 from __future__ import annotations
 
@@ -113,21 +115,34 @@ class Storage(Protocol):
         such as inference engines expect), `last` removed first and written last, so a reader that waits
         for it never sees a mix of old and new files. Returns the folder's location. `FencedOut` when
         another run holds the root's lease now (fence.py): checked before the first write and again before
-        each file written or removed (`guard`, `check`), so a run that lost the lease mid-export stops at
-        its next file instead of finishing the folder over the new holder's."""
+        each file written or removed, so a run that lost the lease mid-export stops at its next file
+        instead of finishing the folder over the new holder's. On S3/GCS each write and removal also
+        lands only if the file is still the version read before that check (`_replace_file`, `_drop_file`
+        in uri_storage.py): a run paused between its check and its write lands nothing over the new
+        holder's files."""
         fence.check(self)
-        self.remove_file(f"{rel}/{last}")
+        self._drop_file(f"{rel}/{last}")
         files = {p.relative_to(local).as_posix(): p for p in sorted(Path(local).rglob("*"))
                  if p.is_file() and p.name != last}
         for name, file in files.items():
-            self.upload_file(f"{rel}/{name}", file)  # fenced per file (`guard`)
+            self._replace_file(f"{rel}/{name}", file)
         # An older export's files the new one lacks go before `last` does: an engine loads every
         # *.safetensors in the folder, so an old run's shards beside a new single file would be read too.
         for stale in sorted(set(self.files(rel)) - set(files) - {last}):
-            fence.check(self)
-            self.remove_file(f"{rel}/{stale}")
-        self.upload_file(f"{rel}/{last}", Path(local) / last)
+            self._drop_file(f"{rel}/{stale}")
+        self._replace_file(f"{rel}/{last}", Path(local) / last)
         return self.location(rel)
+
+    def _replace_file(self, rel: str, local: Path) -> None:
+        """One file of `upload_dir`, fenced (`upload_file` checks first)."""
+        self.upload_file(rel, local)
+
+    def _drop_file(self, rel: str) -> None:
+        """A file `upload_dir` removes, fenced."""
+        fence.check(self)
+        self.remove_file(rel)
+
+
 class LocalStorage(Storage):
     """A local folder: entries staged next to their final place and renamed into it."""
 
@@ -172,13 +187,24 @@ class LocalStorage(Storage):
 
     def delete(self, name: str) -> None:
         """Fenced: `FencedOut` once another run holds the folder; an entry published under a newer token
-        than this process's is left alone (its holder's)."""
+        than this process's is left alone (its holder's): judged after it was moved aside, so one published
+        between the check and the delete is put back, not deleted."""
         if not stays_inside(name, self.path):
             raise ValueError(f"refusing to delete entry {name!r}: it leaves the checkpoint root")
         token = fence.check(self)
-        if self._token(name) > token:
+        aside = self.path / staging_name(name, uuid.uuid4().hex[:8])
+        try:  # moved out of sight first, then judged: a paused run never deletes what took the name meanwhile
+            (self.path / name).rename(aside)
+        except FileNotFoundError:
             return
-        shutil.rmtree(self.path / name, ignore_errors=True)
+        moved = aside / fence.ENTRY_TOKEN
+        if fence.entry_token(moved.read_bytes() if moved.is_file() and not moved.is_symlink() else None) > token:
+            try:  # the new holder's entry: back in place (unless it published the name again meanwhile)
+                aside.rename(self.path / name)
+                return
+            except OSError:
+                pass
+        shutil.rmtree(aside, ignore_errors=True)
 
     def write_file(self, rel: str, data: bytes) -> str:
         fence.guard(self, rel)  # a run that lost the folder writes no summary or report into it

@@ -19,6 +19,7 @@ from app.storage.publish import MARKER, VERSION, Entry, Storage, marker_token, v
 CHUNK = 8 << 20  # bytes a URI upload or download holds at once: checkpoints are multi-GB files
 S3_ATTEMPTS = 5  # tries of one S3 request (the SDK's standard mode: backoff with jitter; 4 retries span ~10 s)
 GCS_RETRY_S = 20  # how long the GCS client retries one request
+SINGLE_PUT_MAX = 5 << 30  # S3's limit on one PUT: an export file above it is streamed in parts, unconditionally
 
 
 class UriStorage(Storage):
@@ -133,11 +134,9 @@ class UriStorage(Storage):
     def _commit(self, name: str, marker: bytes, token: int) -> None:
         """Write `name`'s marker after one more fence check, unless the marker there now was written under a
         newer token (the new holder's entry of that name)."""
-        from app.storage.conditional import conditional_store
-
         rel = f"{name}/{MARKER}"
         fence.check(self)
-        store = conditional_store(self.root) if self.fs.type_name in ("s3", "gcs") else None
+        store = self._conditional()
         if store is None:
             if marker_token(self.read_file(rel)) > token:
                 raise self._newer(name, token)
@@ -157,12 +156,9 @@ class UriStorage(Storage):
     def _sweep_versions(self, name: str, keep: str) -> None:
         """Drop versions of `name` other than the published one (a rewrite's old data, crashed uploads),
         never the one the marker names now (another writer's commit since ours); fenced before each delete."""
-        from pyarrow.fs import FileSelector, FileType
-
-        infos = self.fs.get_file_info(FileSelector(self._path(name), allow_not_found=True))
-        versions = [i.base_name for i in infos if i.type == FileType.Directory and VERSION.fullmatch(i.base_name)]
+        versions = self._versions(name)  # listed before the checks below: none is a later holder's upload
         live = version_name(self.read_file(f"{name}/{MARKER}"))
-        for version in inside(versions, self._local(name), name):
+        for version in versions:
             if version not in (keep, live):
                 fence.check(self)
                 self.fs.delete_dir(self._path(f"{name}/{version}"))
@@ -182,11 +178,14 @@ class UriStorage(Storage):
 
     def delete(self, name: str) -> None:
         """Fenced: `FencedOut` once another run holds the folder; an entry whose marker names a newer
-        token than this process's is left alone (its holder's)."""
+        token than this process's is left alone (its holder's). On S3/GCS nothing it removes can be the
+        new holder's (see `_delete_conditional`); elsewhere a check, then the deletes."""
         from pyarrow.fs import FileType
 
         if not stays_inside(name, self._local("")):
             raise ValueError(f"refusing to delete entry {name!r}: it leaves the checkpoint root")
+        if (store := self._conditional()) is not None:
+            return self._delete_conditional(store, name)
         token = fence.check(self)
         if marker_token(self.read_file(f"{name}/{MARKER}")) > token:
             return
@@ -195,6 +194,59 @@ class UriStorage(Storage):
             self.fs.delete_file(marker)  # unpublish first
         if self.fs.get_file_info(self._path(name)).type == FileType.Directory:
             self.fs.delete_dir(self._path(name))
+
+    def _delete_conditional(self, store, name: str) -> None:
+        """What is read BEFORE a fence check that passes predates any takeover (a new holder writes only
+        after it raised the counter): the versions listed and the marker read then are never the new
+        holder's. The marker goes only if it is still the version read (a conditional delete), then the
+        listed versions; a version the new holder uploads later, or its marker, is never touched."""
+        versions = self._versions(name)
+        found = store.read(f"{name}/{MARKER}")
+        token = fence.check(self)
+        if found is None or marker_token(found.data) > token:
+            return  # unpublished meanwhile, or the new holder's entry
+        if not store.remove(f"{name}/{MARKER}", found.etag):  # unpublish first; rewritten since read: not ours
+            return
+        for version in versions:
+            self.fs.delete_dir(self._path(f"{name}/{version}"))
+
+    def _versions(self, name: str) -> list[str]:
+        from pyarrow.fs import FileSelector, FileType
+
+        infos = self.fs.get_file_info(FileSelector(self._path(name), allow_not_found=True))
+        found = [i.base_name for i in infos if i.type == FileType.Directory and VERSION.fullmatch(i.base_name)]
+        return inside(found, self._local(name), name)
+
+    def _conditional(self):
+        """S3's or GCS's conditional writes for this root (app/storage/conditional.py), or None."""
+        from app.storage.conditional import conditional_store
+
+        return conditional_store(self.root) if self.fs.type_name in ("s3", "gcs") else None
+
+    # ---- the export, rewritten in place ----------------------------------------------------------
+
+    def _replace_file(self, rel: str, local: Path) -> None:
+        """One file of `upload_dir`. On S3/GCS: the version there is read before the fence check, and the
+        upload (one PUT) lands only if it is still that version (none there: only if none is there
+        still), so a run paused after its check never writes over the new holder's file. A file over
+        SINGLE_PUT_MAX goes the streamed way, checked and then written."""
+        store = self._conditional()
+        if store is None or Path(local).stat().st_size > SINGLE_PUT_MAX:
+            return super()._replace_file(rel, local)
+        seen = store.version(rel)
+        fence.guard(self, rel)
+        if store.put_file(rel, local, seen) is None:
+            raise self._newer(rel, fence.held(self.root))
+
+    def _drop_file(self, rel: str) -> None:
+        """A file `upload_dir` removes: on S3/GCS only the version read before the fence check."""
+        store = self._conditional()
+        if store is None:
+            return super()._drop_file(rel)
+        seen = store.version(rel)
+        fence.check(self)
+        if seen is not None and not store.remove(rel, seen):
+            raise self._newer(rel, fence.held(self.root))
 
 
 def download(fs, path: str, dest: Path) -> None:

@@ -1,0 +1,110 @@
+"""What issue 49 left open: a run that lost its lease, paused at its worst moment, still changes nothing the
+new holder wrote or reads. Local folders and the moto S3 of tests/s3_server.py; a faked clock; each run's
+token table (`fence._mine`) swapped in turn, as tests/test_trust_fence_publish.py does. No Ray.
+
+Each test was run against the code before its change and failed there (the docstrings say how).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from app.run.lease import RunLease
+from app.storage import fence
+from app.storage.roots import open_storage
+from app.training.checkpoint import load_checkpoint, latest_checkpoint
+from tests.helpers import storage_root
+from tests.test_trust_fence_publish import _names, _save
+
+
+class Observed:
+    """Pauses the stale run once, at the first `fence.entry_token` read (an entry's or a marker's token)
+    after one of its fence checks passed: it has seen everything it acts on; then `meanwhile` (run B)
+    runs, and the stale run goes on."""
+
+    def __init__(self, monkeypatch, meanwhile) -> None:
+        self.armed, self.fired, self.checked = False, False, False
+        real_check, real_token = fence.check, fence.entry_token
+
+        def check(store):
+            token = real_check(store)
+            self.checked = self.armed
+            return token
+
+        def entry_token(text):
+            out = real_token(text)
+            if self.armed and self.checked and not self.fired:
+                self.fired, self.armed = True, False
+                meanwhile()
+            return out
+
+        monkeypatch.setattr(fence, "check", check)
+        monkeypatch.setattr(fence, "entry_token", entry_token)
+
+
+def _take_over(root: str, now: list[float], monkeypatch, tables: dict) -> RunLease:
+    now[0] += 61  # the stale run's driver paused past its lease timeout
+    monkeypatch.setattr(fence, "_mine", tables)
+    return RunLease(root, 60, clock=lambda: now[0]).acquire()
+
+
+# ---- item 3: deletes and the export in place -------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_a_paused_prune_never_deletes_the_entry_the_new_holder_published_under_that_name(
+        kind, tmp_path, request, monkeypatch) -> None:
+    """A (token 1) prunes its ckpt-6 and pauses after its check and its read of the entry's token; B takes
+    the lease over (token 2) and publishes its own ckpt-6. A's delete then leaves B's ckpt-6 whole (S3: the
+    marker goes only if it is still the version A read, then only the versions A listed; local: moved aside,
+    judged, put back). Before: A deleted B's marker and all of ckpt-6 (S3) or B's folder (local)."""
+    root, now, a_tables, b_tables = storage_root(kind, tmp_path, request, "prune"), [1000.0], {}, {}
+    monkeypatch.setattr(fence, "_mine", a_tables)
+    RunLease(root, 60, clock=lambda: now[0]).acquire()
+    _save(root, 6, keep=3)
+
+    def run_b() -> None:
+        assert _take_over(root, now, monkeypatch, b_tables).token == 2
+        _save(root, 6, keep=3)  # B's own ckpt-6 (its weights are 6.0 too; its token tells them apart)
+        monkeypatch.setattr(fence, "_mine", a_tables)
+
+    pause = Observed(monkeypatch, run_b)
+    pause.armed = True
+    open_storage(root).delete("ckpt-00000006")
+    assert pause.fired
+    assert _names(root) == ["ckpt-00000006"]
+    (entry,) = open_storage(root).entries("ckpt-")
+    assert entry.token == 2
+    assert load_checkpoint(latest_checkpoint(root)).step == 6  # whole: its files are there, not just a marker
+
+
+def test_a_paused_export_lands_no_file_over_the_new_holder_s_export(s3, atomic_puts, tmp_path, monkeypatch) -> None:
+    """A (token 1) rewrites the export folder on S3 in place and pauses right after the fence check of its
+    weights file; B takes over and exports. A's weights file then does not land (`FencedOut`), and the
+    folder is B's, file for file. Before: A's weights landed over B's export."""
+    root, now, a_tables = s3.uri("export"), [1000.0], {}
+    monkeypatch.setattr(fence, "_mine", a_tables)
+    RunLease(root, 60, clock=lambda: now[0]).acquire()
+    folders = {}
+    for run in ("a", "b"):
+        folders[run] = tmp_path / run
+        folders[run].mkdir()
+        (folders[run] / "model.safetensors").write_bytes(run.encode() * 1000)
+        (folders[run] / "config.json").write_text(f'{{"run": "{run}"}}')
+    real_guard, fired = fence.guard, []
+
+    def guard(store, rel):
+        real_guard(store, rel)
+        if rel == "drafter/model.safetensors" and not fired:
+            fired.append(rel)
+            _take_over(root, now, monkeypatch, {})
+            open_storage(root).upload_dir(folders["b"], "drafter", last="config.json")
+            monkeypatch.setattr(fence, "_mine", a_tables)
+
+    monkeypatch.setattr(fence, "guard", guard)
+    with pytest.raises(fence.FencedOut):
+        open_storage(root).upload_dir(folders["a"], "drafter", last="config.json")
+    store = open_storage(root)
+    assert fired and store.files("drafter") == ["config.json", "model.safetensors"]
+    assert store.read_file("drafter/model.safetensors") == b"b" * 1000
+    assert store.read_file("drafter/config.json") == b'{"run": "b"}'
