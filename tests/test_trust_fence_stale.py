@@ -108,3 +108,72 @@ def test_a_paused_export_lands_no_file_over_the_new_holder_s_export(s3, atomic_p
     assert fired and store.files("drafter") == ["config.json", "model.safetensors"]
     assert store.read_file("drafter/model.safetensors") == b"b" * 1000
     assert store.read_file("drafter/config.json") == b'{"run": "b"}'
+
+
+# ---- item 4: a stale commit before the new holder's first checkpoint -------------------------------------
+
+def _save_stamped(root: str, step: int, generation: int) -> None:
+    import torch
+
+    from app.training.checkpoint import GENERATION_KEY, TrainState, save_checkpoint
+
+    save_checkpoint(root, TrainState(step=step, epoch=0, ledger=[], drafter={"w": torch.full((4,), float(step))},
+                                     extra={GENERATION_KEY: generation}), keep=3)
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_a_stale_commit_before_the_new_holder_s_first_checkpoint_is_no_rebuild_point(kind, tmp_path, request,
+                                                                                   monkeypatch) -> None:
+    """A (token 1) has ckpt-8 (its group 1) and its rebuilt group 2 is saving ckpt-12 when A's driver pauses
+    right before the commit; B takes the lease over (token 2), resumes from ckpt-8 and starts its own group,
+    which counts generation 2 too (A's group 2 had stamped nothing yet). A's commit of ckpt-12 lands. Until
+    B's first checkpoint, B's rebuild point and any resume point stay ckpt-8, and a later holder does not
+    adopt ckpt-12 either. Before: ckpt-12 was the latest checkpoint and B's group rebuild resumed from A's
+    weights."""
+    from app.run.supervise.drafters import next_generation, rebuild_checkpoint
+    from tests.test_trust_fence_publish import Pause
+
+    root, now, a_tables, b_tables = storage_root(kind, tmp_path, request, "claim"), [1000.0], {}, {}
+    monkeypatch.setattr(fence, "_mine", a_tables)
+    RunLease(root, 60, clock=lambda: now[0]).acquire()
+    _save_stamped(root, 8, generation=1)
+    b = {}
+
+    def run_b() -> None:
+        b["lease"] = _take_over(root, now, monkeypatch, b_tables)
+        b["resumed"] = latest_checkpoint(root).name
+        b["generation"] = next_generation(root, 0)
+        monkeypatch.setattr(fence, "_mine", a_tables)
+
+    pause = Pause(monkeypatch, "before_commit", "ckpt-00000012", run_b)
+    pause.armed = True
+    try:
+        _save_stamped(root, 12, generation=2)  # A's commit lands (its prune of it, if any, is refused)
+    except fence.FencedOut:
+        pass
+    assert pause.fired and b["resumed"] == "ckpt-00000008" and b["generation"] == 2
+    assert _names(root) == ["ckpt-00000008", "ckpt-00000012"]  # the stale commit is there
+
+    monkeypatch.setattr(fence, "_mine", b_tables)
+    assert latest_checkpoint(root).name == "ckpt-00000008"
+    assert rebuild_checkpoint(root, generation=2, resumed_step=8).name == "ckpt-00000008"
+    assert load_checkpoint(rebuild_checkpoint(root, 2, 8)).drafter["w"][0].item() == 8.0
+    b["lease"].release()
+    monkeypatch.setattr(fence, "_mine", {})
+    assert RunLease(root, 60, clock=lambda: now[0]).acquire().token == 3  # C, after B ended
+    assert latest_checkpoint(root).name == "ckpt-00000008"
+
+
+@pytest.mark.parametrize("planted", [b"\xff", b"[]", b'{"token": true, "entries": []}', b'{"token": 9}',
+                                     b'{"token": 9, "entries": [["ckpt-00000001", 1]]}',
+                                     b'{"token": 9, "entries": [["ckpt-00000001", "1", "ckpt-00000001"]]}'])
+def test_a_claim_that_does_not_parse_is_no_claim(planted: bytes, tmp_path) -> None:
+    """`.run-claim` is read from storage: anything but the shape the lease writes counts as no claim (the
+    folder is judged by tokens alone), never as a reason to raise or to drop a checkpoint."""
+    from app.storage import claim
+
+    root = str(tmp_path / "run")
+    _save(root, 1)
+    (Path(root) / claim.CLAIM_FILE).write_bytes(planted)
+    assert claim.read(open_storage(root)) is None
+    assert latest_checkpoint(root).name == "ckpt-00000001"

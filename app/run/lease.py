@@ -32,6 +32,8 @@ Each new holder takes a fencing token one above the largest it finds (the folder
 the lease record it replaces, the tokens its published entries carry), writes it to the counter and to
 its lease record, and writes under it (app/storage/fence.py): a checkpoint or export published by a run
 whose driver lost the lease (stopped with SIGSTOP while its drafters ran on) is refused (`FencedOut`).
+It also records the entries it found (`.run-claim`, app/storage/claim.py): one of an older token that
+lands after the takeover is never its resume point, nor its drafter group's rebuild point.
 The counter fails closed (a missing one refuses every writer); a live holder's heartbeat writes it back.
 
 A refused start is one line, exit 2 (`LeaseHeld`). A holder that finds its lease taken over (its
@@ -52,7 +54,7 @@ from urllib.parse import urlsplit
 
 from app.config.errors import ConfigError, UserError
 from app.run.lease_record import describe, is_stale, namespace, read_bytes, read_json, read_local, submission_id
-from app.storage import fence
+from app.storage import claim, fence
 from app.storage.conditional import conditional_store
 from app.storage.local_cache import forget_downloads
 from app.storage.roots import is_uri, open_storage, redact, root_problem
@@ -103,6 +105,7 @@ class RunLease:
             self._acquire_local()
         self.token = self._next_token()
         open_storage(self.root).write_file(fence.FENCE_FILE, str(self.token).encode())
+        claim.write(open_storage(self.root), self.token)  # what it found: a stale commit landing later is not in it
         fence.adopt(self.root, self.token)
         self.beat()  # the token into the lease record too: a counter deleted later cannot hand it out again
         return self

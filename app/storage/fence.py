@@ -27,7 +27,9 @@ partition) still lands one write after a takeover. So the token also goes WITH w
 commit marker of a URI entry, `ENTRY_TOKEN` in a local one, `Entry.token`): readers, resumers and pruners
 rank entries by it (app/training/checkpoint.py: an entry under an older token than one at or below its
 step is a stale writer's and is ignored), and a process never deletes an entry written under a newer
-token than its own.
+token than its own. Until the new holder's first checkpoint no entry of its token exists to rank by, so
+each new holder also records the entries it found (`.run-claim`, claim.py): one of an older token that is
+not among them landed after the takeover and is ignored the same way.
 
 A root that no lease ever touched has no counter: nothing is fenced (tests, tools that save directly).
 """
@@ -38,6 +40,8 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from app.storage import claim
 
 FENCE_FILE = ".run-fence"
 ENTRY_TOKEN = ".fence-token"  # inside a local entry: the token it was published under (a URI entry's marker says it)
@@ -88,6 +92,7 @@ def extend(store) -> int:
     if token and _key(store.root) not in _mine:
         if current(store) < token:
             store.write_file(FENCE_FILE, str(token).encode())
+            claim.write(store, token)  # the folder's entries as this holder found them (claim.py)
         adopt(store.root, token)
     return token
 

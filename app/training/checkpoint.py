@@ -11,7 +11,9 @@ checkpoints are listed, and a checkpoint's location is then a URI string instead
 Each checkpoint carries the fencing token it was published under (app/storage/fence.py). A run that lost
 the lease while paused mid-publish can still land one checkpoint after the new holder's: a checkpoint
 under an older token than another at or below its step is such a stale writer's (or an abandoned branch
-of a resumed run) and is never listed, resumed from or counted as kept; the holder's prune removes it.
+of a resumed run), and so is one of an older token that the lease holder did not find when it took the
+folder (app/storage/claim.py: it landed before the holder's first checkpoint); such a checkpoint is never
+listed, resumed from, rebuilt from or counted as kept; the holder's prune removes it.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from app.pool.book import ids_from_state as ledger_ids, to_json as ledger_json
+from app.storage import claim
 from app.storage.fetch import fetch_dir, read_text, release
 from app.storage.orphans import clean_orphans as clean_local_orphans
 from app.storage.roots import is_uri, open_storage
@@ -129,11 +132,15 @@ def _step(name: str) -> int:
 
 def _ranked(store) -> tuple[list, list]:
     """(live entries oldest first, stale entries): an entry is stale when one published under a newer
-    fencing token has a step at or below its own (the newer holder resumed before it was written)."""
+    fencing token has a step at or below its own (the newer holder resumed before it was written), or
+    when it is of an older token than the folder's lease holder and not among the entries that holder
+    found when it took the folder (app/storage/claim.py: it landed after the takeover, before the
+    holder's first checkpoint)."""
     entries = [e for e in store.entries(PREFIX) if e.name[len(PREFIX):].isdigit()]
+    after = claim.landed_after(store, entries)  # published under an older token after the takeover
     live, stale = [], []
     for e in entries:
-        newer = any(o.token > e.token and _step(o.name) <= _step(e.name) for o in entries)
+        newer = e.name in after or any(o.token > e.token and _step(o.name) <= _step(e.name) for o in entries)
         (stale if newer else live).append(e)
     return sorted(live, key=lambda e: _step(e.name)), stale
 
