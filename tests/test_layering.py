@@ -25,7 +25,7 @@ TOP_LEVEL_LEAVES = {"app", "app.messages", "app.devices", "app.faults", "app.ray
                     "app.storage", "app.storage.roots", "app.storage.publish", "app.storage.uri_storage",
                     "app.storage.fetch", "app.storage.local_cache", "app.storage.names",
                     "app.storage.orphans", "app.storage.fence", "app.storage.conditional",
-                    "app.storage.pins", "app.storage.cache_use", "app.storage.claim"}
+                    "app.storage.pins", "app.storage.cache_use", "app.storage.claim", "app.storage.owner"}
 UPPER_PACKAGES = ("app.run", "app.bench")
 
 

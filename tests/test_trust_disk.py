@@ -127,6 +127,37 @@ def test_a_sigkilled_stager_s_folder_is_removed_on_the_next_start(tmp_path: Path
     assert not any(p.is_symlink() for p in private_tmp.iterdir())
 
 
+def test_staging_of_an_owner_in_another_pid_namespace_is_judged_by_its_age(private_tmp: Path, monkeypatch) -> None:
+    """Two containers with one hostname share a TMPDIR; container A's names carry a pid that only A's pid
+    namespace can judge. Container B's start-up cleanup judged them by B's pids: A's save in flight (a pid B
+    does not see) was deleted under it, and a dead A's folder named by A's pid 1 (alive in B: B's own init)
+    stayed forever. Now each name carries its boot and pid namespace (app/storage/owner.py): B keeps A's
+    folder until it is untouched for FOREIGN_STALE_S, and still removes a dead pid's folder of its own
+    namespace at once. Before: A's live staging removed, A's dead one kept."""
+    import time
+
+    from app.storage import local_cache
+    from tests.test_trust_lease_release import _dead_pid
+
+    dead, real_readlink = _dead_pid(), os.readlink
+    with monkeypatch.context() as container_a:
+        container_a.setattr(os, "readlink", lambda path, *a, **k: "pid:[4026530001]" if str(path) == "/proc/self/ns/pid"
+                            else real_readlink(path, *a, **k))
+        container_a.setattr(os, "getpid", lambda: dead)  # a pid B does not see: A's live rank
+        live = local_cache.owned_tmp("stage-ckpt-00000008-", private_tmp)
+        container_a.setattr(os, "getpid", lambda: 1)  # A's pid 1, gone with its container
+        dead_a = local_cache.owned_tmp(".fetch-", private_tmp)
+    with monkeypatch.context() as container_b:
+        container_b.setattr(os, "getpid", lambda: dead)
+        dead_b = local_cache.owned_tmp("stage-ckpt-00000009-", private_tmp)  # this namespace's dead process
+    old = time.time() - 4 * 24 * 3600  # untouched for four days (FOREIGN_STALE_S: three)
+    os.utime(dead_a, (old, old))
+    removed = local_cache.clean_stale(private_tmp)
+    assert live.is_dir() and live.name not in removed
+    assert sorted(removed) == sorted([dead_a.name, dead_b.name]) and not dead_a.exists() and not dead_b.exists()
+    assert local_cache.FOREIGN_STALE_S == 3 * 24 * 3600
+
+
 # ---- (e) a URI save and load stream --------------------------------------------------------------------
 
 def test_a_uri_save_and_load_stream_in_chunks(tmp_path: Path, private_tmp: Path) -> None:

@@ -1,5 +1,6 @@
 """A run lease record: who wrote it (host, pid, Ray job, this boot and pid namespace), when it is stale, and
-reading it off a local file while a taker may still be writing it. The lease itself (taking, keeping and
+reading it off a local file while a taker may still be writing it (the boot and pid namespace are read
+as app/storage/owner.py reads them for every recorded pid). The lease itself (taking, keeping and
 releasing it, the fencing token) is app/run/lease.py.
 """
 from __future__ import annotations
@@ -10,7 +11,7 @@ import socket
 import time
 from pathlib import Path
 
-from app.storage.local_cache import pid_alive
+from app.storage.owner import namespace, pid_alive  # this boot and pid namespace: where a pid means a process
 
 
 def submission_id() -> str:
@@ -20,19 +21,6 @@ def submission_id() -> str:
     except ValueError:
         return ""
     return str((config.get("metadata") or {}).get("job_submission_id", "")) if isinstance(config, dict) else ""
-
-
-def namespace() -> dict:
-    """What makes a pid mean the same process here and in a lease record: this boot (`boot_id`) and this pid
-    namespace (`pid:[<inode>]`). Empty parts where /proc does not say (then no pid is judged)."""
-    found = {}
-    for key, read in (("boot", lambda: Path("/proc/sys/kernel/random/boot_id").read_text().strip()),
-                      ("pidns", lambda: os.readlink("/proc/self/ns/pid"))):
-        try:
-            found[key] = read()
-        except OSError:
-            pass
-    return found
 
 
 def is_stale(holder: dict, timeout_s: float, now: float) -> bool:

@@ -8,8 +8,10 @@ alone that disk only grows: a driver or rank killed with SIGKILL leaves its stag
 a node ever resumed from stays cached, and an export was copied anew on every load. Here:
 
 - `cache_root()`: `<tmp>/dflash-<uid>/`, 0700, never a symlink or another user's folder;
-- `owned_tmp`: staging and partial downloads are named `<kind><pid>@<host>-<random>`, so a later process
-  can tell a dead owner's leftovers from a live one's (`clean_stale`, once per process: `clean_stale_once`);
+- `owned_tmp`: staging and partial downloads are named `<kind><pid>@<host>~<namespace tag>-<random>`, so a
+  later process can tell a dead owner's leftovers from a live one's (`clean_stale`, once per process:
+  `clean_stale_once`); the pid is judged only in the owner's own boot and pid namespace (owner.py), and a
+  folder of an owner this process cannot see goes only once untouched for FOREIGN_STALE_S;
 - downloads live in `<cache_root>/downloads/<family>-<entry>/` (`files/`, `manifest.json`, `location`,
   `pin.lock`); an entry is installed whole by a rename (or an atomic exchange with the copy it replaces)
   and, per family (the versions of one checkpoint root, or one export folder), only the `keep` most
@@ -39,9 +41,13 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from app.storage import pins
+from app.storage.owner import UNKNOWN, namespace_tag, pid_alive
 
 KEEP_VERSIONS = 2  # checkpoint versions kept per run root: the one in use and the one replacing it
 LEGACY_STALE_S = 6 * 3600  # staging named before owners were recorded: stale once this old
+# Staging of an owner this process cannot see (another host, boot or pid namespace, or named before
+# namespaces were): stale once untouched this long, far beyond any save's or download's time.
+FOREIGN_STALE_S = 3 * 24 * 3600
 # A download no process used for this long (a finished run's checkpoint versions and exports) is removed
 # at the next start: each entry is marked when used, and a run resumes from its cache within days.
 DOWNLOAD_STALE_S = 3 * 24 * 3600
@@ -51,7 +57,8 @@ DOWNLOAD_CACHE_BYTES = 25 << 30
 _bound = [DOWNLOAD_CACHE_BYTES]
 STAGING_KINDS = ("stage-", ".fetch-", ".swap-")
 DOWNLOADS = "downloads"
-_TAG = re.compile(r"-(?P<pid>\d+)@(?P<host>.+)-[^-]+$")  # ...-<pid>@<host>-<mkdtemp's random part>
+# ...-<pid>@<host>~<namespace tag>-<mkdtemp's random part> (no tag: named before tags were)
+_TAG = re.compile(r"-(?P<pid>\d+)@(?P<host>[^~@/]+?)(?:~(?P<ns>[0-9a-f]{12}|x))?-[^-]+$")
 _LEGACY_VERSION_CACHE = re.compile(r"v-[0-9a-f]{12}-[0-9a-f]{12}")  # the old layout: one folder per version
 _VERSION_TAIL = re.compile(r"/(?P<name>[^/]+)/v-[0-9a-f]{12}$")
 _VERSION = re.compile(r"v-[0-9a-f]{12}")
@@ -78,30 +85,19 @@ def cache_root() -> Path:
 
 
 def owned_tmp(kind: str, parent: Path) -> Path:
-    """A fresh folder `<parent>/<kind><pid>@<host>-XXXXXXXX` (0700): its name says who may still use it."""
-    return Path(tempfile.mkdtemp(prefix=f"{kind}{os.getpid()}@{socket.gethostname()}-", dir=parent))
+    """A fresh folder `<parent>/<kind><pid>@<host>~<namespace tag>-XXXXXXXX` (0700): its name says who may
+    still use it (the tag: this boot and pid namespace, owner.py, without which the pid means nothing)."""
+    return Path(tempfile.mkdtemp(prefix=f"{kind}{os.getpid()}@{socket.gethostname()}~{namespace_tag()}-", dir=parent))
 
 
 def owner_alive(name: str) -> bool | None:
-    """Whether the process named in a staging folder's name still runs; None when the name names none
-    (an older layout). Another host's staging (a shared TMPDIR) is taken as alive: its pid means nothing here."""
+    """Whether the process named in a staging folder's name still runs; None when this process cannot
+    tell: the name names no owner (an older layout), or one it cannot see (another host, boot or pid
+    namespace: a container's pid 1 is not ours, dead or alive), and the folder is judged by its age."""
     m = _TAG.search(name)
-    if m is None:
+    if m is None or m["host"] != socket.gethostname() or m["ns"] in (None, UNKNOWN) or m["ns"] != namespace_tag():
         return None
-    if m["host"] != socket.gethostname():
-        return True
     return pid_alive(int(m["pid"]))
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` runs on this host (another user's live process counts: it is not ours to judge)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def clean_stale(root: Path | None = None, now: float | None = None) -> list[str]:
@@ -128,8 +124,8 @@ def clean_stale(root: Path | None = None, now: float | None = None) -> list[str]
             if info.st_uid != os.getuid():
                 continue
             alive = owner_alive(entry.name) if entry.name.startswith(STAGING_KINDS) else False
-            if alive is None:
-                alive = now - info.st_mtime < LEGACY_STALE_S
+            if alive is None:  # an owner it cannot see: no save or download stays untouched for that long
+                alive = now - info.st_mtime < (FOREIGN_STALE_S if _TAG.search(entry.name) else LEGACY_STALE_S)
             if not alive:
                 _remove(Path(entry.path))
                 done.append(entry.name)
