@@ -12,6 +12,11 @@ With `logging.step_log: true` two writers append to `<checkpoint.dir>/steps.json
 
 `count_trained` replays that log: a group start at k discards the records of steps after k (their
 updates were lost with the crashed group), and what is left is the lineage of the final weights.
+
+Both writers are fenced as the run's other files are (app/storage/fence.py): once another run holds the
+folder (a driver stopped past its lease while its rank 0 trained on), their rows are dropped, and every
+row carries the writer's fencing token, so one that slipped in between that check and its append (a
+pause) is ignored by the replay when it follows a row of a newer token.
 It uses only the step numbers the ranks reported, not the pool's ledger, so a job trained twice in
 the final weights shows up as trained twice.
 """
@@ -21,6 +26,8 @@ import json
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+
+from app.storage import fence
 
 FILE_NAME = "steps.jsonl"
 
@@ -40,6 +47,14 @@ class StepLog:
         self._append([{"group_start": step}])
 
     def _append(self, rows: list[dict]) -> None:
+        """Fenced (app/storage/fence.py): a writer whose run lost the folder appends nothing (its rows are
+        dropped, as the local timeline's are), and each row carries the writer's token for the window
+        between that check and the append (`lineage` ignores a row of an older token than one before it)."""
+        if fence.lost(self.path.parent):
+            return
+        token = fence.held(self.path.parent)
+        if token:
+            rows = [{**row, "token": token} for row in rows]
         with self.path.open("a") as f:
             f.write("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -68,18 +83,43 @@ def count_trained(path: str | Path) -> TrainedCounts:
 def lineage(path: str | Path) -> tuple[dict[int, list[list[int]]], int]:
     """(step -> the job ids of each rank's record of that step, in the order written; group starts): the
     steps of the final weights' lineage, as `count_trained` replays them (`python -m app.bench rebalance`
-    reads each step's ranks from it)."""
+    reads each step's ranks from it). The file is read as hostile input: a line that is not one of the
+    two record shapes is skipped, and so is a row of an older fencing token than a row before it (a run
+    that lost the folder appended it after the new holder's rows)."""
     kept: dict[int, list[list[int]]] = {}  # step -> job ids of each rank's record of that step
-    starts = 0
+    starts, newest = 0, 0
     for line in Path(path).read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
+        row = _row(line)
+        if row is None:
             continue
+        token = row.get("token", 0)
+        if token < newest:
+            continue
+        newest = token
         if "group_start" in row:
             starts += 1
             for step in [s for s in kept if s > row["group_start"]]:
                 del kept[step]
         else:
-            kept.setdefault(int(row["step"]), []).append([int(j) for j in row["job_ids"]])
+            kept.setdefault(row["step"], []).append(row["job_ids"])
     return kept, starts
+
+
+def _row(line: str) -> dict | None:
+    """A step record or a group start with integer fields (and an integer token, if any); else None."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(row, dict) or not _int(row.get("token", 0)):
+        return None
+    if "group_start" in row:
+        return row if _int(row["group_start"]) else None
+    ids = row.get("job_ids")
+    if _int(row.get("step")) and isinstance(ids, list) and all(_int(j) for j in ids):
+        return row
+    return None
+
+
+def _int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
