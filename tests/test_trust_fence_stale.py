@@ -177,3 +177,41 @@ def test_a_claim_that_does_not_parse_is_no_claim(planted: bytes, tmp_path) -> No
     (Path(root) / claim.CLAIM_FILE).write_bytes(planted)
     assert claim.read(open_storage(root)) is None
     assert latest_checkpoint(root).name == "ckpt-00000001"
+
+
+def test_a_sweep_run_s_resume_point_is_claimed_before_it_is_read(tmp_path, monkeypatch) -> None:
+    """A sweep run's folder (`<root>/runs/a`) has its own counter, raised by the driver. B reads that run's
+    resume point (ckpt-8) right after taking the root over; A's paused commit of ckpt-12 there lands after
+    that read, before B's drafter group starts. B's rebuild point stays ckpt-8: reading the resume point
+    records the folder's entries first. Before: no claim (ckpt-12 the latest); with the claim written only
+    at the group's start, ckpt-12 was among the entries B 'found'."""
+    from types import SimpleNamespace
+
+    from app.run.plan import read_resume_point
+    from app.run.supervise.drafters import rebuild_checkpoint
+    from tests.test_trust_fence_publish import Pause
+
+    root, now, a_tables, b_tables = str(tmp_path / "sweep"), [1000.0], {}, {}
+    run_a = f"{root}/runs/a"
+    monkeypatch.setattr(fence, "_mine", a_tables)
+    RunLease(root, 60, clock=lambda: now[0]).acquire()
+    assert fence.extend(open_storage(run_a)) == 1
+    _save_stamped(run_a, 8, generation=1)
+    cfg, jobs, b = SimpleNamespace(checkpoint=SimpleNamespace(dir=run_a)), SimpleNamespace(scheduled_only=list), {}
+
+    def run_b() -> None:
+        _take_over(root, now, monkeypatch, b_tables)
+        b["resume"] = read_resume_point(cfg, jobs, "")
+        monkeypatch.setattr(fence, "_mine", a_tables)
+
+    pause = Pause(monkeypatch, "before_commit", "ckpt-00000012", run_b)
+    pause.armed = True
+    try:
+        _save_stamped(run_a, 12, generation=2)
+    except fence.FencedOut:
+        pass
+    assert pause.fired and Path(b["resume"].path).name == "ckpt-00000008"
+    assert _names(run_a) == ["ckpt-00000008", "ckpt-00000012"]
+    monkeypatch.setattr(fence, "_mine", b_tables)
+    assert fence.extend(open_storage(run_a)) == 2  # B's drafter group starts
+    assert rebuild_checkpoint(run_a, generation=2, resumed_step=8).name == "ckpt-00000008"

@@ -21,7 +21,8 @@ from app.config.checks import (TargetInfo, check_step_fits, check_target, read_t
                                resolved_mask_token_id)
 from app.config.errors import ConfigError
 from app.data.schedule import ScheduledJobs
-from app.storage.roots import redact
+from app.storage import fence
+from app.storage.roots import open_storage, redact
 
 
 @dataclass
@@ -139,7 +140,11 @@ class ResumePoint(NamedTuple):
 
 def read_resume_point(cfg: Config, jobs: ScheduledJobs, fingerprint: str) -> ResumePoint:
     """The one place the resume point is read, for a single run and for each run of a sweep: the latest
-    checkpoint of `cfg.checkpoint.dir`, refused when it holds other data or another schedule."""
+    checkpoint of `cfg.checkpoint.dir`, refused when it holds other data or another schedule. A sweep run's
+    own folder first gets its counter raised to the lease's token and the entries found there recorded
+    (fence.extend, app/storage/claim.py), so a stale run's commit landing after this read is never the
+    resume point of this run's drafter group rebuilds."""
+    fence.extend(open_storage(cfg.checkpoint.dir))  # the leased root itself, or no lease: nothing to do
     ckpt = latest_checkpoint(cfg.checkpoint.dir)
     if not ckpt:
         return ResumePoint(None, 0, [])
