@@ -110,6 +110,45 @@ def test_a_paused_export_lands_no_file_over_the_new_holder_s_export(s3, atomic_p
     assert store.read_file("drafter/config.json") == b'{"run": "b"}'
 
 
+def test_a_conditional_write_whose_answer_was_lost_is_no_takeover(s3, atomic_puts, tmp_path, monkeypatch) -> None:
+    """The SDK retries a PUT or DELETE whose answer was lost; the retry then fails its condition against the
+    request's own first landing. With the fence still this run's, that is no takeover: the export reads the
+    version again and finishes (a false `FencedOut` would stop a healthy run's rank at its export)."""
+    from app.storage.conditional import ConditionalStore
+
+    root = s3.uri("echo")
+    monkeypatch.setattr(fence, "_mine", {})
+    RunLease(root, 60).acquire()
+    folder = tmp_path / "export"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"w" * 100)
+    (folder / "config.json").write_text("{}")
+    open_storage(root).upload_dir(folder, "drafter", last="config.json")
+    real_put, real_remove, echoed = ConditionalStore.put_file, ConditionalStore.remove, {}
+
+    def put_file(store, rel, local, etag):
+        got = real_put(store, rel, local, etag)
+        if "put" in echoed:
+            return got
+        echoed["put"] = rel
+        return None  # it landed; its answer was lost
+
+    def remove(store, rel, etag):
+        gone = real_remove(store, rel, etag)
+        if "remove" in echoed:
+            return gone
+        echoed["remove"] = rel
+        return False  # it went; its answer was lost
+
+    monkeypatch.setattr(ConditionalStore, "put_file", put_file)
+    monkeypatch.setattr(ConditionalStore, "remove", remove)
+    (folder / "model.safetensors").write_bytes(b"v" * 100)
+    open_storage(root).upload_dir(folder, "drafter", last="config.json")
+    assert echoed["put"] == "drafter/model.safetensors" and echoed["remove"] == "drafter/config.json"
+    store = open_storage(root)
+    assert store.read_file("drafter/model.safetensors") == b"v" * 100 and store.read_file("drafter/config.json") == b"{}"
+
+
 # ---- item 4: a stale commit before the new holder's first checkpoint -------------------------------------
 
 def _save_stamped(root: str, step: int, generation: int) -> None:

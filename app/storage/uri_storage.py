@@ -177,9 +177,8 @@ class UriStorage(Storage):
         return found
 
     def delete(self, name: str) -> None:
-        """Fenced: `FencedOut` once another run holds the folder; an entry whose marker names a newer
-        token than this process's is left alone (its holder's). On S3/GCS nothing it removes can be the
-        new holder's (see `_delete_conditional`); elsewhere a check, then the deletes."""
+        """Fenced: `FencedOut` once another run holds the folder; an entry of a newer token is left alone.
+        On S3/GCS nothing it removes is the new holder's (`_delete_conditional`); elsewhere: check, delete."""
         from pyarrow.fs import FileType
 
         if not stays_inside(name, self._local("")):
@@ -196,17 +195,16 @@ class UriStorage(Storage):
             self.fs.delete_dir(self._path(name))
 
     def _delete_conditional(self, store, name: str) -> None:
-        """What is read BEFORE a fence check that passes predates any takeover (a new holder writes only
-        after it raised the counter): the versions listed and the marker read then are never the new
-        holder's. The marker goes only if it is still the version read (a conditional delete), then the
-        listed versions; a version the new holder uploads later, or its marker, is never touched."""
+        """What is read before a fence check that passes predates any takeover (a new holder writes only
+        after raising the counter): the marker goes only if still the version read (a conditional delete),
+        then the versions listed; what the new holder uploads or commits later is never touched."""
         versions = self._versions(name)
         found = store.read(f"{name}/{MARKER}")
         token = fence.check(self)
         if found is None or marker_token(found.data) > token:
             return  # unpublished meanwhile, or the new holder's entry
-        if not store.remove(f"{name}/{MARKER}", found.etag):  # unpublish first; rewritten since read: not ours
-            return
+        if not store.remove(f"{name}/{MARKER}", found.etag) and store.read(f"{name}/{MARKER}") is not None:
+            return  # rewritten since it was read: the new holder's entry now (gone: our own retried delete)
         for version in versions:
             self.fs.delete_dir(self._path(f"{name}/{version}"))
 
@@ -218,35 +216,40 @@ class UriStorage(Storage):
         return inside(found, self._local(name), name)
 
     def _conditional(self):
-        """S3's or GCS's conditional writes for this root (app/storage/conditional.py), or None."""
+        """S3's or GCS's conditional writes for this root (app/storage/conditional.py, made once), or None."""
         from app.storage.conditional import conditional_store
 
-        return conditional_store(self.root) if self.fs.type_name in ("s3", "gcs") else None
+        if not hasattr(self, "_store"):
+            self._store = conditional_store(self.root) if self.fs.type_name in ("s3", "gcs") else None
+        return self._store
 
     # ---- the export, rewritten in place ----------------------------------------------------------
 
     def _replace_file(self, rel: str, local: Path) -> None:
-        """One file of `upload_dir`. On S3/GCS: the version there is read before the fence check, and the
-        upload (one PUT) lands only if it is still that version (none there: only if none is there
-        still), so a run paused after its check never writes over the new holder's file. A file over
-        SINGLE_PUT_MAX goes the streamed way, checked and then written."""
+        """One file of `upload_dir`. On S3/GCS one PUT that lands only if the file is still the version read
+        before the fence check (none: only if still none), so a run paused after its check never writes
+        over the new holder's file. A file over SINGLE_PUT_MAX is streamed: checked, then written."""
         store = self._conditional()
         if store is None or Path(local).stat().st_size > SINGLE_PUT_MAX:
             return super()._replace_file(rel, local)
-        seen = store.version(rel)
-        fence.guard(self, rel)
-        if store.put_file(rel, local, seen) is None:
-            raise self._newer(rel, fence.held(self.root))
+        for _ in range(3):  # a failed condition and a check that still passes: our own retried PUT landed first
+            seen = store.version(rel)
+            fence.guard(self, rel)
+            if store.put_file(rel, local, seen) is not None:
+                return
+        raise self._newer(rel, fence.held(self.root))
 
     def _drop_file(self, rel: str) -> None:
         """A file `upload_dir` removes: on S3/GCS only the version read before the fence check."""
         store = self._conditional()
         if store is None:
             return super()._drop_file(rel)
-        seen = store.version(rel)
-        fence.check(self)
-        if seen is not None and not store.remove(rel, seen):
-            raise self._newer(rel, fence.held(self.root))
+        for _ in range(3):  # as in `_replace_file`: the next check tells a takeover from a retry's echo
+            seen = store.version(rel)
+            fence.check(self)
+            if seen is None or store.remove(rel, seen):
+                return
+        raise self._newer(rel, fence.held(self.root))
 
 
 def download(fs, path: str, dest: Path) -> None:
