@@ -48,7 +48,7 @@ def _wired(plan):
     """The supervisor and the evaluation runner as the driver wires them (RunOutputs.attach), before start."""
     sup = Supervisor(plan, topo=None, monitor=RunMonitor(), stop=threading.Event(), log=lambda _: None)
     outputs = RunOutputs(plan.cfg, "run", sup.monitor, resumed_step=0, log=lambda _: None)
-    outputs.attach(sup)
+    outputs.attach(sup.plan, sup.eval_spec, sup.pool, sup.alive_targets)
     outputs.timeline.close()
     return sup, outputs.evals
 

@@ -156,8 +156,8 @@ def supervise(plan, runs: dict, use_gpu: bool, stop: threading.Event) -> int:
         for run, run_sup in sup.runs.items():
             ends[run] = RunEnd.open(run_sup, name, run)
         sup.start()
-        for end in ends.values():
-            end.outputs.attach(end.sup)  # evaluations during the run, on the started targets
+        for end in ends.values():  # evaluations during the run, on the started targets
+            end.outputs.attach(end.sup.plan, end.sup.eval_spec, end.sup.pool, end.sup.alive_targets)
         split = ", ".join(f"{r}: {s.cfg.topology.num_drafters}" for r, s in sup.runs.items() if r)  # a sweep's
         log(f"{cfg.topology.num_targets} targets and {cfg.topology.num_drafters} drafters running (run '{name}'"
             f"{f'; drafters per run {split}' if split else ''}), target layers {plan.layer_ids}")
@@ -165,7 +165,7 @@ def supervise(plan, runs: dict, use_gpu: bool, stop: threading.Event) -> int:
         check_finite(ends)
         if stop_runs(ends):
             return 0
-        stream, issued = stream_counts(cfg, sup)
+        stream, issued = stream_counts(cfg, sup.pool, sup.alive_targets())
         summaries = {run: finish_run(end, stream, time.monotonic() - t0) for run, end in ends.items()}
         fields = summaries[""] if "" in summaries else finish_sweep(cfg, name, summaries, stream, issued,
                                                                     len(plan.jobs), time.monotonic() - t0)

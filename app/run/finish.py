@@ -77,16 +77,16 @@ def stop_runs(ends: dict[str, RunEnd]) -> bool:
     return True
 
 
-def stream_counts(cfg, sup) -> tuple[dict, dict]:
-    """What the stream did, read before any tau is measured on its targets: the fields every run's summary
-    gets (the live targets' own forward counters, the replay store's counts), and the pool's forwards
-    issued by how many runs each fed (a single run's all fed one)."""
+def stream_counts(cfg, pool, targets: list[tuple[int, Any]]) -> tuple[dict, dict]:
+    """What the stream did, read before any tau is measured on its `targets` (the live ones): the fields every
+    run's summary gets (the targets' own forward counters, the replay store's counts), and the `pool`'s
+    forwards issued by how many runs each fed (a single run's all fed one)."""
     import ray
 
     from app.replay.target_side import replay_summary
 
-    issued = sup.pool.handle.stream_counts.remote()
-    fields = {"target_forwards": target_forwards(sup.alive_targets()),
+    issued = pool.handle.stream_counts.remote()
+    fields = {"target_forwards": target_forwards(targets),
               **replay_summary(cfg.pool.replay, cfg.checkpoint.dir)}
     return fields, ray.get(issued)
 

@@ -35,13 +35,13 @@ class RunOutputs:
         monitor.listen(self.timeline)
         self.evals = None
 
-    def attach(self, sup) -> None:
+    def attach(self, plan, spec, pool, alive_targets) -> None:
         """Once the supervisor has started the pool and the targets: evaluations during the run, handed the
         run's plan, its one EvalSpec (the end-of-run tau's too), its pool client and its live-target query."""
         from app.run.evaluate.runner import EvalRunner
 
-        self.evals = EvalRunner(sup.plan, sup.eval_spec, sup.pool, sup.alive_targets, self.monitor, self.timeline,
-                                self.log, self.earlier_evals)
+        self.evals = EvalRunner(plan, spec, pool, alive_targets, self.monitor, self.timeline, self.log,
+                                self.earlier_evals)
         self.monitor.listen(self.evals)
 
     def finish(self, final_step: int, export_dir: str | None) -> dict:
