@@ -20,7 +20,7 @@ from app.model.drafter_tau import evaluate_drafter, weights_to_numpy
 from app.run.evaluate.schedule import EvalOffer
 from app.run.outputs.monitor import RunMonitor
 from app.run.outputs.run_outputs import RunOutputs
-from app.run.supervisor import Supervisor
+from app.run.run_supervisor import RunSupervisor
 from tests.toy import LAYERS, PROMPTS, save_tiny_target
 
 BUDGET = 24  # eval.max_new_tokens
@@ -45,8 +45,8 @@ def _plan(model_dir, tmp_path):
 
 
 def _wired(plan):
-    """The supervisor and the evaluation runner as the driver wires them (RunOutputs.attach), before start."""
-    sup = Supervisor(plan, topo=None, monitor=RunMonitor(), stop=threading.Event(), log=lambda _: None)
+    """The run's supervisor and the evaluation runner as the driver wires them (RunOutputs.attach), before start."""
+    sup = RunSupervisor("", plan, monitor=RunMonitor(), stop=threading.Event(), log=lambda _: None)
     outputs = RunOutputs(plan.cfg, "run", sup.monitor, resumed_step=0, log=lambda _: None)
     outputs.attach(sup.plan, sup.eval_spec, sup.pool, sup.alive_targets)
     outputs.timeline.close()

@@ -143,16 +143,16 @@ def test_a_drafter_rank_stuck_on_the_last_step_is_caught_by_the_watchdog(ray_clu
 def _kill_targets_before_evaluate(monkeypatch, which: slice) -> None:
     import ray
 
-    from app.run.supervisor import Supervisor
+    from app.run.run_supervisor import RunSupervisor
 
-    original = Supervisor.evaluate
+    original = RunSupervisor.evaluate
 
     def evaluate(self, export_dir):
-        for tid in self.policy.alive()[which]:
-            ray.kill(self.targets[tid], no_restart=True)
+        for _, handle in self.alive_targets()[which]:
+            ray.kill(handle, no_restart=True)
         return original(self, export_dir)
 
-    monkeypatch.setattr(Supervisor, "evaluate", evaluate)
+    monkeypatch.setattr(RunSupervisor, "evaluate", evaluate)
 
 
 def test_tau_falls_back_to_another_target_when_one_died_at_the_end(ray_cluster, tmp_path: Path, capsys,

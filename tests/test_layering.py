@@ -159,8 +159,9 @@ def test_the_pool_is_plain_python(tmp_path):
 
 
 RUN_TOP = {"app.run", "app.run.driver", "app.run.plan", "app.run.lease", "app.run.lease_record", "app.run.placement",
-           "app.run.topology", "app.run.supervisor", "app.run.sweep", "app.run.finish",
-           "app.run.preflight"}  # sweep: runs on one stream; finish: how each run ends; preflight: the checks;
+           "app.run.topology", "app.run.supervisor", "app.run.run_supervisor", "app.run.sweep", "app.run.finish",
+           "app.run.preflight"}  # supervisor: the stream's loop; run_supervisor: each run's part of it; sweep: the
+# run list; finish: how each run ends; preflight: the checks;
 # lease_record: what a lease record says and when it is stale
 RUN_ROOMS = ("supervise", "elastic", "evaluate", "outputs")
 

@@ -1,21 +1,32 @@
-"""The supervision policy without Ray: events and a clock in, actions out; the pool client's retries."""
+"""The supervision policy without Ray, its two halves (the stream's targets, a run's drafters): events and a clock
+in, actions out; the pool client's retries."""
 from __future__ import annotations
 
 import pytest
 
 from app.config.run_sections import SupervisionConfig
 from app.run.supervise.events import (DrafterGroupFailed, DrafterGroupStarted, Fail, GiveUpTarget, KillStalledTarget, RankProgress, RebuildDrafters, RequestStop, RestartTarget, StopSignal, TargetFailed, TargetStartFailed, TargetStarted, Tick)
-from app.run.supervise.policy import SupervisionPolicy
+from app.run.supervise.policy import DrafterPolicy, TargetPolicy
 from app.messages import DrafterPhase
 
 
-def _policy(num_targets: int = 2, **kw) -> SupervisionPolicy:
-    cfg = SupervisionConfig(**{"max_restarts_target": 2, "max_restarts_drafter_group": 1, "stall_timeout_s": 60.0,
-                               "stop_timeout_s": 30.0, **kw})
-    p = SupervisionPolicy(cfg, num_targets, now=0.0)
+def _cfg(**kw) -> SupervisionConfig:
+    return SupervisionConfig(**{"max_restarts_target": 2, "max_restarts_drafter_group": 1, "stall_timeout_s": 60.0,
+                                "stop_timeout_s": 30.0, **kw})
+
+
+def _policy(num_targets: int = 2, **kw) -> TargetPolicy:
+    """The stream's half, every target started."""
+    p = TargetPolicy(_cfg(**kw), num_targets, now=0.0)
     for t in range(num_targets):
         assert p.on(TargetStarted(t), 0.0) == []
-    p.on(DrafterGroupStarted(0), 0.0)
+    return p
+
+
+def _drafters(**kw) -> DrafterPolicy:
+    """A run's half, its group started at step 0."""
+    p = DrafterPolicy(_cfg(**kw), now=0.0)
+    assert p.on(DrafterGroupStarted(0), 0.0) == []
     return p
 
 
@@ -32,7 +43,7 @@ def test_restart_within_budget_then_give_up_when_spent() -> None:
     p.on(TargetStarted(0), 4.0)
     actions = p.on(TargetFailed(0, "boom"), 5.0)
     assert actions == [GiveUpTarget(0, 2, 2, 1, "boom")]
-    assert p.alive() == [1] and p.restarts() == {"target": 2, "drafter_group": 0, "pool": 0}
+    assert p.alive() == [1] and p.restarts() == {"target": 2, "pool": 0}
     assert p.on(TargetFailed(0, "late report"), 6.0) == []  # a given-up target is not counted again
 
 
@@ -65,11 +76,11 @@ def test_a_target_restarting_keeps_the_run_alive() -> None:
     p = _policy(num_targets=1, max_restarts_target=3)
     assert p.on(TargetFailed(0, "a"), 1.0) == [RestartTarget(0, 1, 3, "a")]
     assert p.alive() == []  # none alive, but one is loading: no Fail
-    assert p.on(_tick(), 500.0) == []
+    assert p.on(_tick(), 500.0) == [] and _drafters().on(_tick(), 500.0) == []
 
 
 def test_drafter_group_rebuild_within_budget_then_fail() -> None:
-    p = _policy(max_restarts_drafter_group=1)
+    p = _drafters(max_restarts_drafter_group=1)
     assert p.on(DrafterGroupFailed("rank 1 died"), 10.0) == [RebuildDrafters("rank 1 died", 1, 1)]
     p.on(DrafterGroupStarted(4), 20.0)
     [action] = p.on(DrafterGroupFailed("rank 0 died"), 30.0)
@@ -85,7 +96,7 @@ def test_stalled_target_is_killed_once() -> None:
 
 
 def test_drafters_stalled_with_data_waiting() -> None:
-    p = _policy(stall_timeout_s=60.0)
+    p = _drafters(stall_timeout_s=60.0)
     assert p.on(_tick(servable=True, steps=3), 30.0) == []  # a step: progress at t=30
     assert p.on(_tick(servable=True, steps=3), 89.0) == []
     [action] = p.on(_tick(servable=True, steps=3), 91.0)
@@ -94,7 +105,7 @@ def test_drafters_stalled_with_data_waiting() -> None:
 
 def test_starving_drafters_are_not_stalled() -> None:
     """A rank waiting for a pull with nothing buffered: the targets are slow, not the drafters."""
-    p = _policy(stall_timeout_s=60.0)
+    p = _drafters(stall_timeout_s=60.0)
     ranks = [RankProgress(0, DrafterPhase.WAIT_DATA, 100.0), RankProgress(1, DrafterPhase.COLLECTIVE, 100.0)]
     assert p.on(_tick(servable=False, ranks=ranks), 100.0) == []
     assert p.on(_tick(servable=False), 200.0) == []  # without progress reports only the servable rule judges
@@ -103,7 +114,7 @@ def test_starving_drafters_are_not_stalled() -> None:
 def test_rank_stuck_outside_a_collective_on_the_last_step_is_stalled() -> None:
     """Nothing buffered (the stream is over) and one rank computing forever while the others wait in
     the all-reduce: no rank waits for data, so this is a stall."""
-    p = _policy(stall_timeout_s=60.0)
+    p = _drafters(stall_timeout_s=60.0)
     ranks = [RankProgress(0, DrafterPhase.COLLECTIVE, 70.0), RankProgress(1, DrafterPhase.COMPUTE, 70.0)]
     [action] = p.on(_tick(servable=False, ranks=ranks), 70.0)
     assert isinstance(action, RebuildDrafters) and "rank 1 compute" in action.reason
@@ -112,20 +123,20 @@ def test_rank_stuck_outside_a_collective_on_the_last_step_is_stalled() -> None:
 def test_unresponsive_rank_with_a_byte_full_pool_is_stalled() -> None:
     """A byte-full pool buffers nothing (leases hold the bytes); a rank that stopped answering never
     frees them."""
-    p = _policy(stall_timeout_s=60.0)
+    p = _drafters(stall_timeout_s=60.0)
     ranks = [RankProgress(0, DrafterPhase.UNRESPONSIVE, 65.0), RankProgress(1, DrafterPhase.COLLECTIVE, 65.0)]
     [action] = p.on(_tick(servable=False, ranks=ranks), 65.0)
     assert isinstance(action, RebuildDrafters)
 
 
 def test_finished_group_is_not_stalled() -> None:
-    p = _policy(stall_timeout_s=60.0)
+    p = _drafters(stall_timeout_s=60.0)
     ranks = [RankProgress(0, DrafterPhase.DONE, 90.0), RankProgress(1, DrafterPhase.DONE, 90.0)]
     assert p.on(_tick(ranks=ranks), 90.0) == []
 
 
 def test_a_rebuilt_group_gets_a_full_timeout() -> None:
-    p = _policy(stall_timeout_s=60.0, max_restarts_drafter_group=2)
+    p = _drafters(stall_timeout_s=60.0, max_restarts_drafter_group=2)
     assert isinstance(p.on(_tick(servable=True), 61.0)[0], RebuildDrafters)
     p.on(DrafterGroupStarted(0), 80.0)
     assert p.on(_tick(servable=True), 139.0) == []
@@ -133,7 +144,7 @@ def test_a_rebuilt_group_gets_a_full_timeout() -> None:
 
 
 def test_stop_once_then_fail_past_the_timeout() -> None:
-    p = _policy(stop_timeout_s=30.0)
+    p = _drafters(stop_timeout_s=30.0)
     assert p.on(StopSignal(), 10.0) == [RequestStop(30.0)]
     assert p.on(StopSignal(), 11.0) == []  # asked once
     assert p.on(_tick(steps=1), 39.0) == []

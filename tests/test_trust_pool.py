@@ -128,19 +128,19 @@ def test_the_run_stops_in_one_line_once_quarantined_jobs_exceed_the_share() -> N
     a single poison job never does, even in a small run."""
     from app.config.run_sections import SupervisionConfig
     from app.run.supervise.events import Fail, Tick
-    from app.run.supervise.policy import SupervisionPolicy
+    from app.run.supervise.policy import TargetPolicy
 
     def tick(quarantined: int, total: int) -> Tick:
         return Tick({}, servable=False, steps=0, quarantined=quarantined, total_jobs=total)
 
-    policy = SupervisionPolicy(SupervisionConfig(), num_targets=3)
+    policy = TargetPolicy(SupervisionConfig(), num_targets=3)
     assert policy.on(tick(1, 20), 1.0) == []  # 5%, but one job
     assert policy.on(tick(3, 300), 2.0) == []  # exactly 1%: not more
     actions = policy.on(tick(4, 300), 3.0)
     assert len(actions) == 1 and isinstance(actions[0], Fail)
     assert actions[0].message.startswith("4 of 300 jobs quarantined (1.3% > supervision.max_quarantined_share=0.01)")
     assert "\n" not in actions[0].message
-    strict = SupervisionPolicy(SupervisionConfig(max_quarantined_share=0.0), num_targets=1)
+    strict = TargetPolicy(SupervisionConfig(max_quarantined_share=0.0), num_targets=1)
     assert strict.on(tick(1, 10**6), 1.0) == [] and isinstance(strict.on(tick(2, 10**6), 2.0)[0], Fail)
 
 
@@ -228,15 +228,15 @@ def test_a_rebuild_ignores_a_late_checkpoint_of_a_group_killed_earlier(tmp_path)
 def test_a_dead_pool_is_recreated_within_its_budget_then_the_run_fails_with_its_line() -> None:
     from app.config.run_sections import SupervisionConfig
     from app.run.supervise.events import Fail, PoolFailed, RecreatePool
-    from app.run.supervise.policy import SupervisionPolicy
+    from app.run.supervise.policy import TargetPolicy
 
-    policy = SupervisionPolicy(SupervisionConfig(max_restarts_pool=2), num_targets=2)
+    policy = TargetPolicy(SupervisionConfig(max_restarts_pool=2), num_targets=2)
     line = "pool actor HSPoolActor died (RayActorError); the run stops here. Resubmit ..."
     assert policy.on(PoolFailed(line), 1.0) == [RecreatePool(line, 1, 2)]
     assert policy.on(PoolFailed(line), 2.0) == [RecreatePool(line, 2, 2)]
     assert policy.on(PoolFailed(line), 3.0) == [Fail(f"{line} (supervision.max_restarts_pool=2 spent)")]
     assert policy.restarts()["pool"] == 2
-    assert SupervisionPolicy(SupervisionConfig(max_restarts_pool=0), 1).on(PoolFailed(line), 0.0)[0] == \
+    assert TargetPolicy(SupervisionConfig(max_restarts_pool=0), 1).on(PoolFailed(line), 0.0)[0] == \
         Fail(f"{line} (supervision.max_restarts_pool=0 spent)")
 
 

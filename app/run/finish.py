@@ -1,7 +1,7 @@
 """How every run ends: a single run is a sweep of one, so each run of a stream ends through the same steps.
 
-The driver (app/run/driver.py) opens one `RunEnd` per run of its supervisor (`sup.runs`: `{"": sup}` for a
-single run, the sweep's runs by name otherwise): the run's outputs (timeline, advice, evaluations,
+The driver (app/run/driver.py) opens one `RunEnd` per run of its stream's supervisor (`sup.runs`: one run
+named "" for a single run, the sweep's runs by name otherwise): the run's outputs (timeline, advice, evaluations,
 report.html; app/run/outputs/run_outputs.py) and its wandb rows. Once the supervisor returns:
 `check_finite` (train.on_nonfinite=stop: nothing of that step was checkpointed or exported), then either
 `stop_runs` (SIGTERM: resubmit to resume) or `finish_run` for each run: tau of the export on the live
@@ -24,7 +24,7 @@ class RunEnd:
     """One run's outputs beside its supervisor."""
 
     name: str  # "" for a single run; the run's name in a sweep
-    sup: Any  # its Supervisor (a sweep's RunSupervisor, app/run/sweep.py)
+    sup: Any  # its RunSupervisor (app/run/run_supervisor.py)
     outputs: Any  # RunOutputs
     wandb: Any  # WandbLogger
 

@@ -126,8 +126,8 @@ class Topology:
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
         return [b for b, ref in refs.items() if ref not in ready]
 
-    def make_pool(self, num_buckets: int, runs: dict | None = None) -> Any:
-        """The pool actor; `runs` (name -> RunShape): several drafter runs on one stream (app/run/sweep.py)."""
+    def make_pool(self, num_buckets: int, runs: dict) -> Any:
+        """The pool actor of the stream's `runs` (name -> RunShape; a single run is one named "": app/run/sweep.py)."""
         import ray
 
         from actors.hs_pool import HSPoolActor, pool_max_concurrency
@@ -138,8 +138,8 @@ class Topology:
         return ray.remote(HSPoolActor).options(
             num_cpus=0, max_concurrency=concurrency,
             max_restarts=0, scheduling_strategy=self._pool_node(),  # no name: no other job can look it up
-        ).remote(self.cfg.pool, num_buckets, self.run_name, ranks=topo.num_drafters, accum=self.cfg.train.grad_accum,
-                 broken_after=self.cfg.supervision.broken_target_raises, runs=runs)
+        ).remote(self.cfg.pool, num_buckets, self.run_name, broken_after=self.cfg.supervision.broken_target_raises,
+                 runs=runs)
 
     def make_target(self, i: int, model_dir: str, layer_ids: list[int], dataset_ref: Any, faults: Any) -> Any:
         import ray

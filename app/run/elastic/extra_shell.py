@@ -31,13 +31,15 @@ class ExtraGpus:
     """The planner, the extra placement group being placed, and the drafter rebuild in progress."""
 
     def __init__(self, planner: ExtraPlanner, advisor, trigger, target_ids: Iterator[int], topology, *, topo, group,
-                 pool, fleet, policy, monitor, clock: Callable[[], float], log: Callable[[str], None]) -> None:
+                 pool, fleet, target_policy, drafter_policy, monitor, clock: Callable[[], float],
+                 log: Callable[[str], None]) -> None:
         """`planner`: the run's ExtraPlanner (its bundles go in summary.json through the monitor); `advisor` and
         `trigger`: its SplitAdvisor and Rebalancer, told the new split; `target_ids`: the ids new target slots
         take (shared with the re-split's shell); `topology`: the config section the bundle shapes come from."""
         self.planner, self.advisor, self.trigger, self.target_ids = planner, advisor, trigger, target_ids
         self.topology = topology
-        self.topo, self.group, self.pool, self.fleet, self.policy = topo, group, pool, fleet, policy
+        self.topo, self.group, self.pool, self.fleet = topo, group, pool, fleet
+        self.target_policy, self.drafter_policy = target_policy, drafter_policy
         self.monitor, self.clock, self.log = monitor, clock, log
         self.shapes: dict[str, dict[str, float]] = {}  # side -> bundle, from the topology at the first look
         self.placing: tuple[Extra, int, Any, float] | None = None  # (extra, bundle index, ready ref, since)
@@ -74,7 +76,7 @@ class ExtraGpus:
 
     def wants(self, results) -> bool:
         """True when the group's return is the stop an extra drafter asked for."""
-        if self.stopping is not None and not stopped_for_change(self.policy, results):
+        if self.stopping is not None and not stopped_for_change(self.drafter_policy, results):
             self.planner.failed("the run stopped first")
             self.stopping = None
         return self.stopping is not None
@@ -115,7 +117,7 @@ class ExtraGpus:
     def _add_target(self, extra: Extra, index: int) -> None:
         tid = next(self.target_ids)  # target ids count on, shared with the re-split's new slots
         self.topo.target_bundles[tid] = index
-        self.policy.add_target(tid)  # STARTING; the pool takes it once its first ping answers
+        self.target_policy.add_target(tid)  # STARTING; the pool takes it once its first ping answers
         self.fleet.add(tid)
         self.pool.report_restart("extra")  # dflash_restarts_total{kind="extra"}
         self.planner.done()

@@ -25,11 +25,12 @@ UNPLACED_AFTER_S = 5.0  # a probe unanswered this long: its bundle has no node
 class Grower:
     """The probes in flight, the planner, and the growth in progress."""
 
-    def __init__(self, planner: GrowthPlanner, *, topo, group, pool, fleet, policy, monitor,
+    def __init__(self, planner: GrowthPlanner, *, topo, group, pool, fleet, target_policy, drafter_policy, monitor,
                  clock: Callable[[], float], log: Callable[[str], None]) -> None:
         """`planner`: the run's GrowthPlanner (its growths go in summary.json through the monitor)."""
         self.planner = planner
-        self.topo, self.group, self.pool, self.fleet, self.policy = topo, group, pool, fleet, policy
+        self.topo, self.group, self.pool, self.fleet = topo, group, pool, fleet
+        self.target_policy, self.drafter_policy = target_policy, drafter_policy
         self.monitor, self.clock, self.log = monitor, clock, log
         self.stopping: Grow | None = None
         self.probes: dict[int, tuple[Any, float]] = {}  # bundle -> (probe ref in flight, sent at)
@@ -39,7 +40,7 @@ class Grower:
 
     def observe(self, busy: bool) -> None:
         """`busy`: the group is already stopping (a SIGTERM, another change): no growth begins."""
-        topo, group, targets = self.topo, self.group, self.policy.targets
+        topo, group, targets = self.topo, self.group, self.target_policy.targets
         lost = [b for b in topo.drafter_bundles if b not in group.in_use]
         given_up = {tid: b for tid, b in topo.target_bundles.items()
                     if tid in targets and targets[tid].state is TargetState.GIVEN_UP}
@@ -55,7 +56,7 @@ class Grower:
 
     def wants(self, results) -> bool:
         """True when the group's return is this growth's stop."""
-        if self.stopping is not None and not stopped_for_change(self.policy, results):
+        if self.stopping is not None and not stopped_for_change(self.drafter_policy, results):
             self.planner.failed("the run stopped first")
             self.stopping = None
         return self.stopping is not None
@@ -93,7 +94,7 @@ class Grower:
         return started
 
     def _return_target(self, back: ReturnTarget) -> None:
-        self.policy.add_target(back.target_id)  # STARTING, with a fresh restart budget
+        self.target_policy.add_target(back.target_id)  # STARTING, with a fresh restart budget
         self.fleet.add(back.target_id)
         self.monitor.resplit_event("target_back", target_id=back.target_id, bundle=back.bundle, why=back.why)
         self.log(f"target {back.target_id} starting again: {back.why}")

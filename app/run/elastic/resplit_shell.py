@@ -16,10 +16,12 @@ Every job is trained once: the checkpoint's weights hold exactly its ledger's jo
 outside it are issued again. A growth (`app/run/elastic/grow_shell.py`: bundles lost with a node placed again) is
 the same stop and rebuild without moves: `stopped_for_change`, `stop_at_checkpoint`, `resume_pool`.
 
-Each shell is handed the parts it uses, once the supervisor has started them: the run's `Topology`, its
-`DrafterGroup`, `PoolClient`, `Targets` (the fleet) and `SupervisionPolicy`, the `RunMonitor` its rows and
-tokens go through, its planner (app/run/elastic/planners.py), the clock and the log. The supervisor says
-each loop turn whether the group is already changing (`observe(busy)`): one change at a time.
+Each shell is handed the parts it uses, once the stream has started them: the run's view of the `Topology`
+(`RunTopology`), its `DrafterGroup` and run-scoped `PoolClient`, the stream's `Targets` (the fleet) and
+`TargetPolicy` (target slots added, retired, given up), the run's `DrafterPolicy` (a SIGTERM's stop pending),
+the `RunMonitor` its rows and tokens go through, its planner (app/run/elastic/planners.py), the clock and the
+log. The run's supervisor (app/run/run_supervisor.py) says each loop turn whether the group is already
+changing (`observe(busy)`): one change at a time.
 """
 from __future__ import annotations
 
@@ -39,10 +41,10 @@ def same_shape(bundles: list[dict[str, float]], a: int, b: int) -> str:
     return ""
 
 
-def stopped_for_change(policy, results) -> bool:
+def stopped_for_change(drafter_policy, results) -> bool:
     """True when the group's return is the stop a change of the group asked for (not the run's end,
     not a SIGTERM, not a non-finite loss)."""
-    return policy.stop_deadline is None and all(r.stopped and not r.nonfinite for r in results)
+    return drafter_policy.stop_deadline is None and all(r.stopped and not r.nonfinite for r in results)
 
 
 def stop_at_checkpoint(group):
@@ -64,12 +66,13 @@ def resume_pool(pool, ledger: list[int], kind: str) -> int:
 class Resplitter:
     """The trigger, the stop in progress, and the moves of one re-split."""
 
-    def __init__(self, trigger, advisor, target_ids: Iterator[int], *, topo, group, pool, fleet, policy, monitor,
-                 clock: Callable[[], float], log: Callable[[str], None]) -> None:
+    def __init__(self, trigger, advisor, target_ids: Iterator[int], *, topo, group, pool, fleet, target_policy,
+                 drafter_policy, monitor, clock: Callable[[], float], log: Callable[[str], None]) -> None:
         """`trigger`: the run's Rebalancer; `advisor`: its SplitAdvisor; `target_ids`: the ids new target slots
         take, counting on from the configured ones (shared with the extra GPUs' shell)."""
         self.trigger, self.advisor, self.target_ids = trigger, advisor, target_ids
-        self.topo, self.group, self.pool, self.fleet, self.policy = topo, group, pool, fleet, policy
+        self.topo, self.group, self.pool, self.fleet = topo, group, pool, fleet
+        self.target_policy, self.drafter_policy = target_policy, drafter_policy
         self.monitor, self.clock, self.log = monitor, clock, log
         self.stopping: Resplit | None = None  # asked the group to stop for this re-split
 
@@ -88,7 +91,7 @@ class Resplitter:
 
     def wants(self, results) -> bool:
         """True when the group's return is this re-split's stop (not the run's end, not a SIGTERM)."""
-        return self.stopping is not None and stopped_for_change(self.policy, results)
+        return self.stopping is not None and stopped_for_change(self.drafter_policy, results)
 
     # ---- a re-split ------------------------------------------------------------------------
 
@@ -132,14 +135,14 @@ class Resplitter:
             tid = max(topo.target_bundles)
             requeued = self.pool.remove_target(tid)
             self.fleet.retire(tid)
-            self.policy.retire_target(tid)
+            self.target_policy.retire_target(tid)
             topo.drafter_bundles.append(topo.target_bundles.pop(tid))
             moved.append(f"target {tid} -> drafter ({len(requeued)} in-flight jobs re-queued)")
         new_targets = []
         for _ in range(max(0, old_d - new_d)):  # drafters -> targets: the last drafter bundles go
             tid = next(self.target_ids)
             topo.target_bundles[tid] = topo.drafter_bundles.pop()
-            self.policy.add_target(tid)
+            self.target_policy.add_target(tid)
             new_targets.append(tid)
             moved.append(f"drafter bundle {topo.target_bundles[tid]} -> target {tid}")
         requeued = resume_pool(self.pool, ledger, "resplit")  # dflash_restarts_total{kind="resplit"}

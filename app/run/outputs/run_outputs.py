@@ -37,7 +37,8 @@ class RunOutputs:
 
     def attach(self, plan, spec, pool, alive_targets) -> None:
         """Once the supervisor has started the pool and the targets: evaluations during the run, handed the
-        run's plan, its one EvalSpec (the end-of-run tau's too), its pool client and its live-target query."""
+        run's plan, its one EvalSpec (the end-of-run tau's too), its run-scoped pool client and the stream's
+        live-target query."""
         from app.run.evaluate.runner import EvalRunner
 
         self.evals = EvalRunner(plan, spec, pool, alive_targets, self.monitor, self.timeline, self.log,

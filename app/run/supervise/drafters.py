@@ -1,7 +1,7 @@
 """The data-parallel DrafterActor group: build, rebuild from the latest checkpoint, bundle waits, progress.
 
 Each step returns the supervision event it produced (`DrafterGroupStarted`, `DrafterGroupFailed`) for the
-supervisor's loop to hand to `SupervisionPolicy`. A rebuild tears the whole group down, rolls the pool
+run's supervisor to hand to its `DrafterPolicy`. A rebuild tears the whole group down, rolls the pool
 back to the latest checkpoint's ledger (jobs trained after it are re-issued) and resumes a new group
 from it, on fewer ranks when a lost node took GPUs nobody can replace.
 

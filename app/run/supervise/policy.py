@@ -1,27 +1,31 @@
 """Supervision as a pure policy: events and a clock in, typed actions out (no Ray here).
 
-`app/run/supervisor.py` is the shell: it turns what it sees (pool snapshots, finished or crashed
-actors, drafter progress) into the events of `events.py`, asks `SupervisionPolicy` what to do, and carries
-out the returned actions with Ray. Every rule is therefore testable without a cluster
-(`tests/test_supervision.py`).
+Two halves, as the stream and its runs split the actors (app/run/supervisor.py): `TargetPolicy` decides for
+what the runs of a stream share (the targets, the pool), `DrafterPolicy` for one run's drafter group. The
+shells turn what they see (pool snapshots, finished or crashed actors, drafter progress) into the events of
+`events.py`, hand each to its half and carry out the returned actions with Ray. Every rule is therefore
+testable without a cluster (`tests/test_supervision.py`).
 
-Rules:
+Rules of the targets' half:
 - A target that failed (crash, watchdog kill, or a replacement whose start failed) is restarted
   while its budget `max_restarts_target` lasts; a spent budget gives it up and the run goes on
   without it; 0 fails fast. Restarts are asynchronous: while one loads, the policy keeps deciding.
 - No target alive and none starting: the run fails.
-- A drafter crash or stall rebuilds the whole group while `max_restarts_drafter_group` lasts.
 - Watchdog: a target holding a job longer than `stall_timeout_s` is killed (once; the pool then
-  reports its failure). The drafter group is stalled when it made no step for `stall_timeout_s`
-  and it is not simply starving: starving means some rank waits for a pull and the pool has
-  nothing to serve. A rank stuck outside a collective (computing, or not answering at all) while
-  nothing is buffered - the last step, a byte-full pool - is therefore a stall too.
-- Stop: the first stop signal asks the drafters to checkpoint; past `stop_timeout_s` the run fails.
+  reports its failure).
 - A pool that died (or stopped answering) is recreated while `max_restarts_pool` lasts: the shell
-  restores the new pool from the latest checkpoint, re-registers the live targets and rebuilds the
-  drafter group; a spent budget fails the run with the pool's one line.
+  restores the new pool from each run's latest checkpoint, re-registers the live targets and rebuilds
+  every run's drafter group; a spent budget fails the run with the pool's one line.
 - Quarantine: more than `max_quarantined_share` of the run's jobs quarantined (and more than one)
   fails the run: so many poison jobs mean broken data or targets, not a few bad records.
+
+Rules of a run's drafters' half:
+- A drafter crash or stall rebuilds the whole group while `max_restarts_drafter_group` lasts.
+- Watchdog: the drafter group is stalled when it made no step for `stall_timeout_s` and it is not
+  simply starving: starving means some rank waits for a pull and the pool has nothing to serve. A rank
+  stuck outside a collective (computing, or not answering at all) while nothing is buffered - the last
+  step, a byte-full pool - is therefore a stall too.
+- Stop: the first stop signal asks the drafters to checkpoint; past `stop_timeout_s` the run fails.
 """
 from __future__ import annotations
 
@@ -51,23 +55,19 @@ class _Target:
 
 
 @dataclass
-class SupervisionPolicy:
-    """The supervisor's decisions; `on(event, now)` returns the actions to carry out, in order."""
+class TargetPolicy:
+    """The stream's half: its targets' restarts and give-ups, the target watchdog, the quarantine share and the
+    pool's recreations. `on(event, now)` returns the actions to carry out, in order."""
 
     cfg: SupervisionConfig
     num_targets: int
     now: float = 0.0
     targets: dict[int, _Target] = field(default_factory=dict)
-    group_rebuilds: int = 0
     pool_restarts: int = 0
-    last_progress: float = 0.0
-    last_step: int = 0
-    stop_deadline: float | None = None
     failures: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.targets = {i: _Target(TargetState.STARTING) for i in range(self.num_targets)}
-        self.last_progress = self.now
 
     # ---- queries -----------------------------------------------------------------------------
 
@@ -83,8 +83,7 @@ class SupervisionPolicy:
         self.targets[tid].state = TargetState.GIVEN_UP
 
     def restarts(self) -> dict[str, int]:
-        return {"target": sum(s.restarts for s in self.targets.values()), "drafter_group": self.group_rebuilds,
-                "pool": self.pool_restarts}
+        return {"target": sum(s.restarts for s in self.targets.values()), "pool": self.pool_restarts}
 
     # ---- events ------------------------------------------------------------------------------
 
@@ -95,21 +94,11 @@ class SupervisionPolicy:
             return []
         if isinstance(event, (TargetFailed, TargetStartFailed)):
             return self._target_failed(event.target_id, event.reason)
-        if isinstance(event, DrafterGroupFailed):
-            return self._rebuild(event.reason)
         if isinstance(event, PoolFailed):
             return self._recreate_pool(event.message)
-        if isinstance(event, DrafterGroupStarted):
-            self.last_progress, self.last_step = now, event.step
-            return []
-        if isinstance(event, StopSignal):
-            if self.stop_deadline is not None:
-                return []
-            self.stop_deadline = now + self.cfg.stop_timeout_s
-            return [RequestStop(self.cfg.stop_timeout_s)]
         if isinstance(event, Tick):
             return self._tick(event)
-        raise TypeError(f"unknown supervision event {event!r}")
+        raise TypeError(f"not a target supervision event {event!r}")
 
     def _target_failed(self, tid: int, reason: str) -> list[Action]:
         slot = self.targets[tid]
@@ -134,44 +123,22 @@ class SupervisionPolicy:
         return [Fail(f"no target left: {'; '.join(self.failures[-3:])}; raise supervision.max_restarts_target "
                      f"(now {self.cfg.max_restarts_target})")]
 
-    def _rebuild(self, reason: str) -> list[Action]:
-        budget = self.cfg.max_restarts_drafter_group
-        if self.group_rebuilds >= budget:
-            return [Fail(f"DrafterActor group failed ({reason}) and its restart budget is spent "
-                         f"({self.group_rebuilds}/{budget}); raise supervision.max_restarts_drafter_group")]
-        self.group_rebuilds += 1
-        self.last_progress = self.now  # the new group gets a full stall timeout to show progress
-        return [RebuildDrafters(reason, self.group_rebuilds, budget)]
-
     def _recreate_pool(self, message: str) -> list[Action]:
         budget = self.cfg.max_restarts_pool
         if self.pool_restarts >= budget:
             return [Fail(f"{message} (supervision.max_restarts_pool={budget} spent)")]
         self.pool_restarts += 1
-        self.last_progress = self.now  # the rebuilt group gets a full stall timeout to show progress
         return [RecreatePool(message, self.pool_restarts, budget)]
 
-    # ---- watchdog ----------------------------------------------------------------------------
-
     def _tick(self, tick: Tick) -> list[Action]:
+        """The target watchdog and the quarantine share (the tick's target fields)."""
         actions: list[Action] = []
-        timeout = self.cfg.stall_timeout_s
         for tid, age in sorted(tick.oldest_in_flight_age_s.items()):
             slot = self.targets.get(tid)
-            if slot is not None and slot.state is TargetState.ALIVE and age > timeout:
+            if slot is not None and slot.state is TargetState.ALIVE and age > self.cfg.stall_timeout_s:
                 slot.state = TargetState.KILLED
                 actions.append(KillStalledTarget(tid, age))
-        if tick.steps > self.last_step:
-            self.last_step, self.last_progress = tick.steps, self.now
-        idle = self.now - self.last_progress
-        if idle > timeout and self.drafters_stalled(tick):
-            actions += self._rebuild(f"drafters made no step for {idle:.0f} s ({_describe(tick)}) (watchdog)")
-        actions += self._check_quarantined(tick)
-        if self.stop_deadline is not None and self.now > self.stop_deadline:
-            actions.append(Fail(f"drafters did not checkpoint within supervision.stop_timeout_s="
-                                f"{self.cfg.stop_timeout_s:g}; the last periodic checkpoint stands; raise the "
-                                "timeout if steps are slow"))
-        return actions
+        return actions + self._check_quarantined(tick)
 
     def _check_quarantined(self, tick: Tick) -> list[Action]:
         share = self.cfg.max_quarantined_share
@@ -181,6 +148,65 @@ class SupervisionPolicy:
         return [Fail(f"{tick.quarantined} of {tick.total_jobs} jobs quarantined ({tick.quarantined / tick.total_jobs:.1%}"
                      f" > supervision.max_quarantined_share={share:g}): their forwards raise on every target "
                      "(quarantined_jobs in the log name each error); fix the data or the targets, or raise the share")]
+
+
+@dataclass
+class DrafterPolicy:
+    """One run's half: its drafter group's rebuilds, the drafter stall watchdog and the stop deadline.
+    `on(event, now)` returns the actions to carry out, in order."""
+
+    cfg: SupervisionConfig
+    now: float = 0.0
+    group_rebuilds: int = 0
+    last_progress: float = 0.0
+    last_step: int = 0
+    stop_deadline: float | None = None
+
+    def __post_init__(self) -> None:
+        self.last_progress = self.now
+
+    def restarts(self) -> dict[str, int]:
+        return {"drafter_group": self.group_rebuilds}
+
+    def on(self, event: Event, now: float) -> list[Action]:
+        self.now = now
+        if isinstance(event, DrafterGroupFailed):
+            return self._rebuild(event.reason)
+        if isinstance(event, DrafterGroupStarted):
+            self.last_progress, self.last_step = now, event.step
+            return []
+        if isinstance(event, StopSignal):
+            if self.stop_deadline is not None:
+                return []
+            self.stop_deadline = now + self.cfg.stop_timeout_s
+            return [RequestStop(self.cfg.stop_timeout_s)]
+        if isinstance(event, Tick):
+            return self._tick(event)
+        raise TypeError(f"not a drafter supervision event {event!r}")
+
+    def _rebuild(self, reason: str) -> list[Action]:
+        budget = self.cfg.max_restarts_drafter_group
+        if self.group_rebuilds >= budget:
+            return [Fail(f"DrafterActor group failed ({reason}) and its restart budget is spent "
+                         f"({self.group_rebuilds}/{budget}); raise supervision.max_restarts_drafter_group")]
+        self.group_rebuilds += 1
+        self.last_progress = self.now  # the new group gets a full stall timeout to show progress
+        return [RebuildDrafters(reason, self.group_rebuilds, budget)]
+
+    def _tick(self, tick: Tick) -> list[Action]:
+        """The drafter stall watchdog and the stop deadline (the tick's drafter fields)."""
+        actions: list[Action] = []
+        timeout = self.cfg.stall_timeout_s
+        if tick.steps > self.last_step:
+            self.last_step, self.last_progress = tick.steps, self.now
+        idle = self.now - self.last_progress
+        if idle > timeout and self.drafters_stalled(tick):
+            actions += self._rebuild(f"drafters made no step for {idle:.0f} s ({_describe(tick)}) (watchdog)")
+        if self.stop_deadline is not None and self.now > self.stop_deadline:
+            actions.append(Fail(f"drafters did not checkpoint within supervision.stop_timeout_s="
+                                f"{self.cfg.stop_timeout_s:g}; the last periodic checkpoint stands; raise the "
+                                "timeout if steps are slow"))
+        return actions
 
     @staticmethod
     def drafters_stalled(tick: Tick) -> bool:

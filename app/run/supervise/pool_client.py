@@ -21,7 +21,7 @@ BACKOFF_S = 0.5  # the first pause; doubled per retry (0.5 + 1 + 2 + 4 + 8 = 15.
 NAME_FREE_S = 30.0  # how long a recreated pool waits for the dead one's actor name to be released
 
 # Calls that change nothing when they run twice: a retry after an unknown outcome is safe.
-IDEMPOTENT = frozenset({"stats", "request_stop", "finish_adding", "pause_target", "resume_target", "set_ranks",
+IDEMPOTENT = frozenset({"stats", "ledger", "request_stop", "finish_adding", "pause_target", "resume_target", "set_ranks",
                         "clear_stop", "remove_target"})
 
 
@@ -75,6 +75,10 @@ class PoolClient:
 
     def stats(self):
         return self._call("stats")
+
+    def ledger(self) -> list[int]:
+        """The job ids acked so far (a finished run's, for a recreated pool to restore)."""
+        return self._call("ledger")
 
     def drain_step_records(self) -> list:
         return self._call("drain_step_records")

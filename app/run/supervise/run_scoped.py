@@ -1,9 +1,10 @@
-"""One run's view of a pool actor shared by several drafter runs (`runs:`), and of the placement group.
+"""One run's view of the stream's pool actor and of its placement group, for every run (a single run is one
+named "").
 
 `RunScoped` wraps the pool actor's handle: every drafter-side call (pull, ack, the stop flag, eval
 offers, step records, rollbacks, stats) gets `run=<name>`, the rest (targets, jobs) goes as is. The
-drafter ranks and the run's `PoolClient` hold it in place of the raw handle, so their code is the
-single run's. `RunTopology` gives a run its own slice of the drafter bundles.
+drafter ranks and the run's `PoolClient` hold it in place of the raw handle. `RunTopology` gives a run its
+own slice of the drafter bundles (a single run's: all of them), which its elastic changes move.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ class _RunMethod:
 
 
 class RunScoped:
-    """The shared pool actor as one run of a sweep sees it (picklable: drafter ranks receive it)."""
+    """The stream's pool actor as one of its runs sees it (picklable: drafter ranks receive it)."""
 
     def __init__(self, handle: Any, run: str) -> None:
         self.handle, self.run = handle, run
@@ -42,7 +43,7 @@ class RunScoped:
 
 
 class RunTopology:
-    """The run's view of the sweep's Topology: its own drafter bundles, everything else shared."""
+    """The run's view of the stream's Topology: its own drafter bundles, everything else shared."""
 
     def __init__(self, topo: Any, bundles: list[int]) -> None:
         self._topo, self.drafter_bundles = topo, list(bundles)

@@ -1,7 +1,7 @@
 """The run's TargetActors: start, restart, liveness. The shell around them; the policy decides.
 
 Every method returns the supervision events it saw (`TargetStarted`, `TargetStartFailed`,
-`TargetFailed`), in order, for the supervisor's loop to hand to `SupervisionPolicy`:
+`TargetFailed`), in order, for the stream's supervisor to hand to its `TargetPolicy`:
 - a start (first or restart) is an actor plus its first ping; the loop collects the answer without
   blocking, so a restart that loads for minutes never stalls supervision;
 - a target that started is handed to the pool (`add_target`);
@@ -66,9 +66,9 @@ class Targets:
         return events
 
     def restart(self, tid: int) -> None:
-        """Kill what is left of target `tid` and start a new one in its bundle (its answer comes via poll_starts)."""
+        """Kill what is left of target `tid` and start a new one in its bundle (its answer comes via poll_starts).
+        The stream's supervisor counts the restart in each run's metrics."""
         self.kill(tid, forget=True)
-        self.pool.report_restart("target")
         self.wait_bundles([self.topo.target_bundle(tid)], RESTART_BUNDLE_WAIT_S)  # the loop blocks
         self._launch(tid)
 
