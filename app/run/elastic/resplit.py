@@ -2,8 +2,8 @@
 
 The split advisor (`app/run/elastic/advisor.py`) says which split of the same GPUs would train fastest;
 `Rebalancer` decides whether the run acts on it. Fed the advisor's estimates, the run's cumulative
-training tokens and a clock; it answers with typed actions the supervisor carries out
-(`app/run/supervisor.py`: stop at a step boundary, checkpoint, move bundles, rebuild the group).
+training tokens and a clock; it answers with typed actions the run's shell carries out
+(`app/run/elastic/resplit_shell.py`: stop at a step boundary, checkpoint, move bundles, rebuild the group).
 
 Rules (`topology.rebalance`):
 - `off`: no advice on the status line, no action; `advise` (default): the advice is shown, nothing
