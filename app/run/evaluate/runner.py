@@ -32,7 +32,7 @@ class EvalRunner:
 
     def __init__(self, plan, spec, pool, alive_targets: Callable[[], list[tuple[int, Any]]], monitor, timeline, log,
                  earlier: list[dict] = (), clock=time.monotonic) -> None:
-        """`spec`: the run's one EvalSpec (`Supervisor.eval_spec`); `pool`: its PoolClient (take_eval,
+        """`spec`: the run's one EvalSpec (`RunSupervisor.eval_spec`); `pool`: its PoolClient (take_eval,
         pause_target, resume_target, report_tau); `alive_targets`: (id, handle) of the live targets, asked each
         time one is picked; `earlier`: the timeline's `eval` rows of the run's earlier starts."""
         self.plan, self.cfg, self.spec = plan, plan.cfg, spec
