@@ -60,17 +60,15 @@ class HSPoolActor:
         num_buckets: int,
         run_name: str,
         pull_policy: str | PullPolicy | None = None,
-        ranks: int | None = None,
-        accum: int = 1,
-        broken_after: int = 3,
         runs: dict[str, RunShape] | None = None,
+        broken_after: int = 3,
     ) -> None:
         """`pull_policy` None = pool_cfg.pull_policy; `broken_after` = supervision.broken_target_raises (see
-        app/pool/sides.py). `runs`: each run's ranks and grad_accum by name (a sweep); None = one run,
-        named "", whose `ranks` x `accum` (drafters x train.grad_accum) is one global step, which the
-        stratified policy mixes."""
+        app/pool/sides.py). `runs`: each run's shape by name, its ranks x grad_accum one global step, which
+        the stratified policy mixes (a single run is one named "": app/run/topology.py); None = one run
+        named "" whose ranks are as many as pull (tests and benches that need no global step)."""
         self._cfg = pool_cfg
-        shapes = runs or {"": RunShape(ranks, accum)}
+        shapes = runs or {"": RunShape(None)}
         self._stream = SharedStream(pool_cfg, num_buckets, shapes, pull_policy=pull_policy, broken_after=broken_after)
         self._runs = {name: PoolControl(pool) for name, pool in self._stream.pools.items()}
         self._control = PoolControl(self._stream)  # the targets: registered, paused, failed

@@ -26,6 +26,7 @@ from actors.hs_pool import HSPoolActor, pool_max_concurrency
 from app.bench.common import own_cluster, print_result
 from app.config.schema import PoolConfig
 from app.messages import Drained, EndOfStream, HiddenBatch, ItemMeta, JobSpec, PulledItem
+from app.pool.stream import RunShape
 
 IN_FLIGHT = 4  # jobs per producer, both layouts
 CAPACITY = 64  # items buffered + in flight (pool), queue size + feeder backlog (queue)
@@ -122,7 +123,7 @@ def run_pool(ray, n: int, prods: list, cons: list, floats: int, buckets: int, ba
     cfg = PoolConfig(capacity=CAPACITY, min_ready=1, jobs_in_flight_per_target=IN_FLIGHT, metrics_every_s=5.0)
     pool = ray.remote(BatchPullPool).options(
         max_concurrency=pool_max_concurrency(len(prods), len(cons))
-    ).remote(cfg, buckets, "bench-pool", None, len(cons), batch)
+    ).remote(cfg, buckets, "bench-pool", runs={"": RunShape(len(cons), batch)})
     ray.get(pool.ledger.remote())
     jobs = [JobSpec(i, 0, i, i % buckets, (i,), 4, floats * 4 + 4096) for i in range(n)]
     t0 = time.perf_counter()

@@ -36,6 +36,7 @@ from app.bench.common import own_cluster, print_result
 from app.bench.feeding.sleepers import ACCUM, NUM_DRAFTERS, NUM_TARGETS, Barrier, SleepDrafter, SleepTarget
 from app.config.schema import PoolConfig
 from app.messages import EndOfStream, JobSpec
+from app.pool.stream import RunShape
 from app.pool.telemetry import BacklogMeter, bucket_counts, shares_of, step_tv, step_tv_floor, tail_single
 
 DRAFTER_COST = [0.30, 0.25, 0.20, 0.15, 0.10, 0.05]  # s per item by bucket (short sequences: more rows)
@@ -89,7 +90,7 @@ def run_layout(ray, layout: str, targets, drafters, jobs: list[JobSpec], dcost: 
         policy = {"stratified": None, "rr": "round_robin", "random": RandomPulls(6)}[layout]
         pool = ray.remote(HSPoolActor).options(
             max_concurrency=pool_max_concurrency(NUM_TARGETS, NUM_DRAFTERS)
-        ).remote(PoolConfig(), 6, f"bench-sched-{layout}", policy, NUM_DRAFTERS, ACCUM)
+        ).remote(PoolConfig(), 6, f"bench-sched-{layout}", policy, runs={"": RunShape(NUM_DRAFTERS, ACCUM)})
         ray.get(pool.add_jobs.remote(jobs))
         ray.get(pool.finish_adding.remote())
         t0 = time.time()

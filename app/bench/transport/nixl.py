@@ -152,6 +152,7 @@ def memcpy_gbps(nbytes: int, repeats: int) -> float:
 def run_size(ray, label: str, num_seqs: int, seq_len: int, width: int, repeats: int, device: str,
              transport: str) -> dict:
     from actors.hs_pool import HSPoolActor, pool_max_concurrency
+    from app.pool.stream import RunShape
     from app.config.schema import PoolConfig
     from app.messages import JobSpec
 
@@ -162,7 +163,7 @@ def run_size(ray, label: str, num_seqs: int, seq_len: int, width: int, repeats: 
     cfg = PoolConfig(capacity=2, min_ready=1, jobs_in_flight_per_target=1, capacity_bytes=8 * nbytes_job + 2**20,
                      metrics_every_s=60.0, transport=transport)
     pool = ray.remote(HSPoolActor).options(max_concurrency=pool_max_concurrency(1, 1)).remote(
-        cfg, 1, f"bench-transport-{transport}-{label}", None, 1, 1)
+        cfg, 1, f"bench-transport-{transport}-{label}", runs={"": RunShape(1, 1)})
     ray.get([prod.ready.remote(), cons.ready.remote(), pool.ledger.remote()])
     ray.get(pool.add_target.remote(0, prod))
     generation = ray.get(pool.generation.remote(0))

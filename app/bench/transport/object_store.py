@@ -79,6 +79,7 @@ def run_size(ray, label: str, num_seqs: int, seq_len: int, width: int, repeats: 
     """One result per mode. The modes take turns job by job (copy, view, copy, view, ...) on the same
     actors, store and pool, and one memcpy sample is taken after each job: a busy neighbour slows them alike."""
     from actors.hs_pool import HSPoolActor, pool_max_concurrency
+    from app.pool.stream import RunShape
     from app.config.schema import PoolConfig
     from app.messages import JobSpec
 
@@ -89,7 +90,7 @@ def run_size(ray, label: str, num_seqs: int, seq_len: int, width: int, repeats: 
     cfg = PoolConfig(capacity=2, min_ready=1, jobs_in_flight_per_target=1, capacity_bytes=8 * bf16_bytes + 2**20,
                      metrics_every_s=60.0)
     pool = ray.remote(HSPoolActor).options(max_concurrency=pool_max_concurrency(1, 1)).remote(
-        cfg, 1, f"bench-transport-{label}", None, 1, 1)
+        cfg, 1, f"bench-transport-{label}", runs={"": RunShape(1, 1)})
     ray.get([prod.ready.remote(populate), cons.ready.remote(populate), pool.ledger.remote()])
     ray.get(pool.add_target.remote(0, prod))
     generation = ray.get(pool.generation.remote(0))
